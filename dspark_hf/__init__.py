@@ -1,0 +1,32 @@
+"""dspark-hf: DSpark speculative decoding for Hugging Face transformers.
+
+``import dspark_hf`` registers the ``dspark`` model type with the Auto classes and lets
+``target.generate(**inputs, assistant_model=draft)`` run DSpark decoding when ``draft`` is a DSpark draft.
+"""
+
+from transformers import AutoConfig, AutoModel
+
+from .generation import DSparkGenerateOutput, DSparkRound, dspark_generate
+from .generation.integration import install as _install_generate_hook
+from .model import DSparkConfig, DSparkContext, DSparkDraftModel, DraftBlock
+from .scheduling import FixedLength, FullBlock
+
+__version__ = "0.1.0"
+
+AutoConfig.register("dspark", DSparkConfig, exist_ok=True)
+AutoModel.register(DSparkConfig, DSparkDraftModel, exist_ok=True)
+DSparkConfig.register_for_auto_class()
+DSparkDraftModel.register_for_auto_class("AutoModel")
+_install_generate_hook()
+
+__all__ = [
+    "DSparkConfig",
+    "DSparkDraftModel",
+    "DSparkContext",
+    "DraftBlock",
+    "DSparkGenerateOutput",
+    "DSparkRound",
+    "dspark_generate",
+    "FullBlock",
+    "FixedLength",
+]

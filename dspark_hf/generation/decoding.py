@@ -1,0 +1,267 @@
+"""DSpark speculative decoding as a `generate()` decoding method, for any batch size.
+
+Each round: the draft proposes a full block from every row's anchor; a verification policy decides how many of
+those tokens each row sends to the target; one target forward scores them all; rejection sampling (or argmax
+matching) keeps a prefix and adds the target's own next token. The target's hidden states of the kept tokens
+become new draft context. Rows live flush right in every buffer (see `ragged`), finished rows leave the batch.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from transformers import DynamicCache, LogitsProcessorList, StoppingCriteriaList
+from transformers.generation.configuration_utils import GenerationMode
+from transformers.generation.stopping_criteria import MaxLengthCriteria
+
+from ..model.modeling_dspark import DSparkDraftModel
+from ..scheduling.policies import FullBlock
+from . import verify
+from .ragged import commit, leading_padding
+from .records import DSparkGenerateOutput, DSparkRound
+
+_UNSUPPORTED_OUTPUTS = ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
+_KNOWN_MODEL_KWARGS = {"attention_mask", "position_ids", "past_key_values", "use_cache", "logits_to_keep"}
+
+
+def dspark_generate(
+    model,
+    input_ids: torch.LongTensor,
+    logits_processor: LogitsProcessorList,
+    stopping_criteria: StoppingCriteriaList,
+    generation_config,
+    synced_gpus: bool = False,
+    draft_model: DSparkDraftModel | None = None,
+    token_streamer=None,
+    verification_policy=None,
+    **model_kwargs,
+):
+    """Decoding method for ``target.generate(custom_generate=dspark_generate, draft_model=draft, ...)``.
+
+    `target.generate(**inputs, assistant_model=draft)` routes here after ``import dspark_hf``. Extra arguments:
+    draft_model (a [`DSparkDraftModel`] built for `model`), token_streamer (a transformers streamer; batch size 1),
+    verification_policy (callable(confidences (R, gamma) or None, gamma, R) -> verify lengths (R,); default:
+    the full block, see `dspark_hf.scheduling`). Returns what `generate()` returns; with ``return_dict_in_generate=True`` a [`DSparkGenerateOutput`].
+    """
+    _check_request(model, draft_model, generation_config, synced_gpus, model_kwargs, input_ids, token_streamer)
+    if not draft_model.is_bound_to(model):
+        draft_model.bind_target(model)
+    decoder = _Decoder(model, draft_model, input_ids, model_kwargs.get("attention_mask"), logits_processor,
+                       stopping_criteria, generation_config, verification_policy or FullBlock(), token_streamer)
+    return decoder.run()
+
+
+def _check_request(model, draft, cfg, synced_gpus, model_kwargs, input_ids, streamer):
+    if not isinstance(draft, DSparkDraftModel):
+        raise TypeError(f"dspark_generate needs draft_model=<DSparkDraftModel>, got {type(draft).__name__}.")
+    if model.config.is_encoder_decoder:
+        raise ValueError("DSpark decoding supports decoder-only targets.")
+    mode = cfg.get_generation_mode()
+    if mode not in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE):
+        raise ValueError(f"DSpark decoding supports greedy search and sampling, not {mode.value} (num_beams="
+                         f"{cfg.num_beams}, penalty_alpha={cfg.penalty_alpha}). Drop those options or the draft.")
+    for flag in _UNSUPPORTED_OUTPUTS:
+        if getattr(cfg, flag, False):
+            raise ValueError(f"{flag}=True is not supported with a DSpark draft yet; use return_dict_in_generate=True "
+                             "for the per-round record instead.")
+    if synced_gpus:
+        raise ValueError("synced_gpus=True is not supported with a DSpark draft.")
+    if cfg.use_cache is False:
+        raise ValueError("DSpark decoding needs the KV cache; do not pass use_cache=False.")
+    if cfg.cache_implementation is not None:
+        raise ValueError(f"cache_implementation={cfg.cache_implementation!r} is not supported with a DSpark draft: "
+                         "it keeps its own dynamic cache (rows are re-aligned every round).")
+    cache = model_kwargs.get("past_key_values")
+    if cache is not None and (not isinstance(cache, DynamicCache) or cache.get_seq_length() > 0):
+        raise ValueError("Passing past_key_values is not supported with a DSpark draft: the prompt is prefilled "
+                         "inside the DSpark loop.")
+    unknown = set(k for k, v in model_kwargs.items() if v is not None) - _KNOWN_MODEL_KWARGS
+    if unknown:
+        raise ValueError(f"DSpark decoding does not accept these generate() arguments: {sorted(unknown)}.")
+    if streamer is not None and input_ids.shape[0] > 1:
+        raise ValueError("Streamers support batch size 1, as in transformers.")
+
+
+class _Decoder:
+    """State of one batched DSpark decode. Active rows are right-aligned in `mask`, `cache` and `context`; `mask`
+    covers every committed token (anchor last), the target cache and the draft context every token but the anchor.
+    """
+
+    def __init__(self, target, draft, prompt, prompt_mask, processors, criteria, cfg, policy, streamer):
+        self.target, self.draft, self.cfg, self.policy, self.streamer = target, draft, cfg, policy, streamer
+        self.prompt = prompt
+        self.prompt_mask = prompt_mask if prompt_mask is not None else torch.ones_like(prompt)
+        self.processors = processors
+        self.criteria = StoppingCriteriaList(c for c in criteria if not isinstance(c, MaxLengthCriteria))
+        self.do_sample = cfg.get_generation_mode() == GenerationMode.SAMPLE
+        B, P = prompt.shape
+        self.max_new = cfg.max_length - P
+        pad = cfg._pad_token_tensor
+        self.pad_id = int(pad) if pad is not None else 0
+        self.gen = prompt.new_full((B, max(self.max_new, 0)), self.pad_id)
+        self.n_gen = prompt.new_zeros(B)
+        self.rounds: list[list[DSparkRound]] = [[] for _ in range(B)]
+        self.timings = {"draft": 0.0, "target": 0.0, "total": 0.0}
+
+    # -- what plain generate() would see ---------------------------------------------------------------------------
+    def _plain_ids(self, rows: torch.Tensor, extra: torch.Tensor):
+        """Yield (selector into rows, input_ids) groups: for each row, the ids plain generate() would pass to its
+        logits processors and stopping criteria (padded prompt + generated tokens + extra), grouped by length."""
+        lengths = self.n_gen[rows]
+        for g in lengths.unique().tolist():
+            sel = (lengths == g).nonzero().squeeze(1)
+            r = rows[sel]
+            yield sel, torch.cat([self.prompt[r], self.gen[r, :g], extra[sel]], dim=1)
+
+    def _process(self, rows, prefix, logits):
+        """Logits processors on (R, V) logits whose rows continue generated tokens + prefix (R, k)."""
+        logits = logits.float()
+        if len(self.processors) == 0:
+            return logits
+        out = torch.empty_like(logits)
+        for sel, ids in self._plain_ids(rows, prefix):
+            out[sel] = self.processors(ids, logits[sel])
+        return out
+
+    def _stop_index(self, rows, chunk, counts, scores):
+        """1-based position inside each row's chunk where a stopping criterion fires, 0 if none does."""
+        stop_at = torch.zeros_like(counts)
+        if len(self.criteria) == 0:
+            return stop_at
+        for k in range(1, int(counts.max()) + 1):
+            for sel, ids in self._plain_ids(rows, chunk[:, :k]):
+                fired = self.criteria(ids, scores[sel, k - 1]).to(counts.device)
+                s = sel[fired & (stop_at[sel] == 0) & (counts[sel] >= k)]
+                stop_at[s] = k
+        return stop_at
+
+    def _emit(self, rows, chunk, counts):
+        """Append chunk[:, :counts] to the rows' outputs; return which rows are finished by length."""
+        k = torch.arange(chunk.shape[1], device=chunk.device)
+        take = k < counts[:, None]
+        slots = self.n_gen[rows][:, None] + k
+        self.gen[rows[:, None].expand_as(chunk)[take], slots[take]] = chunk[take]
+        self.n_gen[rows] += counts
+        if self.streamer is not None:
+            self.streamer.put(chunk[0, : int(counts[0])].cpu())
+        return self.n_gen[rows] >= self.max_new
+
+    def _forward(self, input_ids, mask, positions, cache, logits_to_keep):
+        start = time.perf_counter()
+        out = self.target(input_ids=input_ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                          use_cache=True, output_hidden_states=self.draft.hidden_states_request,
+                          logits_to_keep=logits_to_keep)
+        self.timings["target"] += time.perf_counter() - start
+        return out
+
+    # -- the decode ------------------------------------------------------------------------------------------------
+    def run(self):
+        start = time.perf_counter()
+        if self.streamer is not None:
+            self.streamer.put(self.prompt.cpu())
+        if self.max_new > 0:
+            self._prefill()
+            while self.rows.numel() > 0:
+                self._round()
+        self.timings["total"] = time.perf_counter() - start
+        if self.streamer is not None:
+            self.streamer.end()
+        sequences = torch.cat([self.prompt, self.gen[:, : int(self.n_gen.max()) if self.max_new > 0 else 0]], 1)
+        if self.cfg.return_dict_in_generate:
+            return DSparkGenerateOutput(sequences=sequences, rounds=self.rounds, timings=self.timings)
+        return sequences
+
+    def _prefill(self):
+        """Run the prompt once, sample the first token (it becomes the first anchor), seed the draft context."""
+        B = self.prompt.shape[0]
+        rows = torch.arange(B, device=self.prompt.device)
+        mask = self.prompt_mask
+        positions = (mask.long().cumsum(1) - 1).clamp_min(0)
+        cache = DynamicCache()
+        out = self._forward(self.prompt, mask, positions, cache, logits_to_keep=1)
+        scores = self._process(rows, self.prompt.new_zeros(B, 0), out.logits[:, -1])
+        token = self._pick(scores)
+        context = self.draft.encode_context(self.draft.target_features(out.hidden_states), positions, mask.bool())
+
+        ones = torch.ones_like(token)
+        stopped = self._stop_index(rows, token[:, None], ones, scores[:, None]) > 0
+        done = self._emit(rows, token[:, None], ones) | stopped
+        self.rows, self.mask, self.cache, self.context, self.anchor = rows, torch.cat(
+            [mask, ones[:, None].to(mask.dtype)], 1), cache, context, token
+        self._keep(~done)
+
+    def _pick(self, scores):
+        if self.do_sample:
+            return torch.multinomial(torch.softmax(scores, -1), 1).squeeze(1)
+        return scores.argmax(-1)
+
+    def _round(self):
+        rows, mask, anchor = self.rows, self.mask, self.anchor
+        R, gamma = rows.numel(), self.draft.config.block_size
+        anchor_pos = mask.sum(1) - 1
+
+        start = time.perf_counter()
+        block = self.draft.draft_block(anchor, anchor_pos, self.context, self.do_sample,
+                                       process_logits=lambda prefix, logits: self._process(rows, prefix, logits))
+        self.timings["draft"] += time.perf_counter() - start
+
+        # how much of the block each row verifies: the policy's choice, never past the length limit
+        remaining = self.max_new - self.n_gen[rows]
+        verify_len = torch.minimum(self.policy(block.confidences, gamma, R).to(rows.device), remaining - 1)
+        L = int(verify_len.max())
+        x = block.tokens[:, :L]
+
+        inputs = torch.cat([anchor[:, None], x], 1)
+        positions = anchor_pos[:, None] + torch.arange(L + 1, device=rows.device)
+        out = self._forward(inputs, torch.cat([mask, mask.new_ones(R, L + 1)], 1), positions, self.cache, 0)
+        scores = torch.stack([self._process(rows, x[:, :j], out.logits[:, j]) for j in range(L + 1)], 1)
+
+        if self.do_sample:
+            n, nxt = verify.verify_sampling(torch.softmax(scores, -1), block.probs[:, :L], x, verify_len)
+        else:
+            n, nxt = verify.verify_greedy(scores, x, verify_len)
+
+        chunk = torch.cat([x, x.new_zeros(R, 1)], 1).scatter(1, n[:, None], nxt[:, None])
+        counts = n + 1
+        stop_at = self._stop_index(rows, chunk, counts, scores)
+        counts = torch.where(stop_at > 0, stop_at, counts)
+        self._record(block, verify_len, n, nxt, counts)
+        done = self._emit(rows, chunk, counts) | (stop_at > 0)
+
+        # keep the target's and the draft's state of [anchor, accepted drafts]; the next token is the new anchor
+        keep = n + 1
+        keep_max = int(keep.max())
+        for layer in self.cache.layers:
+            layer.keys = commit(layer.keys, 2, L + 1, keep, keep_max)
+            layer.values = commit(layer.values, 2, L + 1, keep, keep_max)
+        self.mask = commit(torch.cat([mask, mask.new_ones(R, L + 1)], 1), 1, L + 1, keep, keep_max)
+        new_context = self.draft.encode_context(self.draft.target_features(out.hidden_states), positions,
+                                                torch.ones_like(positions, dtype=torch.bool))
+        self.context = self.context.cat(new_context).map(lambda t, dim: commit(t, dim, L + 1, keep, keep_max))
+        self.anchor = nxt
+        self._keep(~done)
+
+    def _record(self, block, verify_len, n, nxt, counts):
+        q_x = block.probs.gather(-1, block.tokens[..., None]).squeeze(-1)
+        conf = block.confidences.tolist() if block.confidences is not None else None
+        for i, (r, drafted, q, v, a, t, c) in enumerate(zip(
+                self.rows.tolist(), block.tokens.tolist(), q_x.tolist(), verify_len.tolist(), n.tolist(),
+                nxt.tolist(), counts.tolist())):
+            self.rounds[r].append(DSparkRound(drafted, q, conf[i] if conf else None, v, a, t, c))
+
+    def _keep(self, alive: torch.Tensor):
+        """Drop finished rows from every buffer, then drop padding columns no row needs any more."""
+        if not bool(alive.all()):
+            idx = alive.nonzero().squeeze(1)
+            self.rows, self.mask, self.anchor = self.rows[idx], self.mask[idx], self.anchor[idx]
+            self.cache.batch_select_indices(idx)
+            self.context = self.context.map(lambda t, dim: t[idx])
+        if self.rows.numel() == 0:
+            return
+        drop = leading_padding(self.mask)
+        if drop:
+            self.mask = self.mask[:, drop:]
+            for layer in self.cache.layers:
+                layer.keys, layer.values = layer.keys[:, :, drop:], layer.values[:, :, drop:]
+            self.context = self.context.map(lambda t, dim: t.narrow(dim, drop, t.shape[dim] - drop))

@@ -1,0 +1,44 @@
+"""The one hook into transformers: route ``generate(assistant_model=<DSparkDraftModel>)`` to DSpark decoding.
+
+transformers chooses candidate generators from a hard-coded chain and its assisted loop refuses batch size > 1,
+so DSpark runs as a ``custom_generate`` callable (the public extension point). This module wraps
+``GenerationMixin.generate`` once, at ``import dspark_hf``: when ``assistant_model`` is a DSpark draft the call
+is forwarded with ``custom_generate=dspark_generate``; every other call goes to the original method untouched.
+The wrapper keeps no state and patches no model instance, so concurrent generate() calls are independent.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+from transformers.generation.utils import GenerationMixin
+
+from ..model.modeling_dspark import DSparkDraftModel
+from .decoding import dspark_generate
+
+_original_generate = GenerationMixin.generate
+_signature = inspect.signature(_original_generate)
+
+
+@functools.wraps(_original_generate)
+def _generate(self, *args, **kwargs):
+    bound = _signature.bind_partial(self, *args, **kwargs).arguments
+    draft = bound.get("assistant_model")
+    if not isinstance(draft, DSparkDraftModel):
+        return _original_generate(self, *args, **kwargs)
+    if bound.get("custom_generate") is not None:
+        raise ValueError("Pass either assistant_model=<DSpark draft> or custom_generate, not both.")
+    extra = bound.pop("kwargs", {})
+    bound.pop("self")
+    bound.pop("assistant_model")
+    streamer = bound.pop("streamer", None)
+    policy = extra.pop("verification_policy", None)
+    return _original_generate(self, **bound, **extra, custom_generate=dspark_generate, draft_model=draft,
+                              token_streamer=streamer, verification_policy=policy)
+
+
+def install() -> None:
+    """Install the routing wrapper (idempotent)."""
+    if GenerationMixin.generate is not _generate:
+        GenerationMixin.generate = _generate

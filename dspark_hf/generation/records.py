@@ -1,0 +1,56 @@
+"""What happened in each round: the public record the evaluation, the benchmarks and the demo are built on."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+
+@dataclass
+class DSparkRound:
+    """One draft-verify round of one row.
+
+    Attributes:
+        drafted: the block the draft proposed (block_size tokens, always the full trained block).
+        draft_probs: q_k(x_k), the draft probability of each drafted token (after logits processors).
+        confidences: calibrated c_k per drafted position, or None for a draft without a confidence head.
+        verified: how many drafted tokens were sent to the target (the scheduler may trim the block).
+        accepted: how many of the verified tokens the target kept (a prefix).
+        next_token: the target's own token after the accepted prefix: a bonus token when every verified
+            draft was accepted, otherwise the correction sampled from the residual distribution.
+        committed: tokens this round added to the output (accepted + 1, or fewer when EOS, a stop string or
+            the length limit ended the row inside the chunk).
+    """
+
+    drafted: list[int]
+    draft_probs: list[float]
+    confidences: list[float] | None
+    verified: int
+    accepted: int
+    next_token: int
+    committed: int
+
+    @property
+    def tau(self) -> int:
+        """Acceptance length of the round, bonus token included (accepted + 1)."""
+        return self.accepted + 1
+
+    @property
+    def bonus(self) -> bool:
+        """True when every verified draft survived, so next_token is a bonus rather than a correction."""
+        return self.accepted == self.verified
+
+
+@dataclass
+class DSparkGenerateOutput(GenerateDecoderOnlyOutput):
+    """`generate(..., return_dict_in_generate=True)` with a DSpark draft.
+
+    Attributes:
+        sequences: (batch, prompt + new tokens), as plain `generate()` returns them.
+        rounds: per row, its list of [`DSparkRound`].
+        timings: seconds spent in the draft, in the target and in total (prefill included in target and total).
+    """
+
+    rounds: list[list[DSparkRound]] | None = None
+    timings: dict[str, float] | None = None
