@@ -12,6 +12,7 @@ import time
 
 import torch
 from transformers import DynamicCache, LogitsProcessorList, StoppingCriteriaList
+from transformers.generation import logits_process as lp
 from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.stopping_criteria import MaxLengthCriteria
 
@@ -22,6 +23,9 @@ from .ragged import commit, leading_padding
 from .records import DSparkGenerateOutput, DSparkRound
 
 _UNSUPPORTED_OUTPUTS = ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
+# processors that read only the scores: safe to apply to any subset of rows in one call
+_IDS_FREE_PROCESSORS = (lp.TemperatureLogitsWarper, lp.TopKLogitsWarper, lp.TopPLogitsWarper, lp.MinPLogitsWarper,
+                        lp.TypicalLogitsWarper, lp.EpsilonLogitsWarper, lp.EtaLogitsWarper)
 _KNOWN_MODEL_KWARGS = {"attention_mask", "position_ids", "past_key_values", "use_cache", "logits_to_keep"}
 
 
@@ -94,6 +98,9 @@ class _Decoder:
         self.prompt_mask = prompt_mask if prompt_mask is not None else torch.ones_like(prompt)
         self.processors = processors
         self.criteria = StoppingCriteriaList(c for c in criteria if not isinstance(c, MaxLengthCriteria))
+        # as in plain generate(): rows stopped by a criterion are padded only when an EOS criterion is present;
+        # otherwise they keep generating until every row has stopped, and the output ends where the last one did
+        self.pads_finished = any(hasattr(c, "eos_token_id") for c in criteria)
         self.do_sample = cfg.get_generation_mode() == GenerationMode.SAMPLE
         B, P = prompt.shape
         self.max_new = cfg.max_length - P
@@ -101,27 +108,40 @@ class _Decoder:
         self.pad_id = int(pad) if pad is not None else 0
         self.gen = prompt.new_full((B, max(self.max_new, 0)), self.pad_id)
         self.n_gen = prompt.new_zeros(B)
+        self.stopped_at = prompt.new_zeros(B)  # output length at which a criterion first fired, 0 if none yet
         self.rounds: list[list[DSparkRound]] = [[] for _ in range(B)]
         self.timings = {"draft": 0.0, "target": 0.0, "total": 0.0}
 
     # -- what plain generate() would see ---------------------------------------------------------------------------
-    def _plain_ids(self, rows: torch.Tensor, extra: torch.Tensor):
-        """Yield (selector into rows, input_ids) groups: for each row, the ids plain generate() would pass to its
-        logits processors and stopping criteria (padded prompt + generated tokens + extra), grouped by length."""
+    def _plain_batches(self, rows: torch.Tensor, extra: torch.Tensor):
+        """Yield (selector into rows, input_ids (B, T)) so that every active row is called with exactly the ids plain
+        generate() would pass its logits processors and stopping criteria: padded prompt + generated tokens +
+        `extra`. Processors may keep per-row state (e.g. repetition_penalty's prompt lengths), so each call covers
+        the whole original batch in order; rows of other lengths are filled with padding and their outputs unused."""
         lengths = self.n_gen[rows]
+        B = self.prompt.shape[0]
         for g in lengths.unique().tolist():
             sel = (lengths == g).nonzero().squeeze(1)
             r = rows[sel]
-            yield sel, torch.cat([self.prompt[r], self.gen[r, :g], extra[sel]], dim=1)
+            ids = self.prompt.new_full((B, self.prompt.shape[1] + g + extra.shape[1]), self.pad_id)
+            ids[r] = torch.cat([self.prompt[r], self.gen[r, :g], extra[sel]], dim=1)
+            yield sel, ids
+
+    def _full(self, rows, sel, values):
+        full = values.new_zeros(self.prompt.shape[0], *values.shape[1:])
+        full[rows[sel]] = values[sel]
+        return full
 
     def _process(self, rows, prefix, logits):
         """Logits processors on (R, V) logits whose rows continue generated tokens + prefix (R, k)."""
         logits = logits.float()
         if len(self.processors) == 0:
             return logits
+        if all(isinstance(p, _IDS_FREE_PROCESSORS) for p in self.processors):
+            return self.processors(prefix, logits)  # they read only the scores, row by row
         out = torch.empty_like(logits)
-        for sel, ids in self._plain_ids(rows, prefix):
-            out[sel] = self.processors(ids, logits[sel])
+        for sel, ids in self._plain_batches(rows, prefix):
+            out[sel] = self.processors(ids, self._full(rows, sel, logits))[rows[sel]]
         return out
 
     def _stop_index(self, rows, chunk, counts, scores):
@@ -130,8 +150,8 @@ class _Decoder:
         if len(self.criteria) == 0:
             return stop_at
         for k in range(1, int(counts.max()) + 1):
-            for sel, ids in self._plain_ids(rows, chunk[:, :k]):
-                fired = self.criteria(ids, scores[sel, k - 1]).to(counts.device)
+            for sel, ids in self._plain_batches(rows, chunk[:, :k]):
+                fired = self.criteria(ids, self._full(rows, sel, scores[:, k - 1]))[rows[sel]].to(counts.device)
                 s = sel[fired & (stop_at[sel] == 0) & (counts[sel] >= k)]
                 stop_at[s] = k
         return stop_at
@@ -167,7 +187,7 @@ class _Decoder:
         self.timings["total"] = time.perf_counter() - start
         if self.streamer is not None:
             self.streamer.end()
-        sequences = torch.cat([self.prompt, self.gen[:, : int(self.n_gen.max()) if self.max_new > 0 else 0]], 1)
+        sequences = torch.cat([self.prompt, self.gen[:, : min(int(self.n_gen.max()), self.max_new)]], 1)
         if self.cfg.return_dict_in_generate:
             return DSparkGenerateOutput(sequences=sequences, rounds=self.rounds, timings=self.timings)
         return sequences
@@ -185,11 +205,22 @@ class _Decoder:
         context = self.draft.encode_context(self.draft.target_features(out.hidden_states), positions, mask.bool())
 
         ones = torch.ones_like(token)
-        stopped = self._stop_index(rows, token[:, None], ones, scores[:, None]) > 0
-        done = self._emit(rows, token[:, None], ones) | stopped
+        stop_at = self._stop_index(rows, token[:, None], ones, scores[:, None])
+        done = self._finish(rows, token[:, None], ones, stop_at)
         self.rows, self.mask, self.cache, self.context, self.anchor = rows, torch.cat(
             [mask, ones[:, None].to(mask.dtype)], 1), cache, context, token
         self._keep(~done)
+
+    def _finish(self, rows, chunk, counts, stop_at):
+        """Commit the chunk; return which rows are done (length limit, or stopped)."""
+        first = (stop_at > 0) & (self.stopped_at[rows] == 0)
+        self.stopped_at[rows[first]] = self.n_gen[rows[first]] + stop_at[first]
+        done = self._emit(rows, chunk, counts)
+        if self.pads_finished:
+            return done | (stop_at > 0)
+        if bool((self.stopped_at > 0).all()):
+            self.max_new = min(self.max_new, int(self.stopped_at.max()))
+        return done | (self.n_gen[rows] >= self.max_new)
 
     def _pick(self, scores):
         if self.do_sample:
@@ -225,9 +256,10 @@ class _Decoder:
         chunk = torch.cat([x, x.new_zeros(R, 1)], 1).scatter(1, n[:, None], nxt[:, None])
         counts = n + 1
         stop_at = self._stop_index(rows, chunk, counts, scores)
-        counts = torch.where(stop_at > 0, stop_at, counts)
+        if self.pads_finished:
+            counts = torch.where(stop_at > 0, stop_at, counts)
         self._record(block, verify_len, n, nxt, counts)
-        done = self._emit(rows, chunk, counts) | (stop_at > 0)
+        done = self._finish(rows, chunk, counts, stop_at)
 
         # keep the target's and the draft's state of [anchor, accepted drafts]; the next token is the new anchor
         keep = n + 1

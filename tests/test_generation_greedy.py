@@ -1,0 +1,286 @@
+"""Greedy DSpark decoding returns exactly what plain `generate()` returns, whatever the batch looks like."""
+
+import threading
+
+import pytest
+import torch
+from transformers import StoppingCriteria, StoppingCriteriaList
+from transformers.generation.streamers import BaseStreamer
+
+from conftest import PAD, left_padded_prompts, tiny_draft, tiny_target
+from dspark_hf import FixedLength, dspark_generate
+from dspark_hf.evaluation import OracleDraft
+
+
+def plain(target, ids, mask, **kw):
+    return target.generate(input_ids=ids, attention_mask=mask, do_sample=False, **kw)
+
+
+def dspark(target, draft, ids, mask, **kw):
+    return target.generate(input_ids=ids, attention_mask=mask, do_sample=False, assistant_model=draft,
+                           return_dict_in_generate=True, **kw)
+
+
+def oracle(target, draft, reference, mask, corruption):
+    return OracleDraft.from_draft(draft).set_references(target, reference, mask, corruption=corruption)
+
+
+@pytest.mark.parametrize("batch", [1, 3, 8])
+@pytest.mark.parametrize("corruption", [0.0, 0.3])
+def test_greedy_is_token_identical_with_left_padding(family, batch, corruption):
+    target = tiny_target(family)
+    ids, mask = left_padded_prompts(batch)
+    reference = plain(target, ids, mask, max_new_tokens=24)
+    draft = oracle(target, tiny_draft(target), reference, mask, corruption)
+    out = dspark(target, draft, ids, mask, max_new_tokens=24)
+    assert torch.equal(out.sequences, reference)
+    accepted = [r.accepted for rows in out.rounds for r in rows]
+    assert max(accepted) == draft.config.block_size, "some block must be accepted whole"
+    if corruption:
+        assert 0 < min(accepted) or 0 in accepted  # partial acceptance happens
+        assert len(set(accepted)) > 2
+
+
+def test_greedy_is_token_identical_with_an_untrained_draft(family):
+    target = tiny_target(family)
+    ids, mask = left_padded_prompts(3)
+    out = dspark(target, tiny_draft(target), ids, mask, max_new_tokens=16)
+    assert torch.equal(out.sequences, plain(target, ids, mask, max_new_tokens=16))
+
+
+def test_sliding_windows_matter_in_the_gemma_target():
+    """Guards the previous tests: with 4-token windows the output differs from a full-attention twin."""
+    ids, mask = left_padded_prompts(3)
+    windowed = plain(tiny_target("gemma3"), ids, mask, max_new_tokens=16)
+    wide = tiny_target("gemma3")
+    wide.config.sliding_window = 64
+    assert not torch.equal(plain(wide, ids, mask, max_new_tokens=16), windowed)
+
+
+@pytest.mark.parametrize("max_new_tokens", [1, 2, 5, 11])
+def test_length_limits_that_end_mid_block(family, max_new_tokens):
+    target = tiny_target(family)
+    ids, mask = left_padded_prompts(3)
+    reference = plain(target, ids, mask, max_new_tokens=max_new_tokens)
+    draft = oracle(target, tiny_draft(target), plain(target, ids, mask, max_new_tokens=30), mask, 0.0)
+    out = dspark(target, draft, ids, mask, max_new_tokens=max_new_tokens)
+    assert torch.equal(out.sequences, reference)
+    assert all(sum(r.committed for r in rows) == max_new_tokens - 1 for rows in out.rounds)  # + prefill token
+
+
+def test_max_length_counts_the_padded_prompt_like_plain_generate():
+    target = tiny_target("llama")
+    ids, mask = left_padded_prompts(3)
+    out = dspark(target, tiny_draft(target), ids, mask, max_length=ids.shape[1] + 7)
+    assert torch.equal(out.sequences, plain(target, ids, mask, max_length=ids.shape[1] + 7))
+
+
+def eos_inside_a_block(target, ids, mask, row=0, index=6, block=4):
+    """(free continuation, a token that row `row` first emits at or after `index`, strictly inside a chunk of
+    block + 1 tokens, so an oracle draft accepts it in the middle of a block)."""
+    free = plain(target, ids, mask, max_new_tokens=30)
+    tokens = free[row, ids.shape[1]:].tolist()
+    for i in range(index, len(tokens)):
+        if tokens[i] not in tokens[:i] and i % (block + 1) != 0:
+            return free, tokens[i]
+    raise AssertionError("no suitable token")
+
+
+@pytest.mark.parametrize("batch", [1, 3, 8])
+def test_eos_inside_a_block_ends_the_row_there(family, batch):
+    target = tiny_target(family)
+    ids, mask = left_padded_prompts(batch)
+    free, eos = eos_inside_a_block(target, ids, mask)
+    reference = plain(target, ids, mask, max_new_tokens=30, eos_token_id=eos)
+    out = dspark(target, oracle(target, tiny_draft(target), free, mask, 0.0), ids, mask, max_new_tokens=30,
+                 eos_token_id=eos)
+    assert torch.equal(out.sequences, reference)
+    cut = [r for r in out.rounds[0] if r.committed < r.accepted + 1]
+    assert cut, "EOS must have ended row 0 inside an accepted chunk"
+    assert out.sequences.shape[1] < ids.shape[1] + 30 or batch > 1
+
+
+def test_several_eos_ids():
+    target = tiny_target("qwen3")
+    ids, mask = left_padded_prompts(3)
+    free = plain(target, ids, mask, max_new_tokens=30)
+    eos = [int(free[1, ids.shape[1] + 4]), int(free[2, ids.shape[1] + 9])]
+    reference = plain(target, ids, mask, max_new_tokens=30, eos_token_id=eos)
+    out = dspark(target, oracle(target, tiny_draft(target), free, mask, 0.2), ids, mask, max_new_tokens=30, eos_token_id=eos)
+    assert torch.equal(out.sequences, reference)
+
+
+class StopOnToken(StoppingCriteria):
+    def __init__(self, token):
+        self.token = token
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return input_ids[:, -1] == self.token
+
+
+def test_custom_stopping_criteria_are_checked_inside_chunks():
+    target = tiny_target("llama")
+    ids, mask = left_padded_prompts(3)
+    for row, eos in ((1, None), (1, 95)):  # without EOS, stopped rows keep generating; with EOS they are padded
+        free, stop = eos_inside_a_block(target, ids, mask, row=row, index=5)
+        criteria = StoppingCriteriaList([StopOnToken(stop)])
+        kw = dict(max_new_tokens=30, stopping_criteria=criteria, eos_token_id=eos)
+        reference = plain(target, ids, mask, **kw)
+        out = dspark(target, oracle(target, tiny_draft(target), free, mask, 0.0), ids, mask, **kw)
+        assert torch.equal(out.sequences, reference)
+
+
+def test_input_dependent_logits_processors_see_what_plain_generate_sees():
+    """repetition_penalty reads the whole sequence; min_new_tokens reads its length."""
+    target = tiny_target("llama")
+    ids, mask = left_padded_prompts(3)
+    free, eos = eos_inside_a_block(target, ids, mask, row=0, index=2)
+    kw = dict(max_new_tokens=20, repetition_penalty=1.5, eos_token_id=eos, min_new_tokens=6)
+    reference = plain(target, ids, mask, **kw)
+    out = dspark(target, oracle(target, tiny_draft(target), plain(target, ids, mask, **kw), mask, 0.2), ids, mask, **kw)
+    assert torch.equal(out.sequences, reference)
+
+
+def test_round_records_add_up():
+    target = tiny_target("llama")
+    ids, mask = left_padded_prompts(3)
+    free = plain(target, ids, mask, max_new_tokens=20)
+    out = dspark(target, oracle(target, tiny_draft(target), free, mask, 0.3), ids, mask, max_new_tokens=20)
+    gamma = 4
+    for rows in out.rounds:
+        assert sum(r.committed for r in rows) == 20 - 1  # the first token comes from the prefill
+        for r in rows:
+            assert len(r.drafted) == gamma and len(r.draft_probs) == gamma and len(r.confidences) == gamma
+            assert 0 <= r.accepted <= r.verified <= gamma
+            assert r.tau == r.accepted + 1
+            assert r.bonus == (r.accepted == r.verified)
+            assert r.drafted[: r.accepted] == r.drafted[: r.accepted]
+    assert set(out.timings) == {"draft", "target", "total"}
+
+
+def test_verification_length_is_an_input_of_the_round():
+    target = tiny_target("llama")
+    ids, mask = left_padded_prompts(3)
+    reference = plain(target, ids, mask, max_new_tokens=20)
+    out = dspark(target, oracle(target, tiny_draft(target), reference, mask, 0.0), ids, mask, max_new_tokens=20,
+                 verification_policy=FixedLength(2))
+    assert torch.equal(out.sequences, reference)
+    assert {r.verified for rows in out.rounds for r in rows} <= {2, 1, 0}
+    assert all(len(r.drafted) == 4 for rows in out.rounds for r in rows), "drafting always uses the full block"
+
+
+class Recorder(BaseStreamer):
+    def __init__(self):
+        self.chunks, self.ended = [], False
+
+    def put(self, value):
+        self.chunks.append(value.flatten().tolist())
+
+    def end(self):
+        self.ended = True
+
+
+def test_streamer_receives_each_round_as_it_lands():
+    target = tiny_target("llama")
+    ids, mask = left_padded_prompts(1)
+    reference = plain(target, ids, mask, max_new_tokens=20)
+    streamer = Recorder()
+    out = dspark(target, oracle(target, tiny_draft(target), reference, mask, 0.0), ids, mask, max_new_tokens=20,
+                 streamer=streamer)
+    assert streamer.ended
+    assert streamer.chunks[0] == ids[0].tolist()
+    assert sum(streamer.chunks[1:], []) == out.sequences[0, ids.shape[1]:].tolist()
+    assert max(len(c) for c in streamer.chunks[1:]) > 1
+
+
+def test_finished_rows_leave_the_batch():
+    target = tiny_target("llama")
+    ids, mask = left_padded_prompts(3)
+    free, eos = eos_inside_a_block(target, ids, mask, row=0, index=1)
+    rows_seen = []
+    hook = target.register_forward_pre_hook(lambda m, a, kw: rows_seen.append(kw["input_ids"].shape[0]),
+                                            with_kwargs=True)
+    try:
+        dspark(target, oracle(target, tiny_draft(target), free, mask, 0.0), ids, mask, max_new_tokens=30, eos_token_id=eos)
+    finally:
+        hook.remove()
+    assert rows_seen[0] == 3 and rows_seen[-1] < 3
+
+
+def test_the_public_custom_generate_route():
+    target = tiny_target("qwen3")
+    ids, mask = left_padded_prompts(3)
+    out = target.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=12,
+                          custom_generate=dspark_generate, draft_model=tiny_draft(target))
+    assert torch.equal(out, plain(target, ids, mask, max_new_tokens=12))
+
+
+def test_other_assistant_models_keep_stock_behaviour():
+    target = tiny_target("llama")
+    assistant = tiny_target("llama", seed=3)
+    ids, mask = left_padded_prompts(1)
+    out = target.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=12,
+                          assistant_model=assistant)
+    assert torch.equal(out, plain(target, ids, mask, max_new_tokens=12))
+    with pytest.raises(ValueError, match="batch_size = 1"):  # transformers' own limit, untouched
+        ids3, mask3 = left_padded_prompts(3)
+        target.generate(input_ids=ids3, attention_mask=mask3, max_new_tokens=4, assistant_model=assistant)
+
+
+def test_two_models_generate_at_the_same_time():
+    jobs = {}
+    for family in ("llama", "qwen3"):
+        target = tiny_target(family)
+        ids, mask = left_padded_prompts(3, seed=len(jobs))
+        jobs[family] = (target, tiny_draft(target), ids, mask, plain(target, ids, mask, max_new_tokens=20))
+    results = {}
+
+    def run(name):
+        target, draft, ids, mask, _ = jobs[name]
+        results[name] = dspark(target, draft, ids, mask, max_new_tokens=20).sequences
+
+    threads = [threading.Thread(target=run, args=(name,)) for name in jobs]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    for name, (*_, reference) in jobs.items():
+        assert torch.equal(results[name], reference)
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(num_beams=2), "beam"),
+    (dict(cache_implementation="static"), "static"),
+    (dict(output_scores=True), "output_scores"),
+    (dict(penalty_alpha=0.6, top_k=4), "contrastive"),
+])
+def test_unsupported_options_raise_clear_errors(options, message):
+    target = tiny_target("llama")
+    ids, mask = left_padded_prompts(1)
+    with pytest.raises(ValueError, match=message):
+        target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, assistant_model=tiny_draft(target),
+                        **options)
+
+
+def test_a_draft_for_another_target_is_refused():
+    draft = tiny_draft(tiny_target("llama", vocab=64))
+    target = tiny_target("llama")
+    ids, mask = left_padded_prompts(1)
+    with pytest.raises(ValueError, match="vocabulary size"):
+        target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, assistant_model=draft)
+
+
+def test_streamers_need_batch_size_one():
+    target = tiny_target("llama")
+    ids, mask = left_padded_prompts(2)
+    with pytest.raises(ValueError, match="batch size 1"):
+        dspark(target, tiny_draft(target), ids, mask, max_new_tokens=4, streamer=Recorder())
+
+
+def test_padding_tokens_fill_finished_rows():
+    target = tiny_target("llama")
+    ids, mask = left_padded_prompts(3)
+    free, eos = eos_inside_a_block(target, ids, mask, row=2, index=1)
+    out = dspark(target, oracle(target, tiny_draft(target), free, mask, 0.0), ids, mask, max_new_tokens=20,
+                 eos_token_id=eos)
+    new = out.sequences[2, ids.shape[1]:].tolist()
+    end = new.index(eos)
+    assert end < len(new) - 1 and set(new[end + 1:]) == {PAD}

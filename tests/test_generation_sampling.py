@@ -1,0 +1,109 @@
+"""Sampled DSpark output follows the target's distribution exactly.
+
+On a 6-token vocabulary the distribution of 4-token continuations is computed exactly by enumerating all 6^4 of
+them through the target with the same logits processors. Generated continuations are compared with it by
+Pearson's chi-square test at significance level 0.001 (bins with expected count < 5 pooled). The seeds are fixed,
+so the verdicts are deterministic; a deliberately wrong implementation must fail the same test.
+"""
+
+import itertools
+
+import pytest
+import torch
+from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper
+
+from conftest import PAD, tiny_draft, tiny_target
+from dspark_hf import FixedLength
+from dspark_hf.generation import verify
+from test_model import chi_square_p_value
+
+V, NEW, SAMPLES, ALPHA = 6, 4, 20000, 1e-3
+PROMPT = [3, 1, 4, 1, 5]
+
+
+def exact_distribution(target, processors: LogitsProcessorList) -> torch.Tensor:
+    """P(continuation) for all V^NEW continuations, in itertools.product order."""
+    conts = torch.tensor(list(itertools.product(range(V), repeat=NEW)))
+    seqs = torch.cat([torch.tensor(PROMPT).expand(len(conts), -1), conts], 1)
+    with torch.no_grad():
+        logits = target(seqs).logits[:, len(PROMPT) - 1: -1].float()
+    logp = torch.zeros(len(conts))
+    for k in range(NEW):
+        scores = processors(seqs[:, : len(PROMPT) + k], logits[:, k])
+        logp += torch.log_softmax(scores, -1).gather(1, conts[:, k: k + 1]).squeeze(1)
+    return logp.exp()
+
+
+def sample_continuations(target, draft, n, **kw) -> torch.Tensor:
+    """n continuations of PROMPT, left-padded by 2, from one batched generate() call in which they are interleaved
+    with n filler rows that have 7-token prompts of their own (not counted), so rows progress raggedly."""
+    g = torch.Generator().manual_seed(n)
+    ids = torch.randint(0, V, (2 * n, len(PROMPT) + 2), generator=g)
+    mask = torch.ones_like(ids)
+    ids[::2] = torch.tensor([PAD, PAD] + PROMPT)
+    mask[::2, :2] = 0
+    out = target.generate(input_ids=ids, attention_mask=mask, do_sample=True, max_new_tokens=NEW,
+                          assistant_model=draft, **kw)
+    return out[::2, ids.shape[1]:]
+
+
+def p_value(samples: torch.Tensor, probs: torch.Tensor) -> float:
+    index = (samples * (V ** torch.arange(NEW - 1, -1, -1))).sum(1)
+    counts = torch.bincount(index, minlength=V ** NEW).float()
+    return chi_square_p_value(counts, probs)
+
+
+@pytest.fixture(scope="module")
+def setup():
+    target = tiny_target("llama", vocab=V, initializer_range=0.2)
+    draft = tiny_draft(target, block_size=2, initializer_range=0.05)
+    with torch.no_grad():  # flatten the draft so that about 40% of verified drafts are accepted
+        draft.norm.weight.fill_(0.05)
+    settings = dict(temperature=0.7, top_k=4)
+    processors = LogitsProcessorList([TemperatureLogitsWarper(0.7), TopKLogitsWarper(4)])
+    return target, draft, settings, exact_distribution(target, processors)
+
+
+def test_sampling_matches_the_target_distribution(setup):
+    target, draft, settings, probs = setup
+    torch.manual_seed(0)
+    out = target.generate(input_ids=torch.tensor([PROMPT] * 64), do_sample=True, max_new_tokens=NEW,
+                          assistant_model=draft, return_dict_in_generate=True, **settings)
+    rounds = [r for rows in out.rounds for r in rows if r.verified > 0]
+    accepted = sum(r.accepted for r in rounds) / sum(r.verified for r in rounds)
+    assert 0.2 < accepted < 0.8, "both acceptance and rejection (the residual) must be exercised"
+    assert any(r.accepted == r.verified == 2 for r in rounds), "and whole blocks with a bonus token"
+
+    torch.manual_seed(1)
+    samples = sample_continuations(target, draft, SAMPLES, **settings)
+    assert p_value(samples, probs) > ALPHA
+
+
+def test_trimmed_verification_stays_exact(setup):
+    target, draft, settings, probs = setup
+    torch.manual_seed(2)
+    samples = sample_continuations(target, draft, SAMPLES, verification_policy=FixedLength(1), **settings)
+    assert p_value(samples, probs) > ALPHA
+
+
+def test_skipping_the_residual_is_caught(setup, monkeypatch):
+    """Sampling the correction from p instead of norm(max(p - q, 0)) biases the output; the test must see it."""
+    target, draft, settings, probs = setup
+    monkeypatch.setattr(verify, "residual", lambda p, q: p)
+    torch.manual_seed(1)
+    samples = sample_continuations(target, draft, SAMPLES, **settings)
+    assert p_value(samples, probs) < ALPHA
+
+
+def test_a_draft_sampled_without_the_processors_is_caught(setup, monkeypatch):
+    """Accepting against the unprocessed draft distribution (a classic bug) is also caught."""
+    target, draft, settings, probs = setup
+    original = verify.verify_sampling
+
+    def wrong(p, q, x, verify_len, generator=None):
+        return original(p, torch.full_like(q, 1.0 / V), x, verify_len, generator)
+
+    monkeypatch.setattr(verify, "verify_sampling", wrong)
+    torch.manual_seed(1)
+    samples = sample_continuations(target, draft, SAMPLES, **settings)
+    assert p_value(samples, probs) < ALPHA

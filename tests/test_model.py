@@ -1,0 +1,261 @@
+"""The DSpark draft model: shapes, attention pattern, sequential heads, confidences, target checks, checkpoints."""
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors import safe_open
+from transformers import AutoConfig, AutoModel
+
+from conftest import VOCAB, tiny_draft, tiny_target
+from dspark_hf import DSparkConfig, DSparkDraftModel
+
+GAMMA = 4
+
+
+def context_for(draft, target, length=10, batch=2, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, draft.config.target_vocab_size, (batch, length), generator=g)
+    out = target(ids, output_hidden_states=draft.hidden_states_request)
+    features = draft.target_features(out.hidden_states)
+    positions = torch.arange(length).expand(batch, -1)
+    return ids, features, positions
+
+
+def encode(draft, features, positions):
+    return draft.encode_context(features, positions, torch.ones_like(positions, dtype=torch.bool))
+
+
+def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor, min_expected: float = 5.0) -> float:
+    """Pearson's chi-square goodness of fit; bins with expected count < min_expected are pooled."""
+    n = counts.sum()
+    expected = probs * n
+    small = expected < min_expected
+    obs = torch.cat([counts[~small], counts[small].sum()[None]]).double()
+    exp = torch.cat([expected[~small], expected[small].sum()[None]]).double()
+    keep = exp > 0
+    obs, exp = obs[keep], exp[keep]
+    stat = ((obs - exp) ** 2 / exp).sum()
+    df = obs.numel() - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.double), stat / 2))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+def test_from_target_gives_a_working_draft_for_every_family(family):
+    target = tiny_target(family)
+    draft = tiny_draft(target)
+    ids, features, positions = context_for(draft, target)
+    context = encode(draft, features, positions)
+
+    anchors = torch.tensor([[3, 7], [2, 5]])
+    tokens = torch.randint(0, VOCAB, (2, 2, GAMMA))
+    out = draft(ids.gather(1, anchors), anchors, context, block_tokens=tokens)
+    assert out.logits.shape == (2, 2, GAMMA, VOCAB)
+    assert out.confidence_logits.shape == (2, 2, GAMMA)
+
+    block = draft.draft_block(ids[:, -1], positions[:, -1], context, do_sample=True)
+    assert block.tokens.shape == (2, GAMMA)
+    assert block.probs.shape == (2, GAMMA, VOCAB)
+
+
+def test_from_target_follows_the_reference_layer_rule():
+    target = tiny_target("llama", num_hidden_layers=12)
+    assert tiny_draft(target, num_hidden_layers=5).config.target_layer_ids == [1, 3, 5, 7, 9]
+    assert tiny_draft(target, num_hidden_layers=1).config.target_layer_ids == [1]
+
+
+def test_qk_norm_and_softcapping_follow_the_target_family():
+    assert not tiny_draft(tiny_target("llama")).config.qk_norm
+    assert tiny_draft(tiny_target("qwen3")).config.qk_norm
+    gemma = tiny_draft(tiny_target("gemma3")).config
+    assert gemma.qk_norm and gemma.final_logit_softcapping == 5.0
+
+
+def test_block_rows_attend_bidirectionally_within_the_block():
+    target = tiny_target("llama")
+    draft = tiny_draft(target, head_type="none")
+    ids, features, positions = context_for(draft, target)
+    context = encode(draft, features, positions)
+    anchor, pos = ids[:, -1:], positions[:, -1:]
+    before = draft.backbone(anchor, pos, context)
+    draft.config.mask_token_id = 5  # change every later block token
+    after = draft.backbone(anchor, pos, context)
+    assert not torch.allclose(before[:, :, 0], after[:, :, 0]), "the anchor row must see the later block rows"
+
+
+def test_nothing_leaks_from_context_at_or_after_the_anchor():
+    target = tiny_target("llama")
+    draft = tiny_draft(target)
+    ids, features, positions = context_for(draft, target)
+    anchor_pos = torch.tensor([[5], [5]])
+    anchor = ids.gather(1, anchor_pos)
+    tokens = torch.randint(0, VOCAB, (2, 1, GAMMA))
+    base = draft(anchor, anchor_pos, encode(draft, features, positions), block_tokens=tokens).logits
+
+    future = features.clone()
+    future[:, 5:] = torch.randn_like(future[:, 5:])
+    same = draft(anchor, anchor_pos, encode(draft, future, positions), block_tokens=tokens).logits
+    torch.testing.assert_close(same, base)
+
+    past = features.clone()
+    past[:, 4] = torch.randn_like(past[:, 4])
+    changed = draft(anchor, anchor_pos, encode(draft, past, positions), block_tokens=tokens).logits
+    assert not torch.allclose(changed, base)
+
+
+def test_blocks_of_different_anchors_do_not_see_each_other():
+    target = tiny_target("llama")
+    draft = tiny_draft(target)
+    ids, features, positions = context_for(draft, target)
+    context = encode(draft, features, positions)
+    tokens = torch.randint(0, VOCAB, (2, 2, GAMMA))
+    pair = draft(ids[:, [3, 7]], torch.tensor([[3, 7]] * 2), context, block_tokens=tokens).logits
+    alone = draft(ids[:, [7]], torch.tensor([[7]] * 2), context, block_tokens=tokens[:, 1:]).logits
+    torch.testing.assert_close(pair[:, 1:], alone, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("head_type", ["markov", "rnn"])
+def test_sequential_conditionals_are_exact_softmaxes_of_the_sampled_prefix(head_type):
+    target = tiny_target("llama")
+    draft = tiny_draft(target, head_type=head_type)
+    ids, features, positions = context_for(draft, target)
+    context = encode(draft, features, positions)
+    block = draft.draft_block(ids[:, -1], positions[:, -1], context, do_sample=True)
+
+    assert torch.allclose(block.probs.sum(-1), torch.ones(2, GAMMA))
+    forced = draft(ids[:, -1:], positions[:, -1:], context, block_tokens=block.tokens[:, None])
+    torch.testing.assert_close(block.probs, torch.softmax(forced.logits[:, 0].float(), -1))
+
+    other = block.tokens.clone()
+    other[:, 0] = (other[:, 0] + 1) % VOCAB
+    reforced = draft(ids[:, -1:], positions[:, -1:], context, block_tokens=other[:, None]).logits
+    assert torch.allclose(reforced[:, 0, 0], forced.logits[:, 0, 0]), "position 1 only sees the anchor"
+    assert not torch.allclose(reforced[:, 0, 1], forced.logits[:, 0, 1]), "position 2 depends on x_1"
+
+
+def test_no_head_draft_positions_are_independent_of_sampled_tokens():
+    target = tiny_target("llama")
+    draft = tiny_draft(target, head_type="none")
+    ids, features, positions = context_for(draft, target)
+    context = encode(draft, features, positions)
+    a = draft.draft_block(ids[:, -1], positions[:, -1], context, do_sample=True)
+    b = draft.draft_block(ids[:, -1], positions[:, -1], context, do_sample=True)
+    torch.testing.assert_close(a.probs, b.probs)
+
+
+def test_sampled_blocks_follow_the_returned_distributions():
+    """x_1 and x_2 | x_1 drawn by draft_block match probs, by a chi-square test at significance 0.001."""
+    target = tiny_target("llama", vocab=12)
+    draft = tiny_draft(target, initializer_range=0.5)
+    ids, features, positions = context_for(draft, target, batch=1)
+    n = 6000
+    context = encode(draft, features.expand(n, -1, -1), positions.expand(n, -1))
+    torch.manual_seed(0)
+    block = draft.draft_block(ids[:, -1].expand(n), positions[:, -1].expand(n), context, do_sample=True)
+
+    first = torch.bincount(block.tokens[:, 0], minlength=12).float()
+    assert chi_square_p_value(first, block.probs[0, 0]) > 1e-3
+
+    mode = int(first.argmax())
+    rows = block.tokens[:, 0] == mode
+    second = torch.bincount(block.tokens[rows, 1], minlength=12).float()
+    assert chi_square_p_value(second, block.probs[rows][0, 1]) > 1e-3
+
+
+def test_confidences_are_probabilities_and_sts_temperatures_apply():
+    target = tiny_target("llama")
+    draft = tiny_draft(target)
+    ids, features, positions = context_for(draft, target)
+    context = encode(draft, features, positions)
+    torch.manual_seed(0)
+    raw = draft.draft_block(ids[:, -1], positions[:, -1], context, do_sample=True).confidences
+    assert raw.shape == (2, GAMMA) and bool(((raw > 0) & (raw < 1)).all())
+
+    draft.config.confidence_temperatures = [2.0] * GAMMA
+    torch.manual_seed(0)
+    cooled = draft.draft_block(ids[:, -1], positions[:, -1], context, do_sample=True).confidences
+    logit = torch.logit(raw.double())
+    torch.testing.assert_close(cooled.double(), torch.sigmoid(logit / 2), rtol=1e-4, atol=1e-5)
+
+
+def test_draft_vocabulary_subset_only_proposes_its_tokens():
+    target = tiny_target("llama")
+    keep = list(range(10, 40))
+    draft = tiny_draft(target, draft_vocab=keep)
+    ids, features, positions = context_for(draft, target)
+    block = draft.draft_block(ids[:, -1], positions[:, -1], encode(draft, features, positions), do_sample=True)
+    assert set(block.tokens.flatten().tolist()) <= set(keep)
+    outside = torch.ones(VOCAB, dtype=torch.bool)
+    outside[keep] = False
+    assert float(block.probs[..., outside].abs().max()) == 0.0
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(vocab=80), "vocabulary size"),
+    (dict(hidden_size=48, num_attention_heads=4), "hidden size"),
+    (dict(num_hidden_layers=2), "target_layer_ids"),
+])
+def test_binding_to_a_different_target_raises_a_clear_error(change, message):
+    draft = tiny_draft(tiny_target("llama", num_hidden_layers=6), num_hidden_layers=3)
+    other = tiny_target("llama", **change)
+    with pytest.raises(ValueError, match=message) as err:
+        draft.bind_target(other)
+    assert "from_target" in str(err.value)
+
+
+def test_config_rejects_the_final_layer_and_bad_head_types():
+    with pytest.raises(ValueError, match="never the last layer"):
+        DSparkConfig(target_layer_ids=[3], target_num_hidden_layers=4, target_vocab_size=10)
+    with pytest.raises(ValueError, match="head_type"):
+        DSparkConfig(head_type="lstm")
+
+
+def test_save_and_auto_load_round_trip_bit_identically_without_target_weights(tmp_path):
+    target = tiny_target("qwen3")
+    draft = tiny_draft(target)
+    draft.save_pretrained(tmp_path)
+
+    assert AutoConfig.from_pretrained(tmp_path).model_type == "dspark"
+    loaded = AutoModel.from_pretrained(tmp_path)
+    assert isinstance(loaded, DSparkDraftModel)
+    for (name, a), (_, b) in zip(draft.state_dict().items(), loaded.state_dict().items()):
+        assert torch.equal(a, b), name
+
+    with safe_open(tmp_path / "model.safetensors", "pt") as f:
+        keys = list(f.keys())
+        stored = sum(math.prod(f.get_slice(k).get_shape()) for k in keys)
+    assert not any("embed" in k or "lm_head" in k for k in keys)
+    assert stored == sum(p.numel() for p in draft.parameters())
+    assert stored < target.get_input_embeddings().weight.numel() + sum(p.numel() for p in draft.parameters())
+
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["auto_map"]["AutoModel"] == "modeling_dspark.DSparkDraftModel"
+
+
+def test_a_fresh_process_loads_the_draft_with_remote_code_and_no_dspark_hf(tmp_path):
+    draft = tiny_draft(tiny_target("llama"))
+    draft.save_pretrained(tmp_path / "draft")
+    expected = draft.fc.weight.sum().item()
+    script = (
+        "import sys; sys.modules['dspark_hf'] = None\n"  # make `import dspark_hf` fail in this process
+        "from transformers import AutoModel\n"
+        f"m = AutoModel.from_pretrained({str(tmp_path / 'draft')!r}, trust_remote_code=True)\n"
+        "print(type(m).__name__, m.fc.weight.sum().item())\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path,
+                         env={"HF_HUB_OFFLINE": "1", "PATH": ""}, timeout=120)
+    assert out.returncode == 0, out.stderr
+    name, total = out.stdout.split()
+    assert name == "DSparkDraftModel" and float(total) == pytest.approx(expected)
+
+
+def test_unbound_draft_says_how_to_bind(tmp_path):
+    draft = tiny_draft(tiny_target("llama"))
+    draft.save_pretrained(tmp_path)
+    loaded = DSparkDraftModel.from_pretrained(tmp_path)
+    ids = torch.zeros(1, 1, dtype=torch.long)
+    with pytest.raises(RuntimeError, match="bind_target"):
+        loaded.backbone(ids, ids, loaded.empty_context(1))
