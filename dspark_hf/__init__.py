@@ -8,6 +8,7 @@ from transformers import AutoConfig, AutoModel
 
 from .generation import DSparkGenerateOutput, DSparkRound, dspark_generate
 from .generation.integration import install as _install_generate_hook
+from .defaults import default_draft, default_target
 from .model import DSparkConfig, DSparkContext, DSparkDraftModel, DraftBlock
 from .scheduling import FixedLength, FullBlock
 
@@ -29,4 +30,6 @@ __all__ = [
     "dspark_generate",
     "FullBlock",
     "FixedLength",
+    "default_target",
+    "default_draft",
 ]

@@ -155,7 +155,8 @@ def test_round_records_add_up():
             assert r.tau == r.accepted + 1
             assert r.bonus == (r.accepted == r.verified)
             assert r.drafted[: r.accepted] == r.drafted[: r.accepted]
-    assert set(out.timings) == {"draft", "target", "total"}
+    assert set(out.timings) == {"prefill", "draft", "target", "total"}
+    assert out.timings["total"] >= out.timings["prefill"] + out.timings["draft"] + out.timings["target"]
 
 
 def test_verification_length_is_an_input_of_the_round():

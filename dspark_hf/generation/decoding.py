@@ -46,7 +46,8 @@ def dspark_generate(
     `target.generate(**inputs, assistant_model=draft)` routes here after ``import dspark_hf``. Extra arguments:
     draft_model (a [`DSparkDraftModel`] built for `model`), token_streamer (a transformers streamer; batch size 1),
     verification_policy (callable(confidences (R, gamma) or None, gamma, R) -> verify lengths (R,); default:
-    the full block, see `dspark_hf.scheduling`). Returns what `generate()` returns; with ``return_dict_in_generate=True`` a [`DSparkGenerateOutput`].
+    the full block, see `dspark_hf.scheduling`). On this route generate() drops `tokenizer`, so pass stop
+    strings as a `StopStringCriteria` in stopping_criteria (the assistant_model route does that for you). Returns what `generate()` returns; with ``return_dict_in_generate=True`` a [`DSparkGenerateOutput`].
     """
     _check_request(model, draft_model, generation_config, synced_gpus, model_kwargs, input_ids, token_streamer)
     if not draft_model.is_bound_to(model):
@@ -110,7 +111,7 @@ class _Decoder:
         self.n_gen = prompt.new_zeros(B)
         self.stopped_at = prompt.new_zeros(B)  # output length at which a criterion first fired, 0 if none yet
         self.rounds: list[list[DSparkRound]] = [[] for _ in range(B)]
-        self.timings = {"draft": 0.0, "target": 0.0, "total": 0.0}
+        self.timings = {"prefill": 0.0, "draft": 0.0, "target": 0.0, "total": 0.0}
 
     # -- what plain generate() would see ---------------------------------------------------------------------------
     def _plain_batches(self, rows: torch.Tensor, extra: torch.Tensor):
@@ -182,6 +183,7 @@ class _Decoder:
             self.streamer.put(self.prompt.cpu())
         if self.max_new > 0:
             self._prefill()
+            self.timings["prefill"] = time.perf_counter() - start
             while self.rows.numel() > 0:
                 self._round()
         self.timings["total"] = time.perf_counter() - start
@@ -199,7 +201,8 @@ class _Decoder:
         mask = self.prompt_mask
         positions = (mask.long().cumsum(1) - 1).clamp_min(0)
         cache = DynamicCache()
-        out = self._forward(self.prompt, mask, positions, cache, logits_to_keep=1)
+        out = self.target(input_ids=self.prompt, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                          use_cache=True, output_hidden_states=self.draft.hidden_states_request, logits_to_keep=1)
         scores = self._process(rows, self.prompt.new_zeros(B, 0), out.logits[:, -1])
         token = self._pick(scores)
         context = self.draft.encode_context(self.draft.target_features(out.hidden_states), positions, mask.bool())

@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import inspect
 
+from transformers import StoppingCriteriaList, StopStringCriteria
 from transformers.generation.utils import GenerationMixin
 
 from ..model.modeling_dspark import DSparkDraftModel
@@ -34,8 +35,24 @@ def _generate(self, *args, **kwargs):
     bound.pop("assistant_model")
     streamer = bound.pop("streamer", None)
     policy = extra.pop("verification_policy", None)
+    _stop_strings_as_criteria(self, bound, extra)
     return _original_generate(self, **bound, **extra, custom_generate=dspark_generate, draft_model=draft,
                               token_streamer=streamer, verification_policy=policy)
+
+
+def _stop_strings_as_criteria(model, bound: dict, extra: dict) -> None:
+    """generate() drops `tokenizer` on the custom_generate route, so stop strings become a criterion here."""
+    tokenizer = extra.pop("tokenizer", None)
+    config = bound.get("generation_config") or model.generation_config
+    stop_strings = extra.get("stop_strings", getattr(config, "stop_strings", None))
+    if not stop_strings:
+        return
+    if tokenizer is None:
+        raise ValueError("stop_strings need the tokenizer: pass tokenizer=<the target's tokenizer> to generate().")
+    criteria = StoppingCriteriaList(bound.get("stopping_criteria") or [])
+    criteria.append(StopStringCriteria(tokenizer, stop_strings))
+    bound["stopping_criteria"] = criteria
+    extra["stop_strings"] = None
 
 
 def install() -> None:

@@ -49,7 +49,8 @@ class DSparkGenerateOutput(GenerateDecoderOnlyOutput):
     Attributes:
         sequences: (batch, prompt + new tokens), as plain `generate()` returns them.
         rounds: per row, its list of [`DSparkRound`]. The first new token comes from the prefill, not a round.
-        timings: seconds spent in the draft, in the target and in total (prefill included in target and total).
+        timings: seconds: "prefill" (prompt forward, first token, draft context), then over all rounds "draft"
+            (draft forwards and block sampling) and "target" (verification forwards); "total" covers everything.
     """
 
     rounds: list[list[DSparkRound]] | None = None

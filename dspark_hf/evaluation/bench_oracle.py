@@ -1,0 +1,115 @@
+"""The ceiling our decoding loop allows: plain generate() vs DSpark with an oracle draft, in one interleaved run.
+
+The oracle proposes the target's own greedy continuation, so every verified token is accepted; the draft forward
+still runs, so a round costs what it would with a real draft. Each round's time is split into draft forward
+(block sampling included), target forward and everything else (bookkeeping in our loop).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from ..model.modeling_dspark import DSparkDraftModel
+from .machine import machine_info
+from .oracle import OracleDraft
+
+DEFAULT_PROMPTS = [
+    "Write a Python function that returns the n-th Fibonacci number.",
+    "A farmer has 17 sheep and buys 5 more. How many sheep does he have?",
+    "Give me three tips for staying focused while studying.",
+    "Explain what a hash map is in two sentences.",
+    "Write a haiku about autumn rain.",
+    "What is the capital of Australia, and why is it not Sydney?",
+    "Convert 3.5 hours into minutes and explain the steps.",
+    "Write a SQL query that counts orders per customer.",
+]
+
+
+def chat_inputs(tokenizer, prompts: list[str]):
+    texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                           add_generation_prompt=True) for p in prompts]
+    return tokenizer(texts, return_tensors="pt", padding=True)
+
+
+def _new_tokens(sequences: torch.Tensor, prompt_len: int, pad_id: int, eos_ids: set[int]) -> int:
+    """Tokens a user receives: each row up to and including its EOS."""
+    total = 0
+    for row in sequences[:, prompt_len:].tolist():
+        n = len(row)
+        for i, t in enumerate(row):
+            if t in eos_ids:
+                n = i + 1
+                break
+        total += n
+    return total
+
+
+def bench_oracle(target, tokenizer, draft: DSparkDraftModel, batch_sizes=(1, 8), max_new_tokens: int = 64,
+                 repeats: int = 3, prompts: list[str] | None = None, progress=None) -> dict:
+    """Run the benchmark; returns a JSON-ready dict with one entry per batch size."""
+    prompts = prompts or DEFAULT_PROMPTS
+    eos = target.generation_config.eos_token_id
+    eos_ids = set(eos if isinstance(eos, list) else [eos]) if eos is not None else set()
+    pad_id = target.generation_config.pad_token_id
+    results = []
+    for batch in batch_sizes:
+        inputs = chat_inputs(tokenizer, [prompts[i % len(prompts)] for i in range(batch)])
+        kw = dict(max_new_tokens=max_new_tokens, do_sample=False)
+        reference = target.generate(**inputs, **kw)
+        oracle = OracleDraft.from_draft(draft).set_references(target, reference, inputs["attention_mask"])
+        P = inputs["input_ids"].shape[1]
+        tokens = _new_tokens(reference, P, pad_id, eos_ids)
+
+        def plain():
+            return target.generate(**inputs, **kw)
+
+        def dspark():
+            return target.generate(**inputs, **kw, assistant_model=oracle, return_dict_in_generate=True)
+
+        plain(), dspark()  # warm-up
+        plain_s, dspark_s, splits, taus = [], [], [], []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            plain()
+            plain_s.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            out = dspark()
+            dspark_s.append(time.perf_counter() - start)
+            if not torch.equal(out.sequences, reference):
+                raise AssertionError("DSpark output differs from plain generate(): lossless decoding is broken.")
+            t = out.timings
+            rounds_s = t["total"] - t["prefill"]
+            splits.append({"draft": t["draft"] / rounds_s, "target": t["target"] / rounds_s,
+                           "other": (rounds_s - t["draft"] - t["target"]) / rounds_s})
+            taus.append(statistics.mean(r.tau for rows in out.rounds for r in rows))
+            if progress is not None:
+                progress.update(1)
+        plain_med, dspark_med = statistics.median(plain_s), statistics.median(dspark_s)
+        results.append({
+            "batch_size": batch,
+            "new_tokens": tokens,
+            "plain_tokens_per_s": tokens / plain_med,
+            "dspark_tokens_per_s": tokens / dspark_med,
+            "speedup": plain_med / dspark_med,
+            "tokens_per_round": statistics.mean(taus),
+            "round_split": {k: statistics.mean(s[k] for s in splits) for k in ("draft", "target", "other")},
+            "plain_seconds": plain_s,
+            "dspark_seconds": dspark_s,
+        })
+    return {"benchmark": "oracle", "max_new_tokens": max_new_tokens, "repeats": repeats,
+            "block_size": draft.config.block_size, "draft_layers": draft.config.num_hidden_layers,
+            "machine": machine_info(target), "results": results}
+
+
+def format_oracle_table(report: dict) -> str:
+    lines = ["| batch | plain tok/s | DSpark (oracle) tok/s | speedup | tokens/round | draft | target | other |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in report["results"]:
+        s = r["round_split"]
+        lines.append(f"| {r['batch_size']} | {r['plain_tokens_per_s']:.1f} | {r['dspark_tokens_per_s']:.1f} | "
+                     f"{r['speedup']:.2f}x | {r['tokens_per_round']:.2f} | {s['draft']:.0%} | {s['target']:.0%} | "
+                     f"{s['other']:.0%} |")
+    return "\n".join(lines)
