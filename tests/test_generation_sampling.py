@@ -107,3 +107,13 @@ def test_a_draft_sampled_without_the_processors_is_caught(setup, monkeypatch):
     torch.manual_seed(1)
     samples = sample_continuations(target, draft, SAMPLES, **settings)
     assert p_value(samples, probs) < ALPHA
+
+
+def test_num_return_sequences_samples_each_prompt_several_times():
+    target = tiny_target("llama")
+    draft = tiny_draft(target)
+    ids = torch.tensor([PROMPT, [2, 2, 2, 2, 2]])
+    out = target.generate(input_ids=ids, do_sample=True, num_return_sequences=3, max_new_tokens=6,
+                          assistant_model=draft)
+    assert out.shape == (6, len(PROMPT) + 6)
+    assert torch.equal(out[:, : len(PROMPT)], ids.repeat_interleave(3, 0))
