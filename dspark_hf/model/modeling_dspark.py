@@ -433,12 +433,18 @@ class DSparkDraftModel(DSparkPreTrainedModel):
         self,
         anchor_ids: torch.Tensor,
         anchor_positions: torch.Tensor,
-        context: DSparkContext,
+        context: DSparkContext | None = None,
         block_tokens: torch.Tensor | None = None,
+        context_features: torch.Tensor | None = None,
+        context_positions: torch.Tensor | None = None,
+        context_valid: torch.Tensor | None = None,
     ) -> DSparkOutput:
-        """Blocks at anchors (N, A) over `context`, with the sequential and confidence heads teacher-forced on
-        `block_tokens` (N, A, gamma): position k conditions on block_tokens[..., k - 1] (the anchor for k = 1).
-        Returns draft-vocabulary logits; use [`to_target_vocab`] for target-vocabulary ones."""
+        """Blocks at anchors (N, A) over `context` (or over raw target features (N, C, m * d_t) with their
+        positions and validity (N, C), encoded here, as training does), with the sequential and confidence heads
+        teacher-forced on `block_tokens` (N, A, gamma): position k conditions on block_tokens[..., k - 1] (the
+        anchor for k = 1). Returns draft-vocabulary logits; use [`to_target_vocab`] for target-vocabulary ones."""
+        if context is None:
+            context = self.encode_context(context_features, context_positions, context_valid)
         h = self.backbone(anchor_ids, anchor_positions, context)
         logits = self.base_logits(h)
         if self.w1 is None:

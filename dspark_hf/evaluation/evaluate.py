@@ -1,0 +1,153 @@
+"""`dspark eval` and `dspark bench speed`: acceptance metrics per domain, and wall-clock speed against the
+methods a user would otherwise pick, measured in one interleaved run."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import defaultdict
+
+import torch
+
+from ..generation.records import DSparkRound
+from .machine import machine_info
+from .metrics import summarize
+
+
+def _batches(prompts, size):
+    for i in range(0, len(prompts), size):
+        yield prompts[i: i + size]
+
+
+def _inputs(tokenizer, prompts):
+    texts = [tokenizer.apply_chat_template(p["messages"], tokenize=False, add_generation_prompt=True)
+             for p in prompts]
+    return tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+
+
+def _sampling(temperature: float) -> dict:
+    return dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 else \
+        dict(do_sample=False)
+
+
+def run_eval(target, tokenizer, draft, prompts: list[dict], max_new_tokens: int = 128, temperature: float = 0.0,
+             batch_size: int = 1, policy=None, progress: bool = True, seed: int = 0) -> dict:
+    """Generate every prompt with DSpark and collect the paper's metrics, overall and per domain."""
+    from tqdm.auto import tqdm
+
+    gamma = draft.config.block_size
+    records, by_domain = [], defaultdict(list)
+    torch.manual_seed(seed)
+    bar = tqdm(total=len(prompts), desc="eval", disable=not progress)
+    for batch in _batches(prompts, batch_size):
+        inputs = _inputs(tokenizer, batch)
+        out = target.generate(**inputs, max_new_tokens=max_new_tokens, assistant_model=draft,
+                              return_dict_in_generate=True, verification_policy=policy, **_sampling(temperature))
+        for p, rounds in zip(batch, out.rounds):
+            new_tokens = 1 + sum(r.committed for r in rounds)  # + the prefill token
+            records.append({"id": p["id"], "domain": p["domain"], **summarize(rounds, gamma, new_tokens),
+                            "rounds_detail": [_round_dict(r) for r in rounds]})
+            by_domain[p["domain"]].extend(rounds)
+        bar.update(len(batch))
+        bar.set_postfix(tau=f"{statistics.mean(r['acceptance_length'] for r in records):.2f}")
+    bar.close()
+    domains = {d: summarize(rs, gamma, sum(r["new_tokens"] for r in records if r["domain"] == d))
+               for d, rs in sorted(by_domain.items())}
+    all_rounds = [r for rs in by_domain.values() for r in rs]
+    return {
+        "settings": {"max_new_tokens": max_new_tokens, "temperature": temperature, "batch_size": batch_size,
+                     "block_size": gamma, "prompts": len(prompts), "draft": draft.config.to_diff_dict(),
+                     "target": getattr(target.config, "_name_or_path", "")},
+        "machine": machine_info(target),
+        "overall": summarize(all_rounds, gamma, sum(r["new_tokens"] for r in records)),
+        "macro_acceptance_length": statistics.mean(d["acceptance_length"] for d in domains.values()),
+        "domains": domains,
+        "prompts": records,
+    }
+
+
+def _round_dict(r: DSparkRound) -> dict:
+    return {"drafted": r.drafted, "confidences": r.confidences, "verified": r.verified, "accepted": r.accepted}
+
+
+def threshold_sweep(records: list[dict], thresholds: list[float]) -> dict:
+    """Paper Fig. 5, replayed on full-block rounds: verifying up to the first c_k below a threshold keeps
+    min(accepted, cut) of each round. Returns tokens per step and acceptance rate per threshold, per domain."""
+    out = {}
+    domains = sorted({r["domain"] for r in records})
+    for domain in domains + ["overall"]:
+        rounds = [x for r in records if domain in ("overall", r["domain"]) for x in r["rounds_detail"]]
+        rows = []
+        for t in thresholds:
+            tokens, verified, accepted = 0, 0, 0
+            for x in rounds:
+                conf = x["confidences"] or [1.0] * x["verified"]
+                cut = next((k for k, c in enumerate(conf) if c < t), len(conf))
+                v = min(x["verified"], cut)
+                a = min(x["accepted"], v)
+                tokens, verified, accepted = tokens + a + 1, verified + v, accepted + a
+            rows.append({"threshold": t, "tokens_per_step": tokens / max(len(rounds), 1),
+                         "acceptance_rate": accepted / verified if verified else None,
+                         "verified_per_step": verified / max(len(rounds), 1),
+                         "rejected_per_step": (verified - accepted) / max(len(rounds), 1)})
+        out[domain] = rows
+    return out
+
+
+def bench_speed(target, tokenizer, draft, prompts: list[dict], batch_size: int = 1, max_new_tokens: int = 128,
+                repeats: int = 3, temperature: float = 0.0, extra_methods: dict | None = None,
+                progress: bool = True) -> dict:
+    """Tokens/s of plain generate(), prompt lookup decoding and DSpark (and `extra_methods`: name -> generate kwargs),
+    interleaved in one run after a warm-up; median over repeats; ratios to plain."""
+    from tqdm.auto import tqdm
+
+    eos = target.generation_config.eos_token_id
+    eos_ids = set(eos if isinstance(eos, list) else [eos]) if eos is not None else set()
+    methods = {"plain": {}, "dspark": {"assistant_model": draft}}
+    if batch_size == 1:  # transformers' prompt lookup decoding refuses batch size > 1
+        methods["prompt_lookup"] = {"prompt_lookup_num_tokens": 10}
+    methods.update(extra_methods or {})
+    batches = [_inputs(tokenizer, b) for b in _batches(prompts, batch_size)]
+    sampling = _sampling(temperature)
+
+    def run(kw, collect=None):
+        tokens, start = 0, time.perf_counter()
+        for inputs in batches:
+            out = target.generate(**inputs, max_new_tokens=max_new_tokens, **sampling, **kw,
+                                  **({"return_dict_in_generate": True} if "assistant_model" in kw else {}))
+            seqs = out.sequences if hasattr(out, "sequences") else out
+            tokens += _user_tokens(seqs[:, inputs["input_ids"].shape[1]:], eos_ids)
+            if collect is not None and hasattr(out, "rounds"):
+                collect.extend(r for rows in out.rounds for r in rows)
+        return tokens, time.perf_counter() - start
+
+    for kw in methods.values():  # warm-up on the first batch
+        target.generate(**batches[0], max_new_tokens=8, **sampling, **kw)
+    seconds, tokens, rounds = defaultdict(list), defaultdict(list), defaultdict(list)
+    bar = tqdm(total=repeats * len(methods), desc="bench speed", disable=not progress)
+    for _ in range(repeats):
+        for name, kw in methods.items():
+            collected = []
+            n, s = run(kw, collected)
+            tokens[name].append(n)
+            seconds[name].append(s)
+            rounds[name].extend(collected)
+            bar.update(1)
+    bar.close()
+    rates = {m: statistics.median(n / s for n, s in zip(tokens[m], seconds[m])) for m in methods}
+    return {
+        "settings": {"batch_size": batch_size, "max_new_tokens": max_new_tokens, "repeats": repeats,
+                     "temperature": temperature, "prompts": len(prompts), "block_size": draft.config.block_size},
+        "machine": machine_info(target),
+        "methods": {m: {"tokens_per_s": rates[m], "ratio_to_plain": rates[m] / rates["plain"],
+                        "acceptance_length": (sum(r.tau for r in rounds[m]) / len(rounds[m])) if rounds[m] else None,
+                        "seconds": seconds[m], "tokens": tokens[m]} for m in methods},
+    }
+
+
+def _user_tokens(new: torch.Tensor, eos_ids: set[int]) -> int:
+    total = 0
+    for row in new.tolist():
+        end = next((i + 1 for i, t in enumerate(row) if t in eos_ids), len(row))
+        total += end
+    return total

@@ -1,0 +1,81 @@
+"""Figures for eval results (matplotlib, written as PNG)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_eval(results: dict | list[tuple[str, dict]], out_dir: str | Path) -> list[Path]:
+    """Position-wise conditional acceptance per domain (paper Fig. 2) and tau per domain. `results` is one eval
+    result or a list of (label, result) to compare drafts (e.g. DSpark vs the DFlash-style ablation)."""
+    plt = _pyplot()
+    runs = results if isinstance(results, list) else [("draft", results)]
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    domains = sorted({d for _, r in runs for d in r["domains"]})
+    fig, axes = plt.subplots(1, len(domains), figsize=(4 * len(domains), 3.4), squeeze=False, sharey=True)
+    for ax, domain in zip(axes[0], domains):
+        for label, r in runs:
+            ca = r["domains"].get(domain, {}).get("conditional_acceptance") or []
+            ks = [k + 1 for k, v in enumerate(ca) if v is not None]
+            ax.plot(ks, [ca[k - 1] for k in ks], marker="o", label=label)
+        ax.set_title(domain)
+        ax.set_xlabel("draft position k")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("conditional acceptance")
+    axes[0][-1].legend()
+    fig.suptitle("Position-wise conditional acceptance")
+    fig.tight_layout()
+    paths = [out_dir / "conditional_acceptance.png"]
+    fig.savefig(paths[-1], dpi=120)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(1.6 + 1.4 * len(domains), 3.4))
+    width = 0.8 / len(runs)
+    for i, (label, r) in enumerate(runs):
+        values = [r["domains"].get(d, {}).get("acceptance_length", 0) for d in domains]
+        bars = ax.bar([j + i * width for j in range(len(domains))], values, width, label=label)
+        ax.bar_label(bars, fmt="%.2f", fontsize=8)
+    ax.set_xticks([j + width * (len(runs) - 1) / 2 for j in range(len(domains))], domains)
+    ax.set_ylabel("acceptance length tau")
+    ax.legend()
+    fig.tight_layout()
+    paths.append(out_dir / "acceptance_length.png")
+    fig.savefig(paths[-1], dpi=120)
+    plt.close(fig)
+    return paths
+
+
+def plot_threshold_sweep(sweep: dict, out_dir: str | Path) -> Path:
+    """Paper Fig. 5: accepted and rejected tokens per step (bars) and acceptance rate (line) per threshold."""
+    plt = _pyplot()
+    domains = list(sweep)
+    fig, axes = plt.subplots(1, len(domains), figsize=(4 * len(domains), 3.4), squeeze=False)
+    for ax, domain in zip(axes[0], domains):
+        rows = sweep[domain]
+        xs = list(range(len(rows)))
+        accepted = [r["tokens_per_step"] - 1 for r in rows]
+        rejected = [r["rejected_per_step"] for r in rows]
+        ax.bar(xs, accepted, label="accepted / step")
+        ax.bar(xs, rejected, bottom=accepted, hatch="//", alpha=0.5, label="rejected / step")
+        ax.set_xticks(xs, [f"{r['threshold']:.1f}" for r in rows])
+        ax.set_xlabel("confidence threshold")
+        ax.set_title(domain)
+        twin = ax.twinx()
+        twin.plot(xs, [r["acceptance_rate"] or 0 for r in rows], color="black", marker="o", label="acceptance rate")
+        twin.set_ylim(0, 1)
+    axes[0][0].legend(loc="upper left", fontsize=8)
+    fig.tight_layout()
+    path = Path(out_dir) / "threshold_sweep.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

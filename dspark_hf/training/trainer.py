@@ -1,0 +1,248 @@
+"""Train a DSpark draft for a frozen target (paper sec. 3.3).
+
+Runs plainly on CPU (fp32) or under ``accelerate launch`` on one or many GPUs (data parallel, bf16). The target,
+its embedding and its LM head stay frozen; only the draft's backbone, sequential head and confidence head learn.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..model.modeling_dspark import DSparkDraftModel
+from .data import Example, load_dataset, split_heldout, token_frequencies
+from .features import CachedFeatures, OnlineFeatures
+from .losses import LossWeights, dspark_losses, sample_anchors
+
+_STATE = "trainer_state.pt"
+
+
+@dataclass
+class TrainConfig:
+    """Everything a training run depends on (saved next to the checkpoints as train_config.json)."""
+
+    dataset: str = field(metadata={"help": "JSONL written by `dspark prepare-data`."})
+    output_dir: str = field(metadata={"help": "Where checkpoints and the final draft are saved."})
+    epochs: float = field(default=4.0, metadata={"help": "Passes over the training split (fresh anchors each)."})
+    batch_size: int = field(default=4, metadata={"help": "Sequences per optimizer step (per process)."})
+    anchors_per_sequence: int = field(default=48, metadata={"help": "Random blocks per sequence (reference: 512)."})
+    learning_rate: float = field(default=1e-3, metadata={"help": "AdamW peak learning rate."})
+    weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay."})
+    warmup_ratio: float = field(default=0.04, metadata={"help": "Linear warm-up share of the steps, then cosine."})
+    max_length: int = field(default=640, metadata={"help": "Sequences are cut to this many tokens."})
+    heldout_fraction: float = field(default=0.05, metadata={"help": "Share of examples kept for validation and "
+                                                                    "calibration (by hashed id)."})
+    loss_ce: float = field(default=0.1, metadata={"help": "alpha_ce (eq. 12)."})
+    loss_l1: float = field(default=0.9, metadata={"help": "alpha_tv (eq. 12); the term is the full L1 norm."})
+    loss_confidence: float = field(default=1.0, metadata={"help": "alpha_conf (eq. 12)."})
+    position_decay: float = field(default=4.0, metadata={"help": "w_k = exp(-k / position_decay)."})
+    feature_cache: str | None = field(default=None, metadata={"help": "Directory for an on-disk cache of target "
+                                                                        "features; None computes them online."})
+    save_every: int = field(default=200, metadata={"help": "Checkpoint every this many steps (resumable)."})
+    seed: int = field(default=0, metadata={"help": "Seeds initialisation, shuffling and anchors."})
+    draft: dict = field(default_factory=dict, metadata={"help": "DSparkDraftModel.from_target overrides, e.g. "
+                        "{'num_hidden_layers': 2, 'markov_rank': 128, 'head_type': 'markov', 'draft_vocab_size': "
+                        "8192}. draft_vocab_size picks the most frequent answer tokens."})
+    init_from: str | None = field(default=None, metadata={"help": "Start from this saved draft instead of a fresh "
+                                                                    "one (fine-tuning)."})
+
+
+def target_logits(target, hidden: torch.Tensor) -> torch.Tensor:
+    """The target's logits from its last hidden state (final-logit soft cap included)."""
+    logits = target.get_output_embeddings()(hidden)
+    cap = getattr(target.config.get_text_config(), "final_logit_softcapping", None)
+    return logits if cap is None else torch.tanh(logits / cap) * cap
+
+
+def gather_blocks(x: torch.Tensor, anchors: torch.Tensor, gamma: int) -> torch.Tensor:
+    """x (B, L, ...) -> (B, A, gamma, ...) at positions anchor + k (clamped to L - 1; mask the overflow)."""
+    B, L = x.shape[:2]
+    idx = (anchors[..., None] + torch.arange(gamma, device=anchors.device)).clamp_max(L - 1)
+    flat = idx.reshape(B, -1)
+    out = x.gather(1, flat.view(B, -1, *([1] * (x.dim() - 2))).expand(-1, -1, *x.shape[2:]))
+    return out.view(B, *idx.shape[1:], *x.shape[2:])
+
+
+def make_draft(target, config: TrainConfig, train: list[Example]) -> DSparkDraftModel:
+    overrides = dict(config.draft)
+    vocab = overrides.pop("draft_vocab_size", None)
+    if vocab is not None:
+        freq = token_frequencies(train, target.get_output_embeddings().weight.shape[0])
+        overrides["draft_vocab"] = freq.argsort(descending=True)[:vocab].sort().values
+    torch.manual_seed(config.seed)
+    return DSparkDraftModel.from_target(target, **overrides)
+
+
+def train_step(draft, target, examples, features, anchors_per_sequence, weights, generator, forward=None):
+    """Losses of one batch (no backward). `forward` is the (possibly data-parallel wrapped) draft to call."""
+    forward = forward or draft
+    gamma = draft.config.block_size
+    feats, last = features(examples)
+    device = draft.device
+    feats, last = feats.to(device), last.to(device)
+    lengths = torch.tensor([len(e.input_ids) for e in examples])
+    ids = torch.zeros(len(examples), feats.shape[1], dtype=torch.long)
+    for i, e in enumerate(examples):
+        ids[i, : len(e.input_ids)] = torch.tensor(e.input_ids)
+    anchors, valid = sample_anchors(torch.tensor([e.answer_start for e in examples]), lengths,
+                                    anchors_per_sequence, generator)
+    positions = torch.arange(ids.shape[1]).expand(len(examples), -1)
+    context_valid = positions < lengths[:, None]
+    ids, anchors, valid, positions, context_valid, lengths = (t.to(device) for t in (
+        ids, anchors, valid, positions, context_valid, lengths))
+
+    labels = gather_blocks(ids, anchors + 1, gamma)  # position k predicts anchor + k + 1
+    block_valid = valid[..., None] & ((anchors[..., None] + 1 + torch.arange(gamma, device=device))
+                                      < lengths[:, None, None])
+    out = forward(ids.gather(1, anchors), anchors, block_tokens=labels, context_features=feats,
+                  context_positions=positions, context_valid=context_valid)
+    with torch.no_grad():
+        t_logits = target_logits(target, gather_blocks(last, anchors, gamma).to(target.dtype))
+    vocab = draft.draft_vocab if draft.config.draft_vocab_size is not None else None
+    to_draft = draft.target_to_draft if vocab is not None else None
+    return dspark_losses(out.logits.flatten(0, 1), t_logits.flatten(0, 1), labels.flatten(0, 1),
+                         block_valid.flatten(0, 1),
+                         out.confidence_logits.flatten(0, 1) if out.confidence_logits is not None else None,
+                         vocab, to_draft, weights), block_valid.flatten(0, 1)
+
+
+def train(config: TrainConfig, target=None, progress: bool = True) -> DSparkDraftModel:
+    """Train (or resume) a draft as `config` says; returns the final draft, also saved to config.output_dir."""
+    from accelerate import Accelerator
+    from tqdm.auto import tqdm
+
+    accelerator = Accelerator(mixed_precision="bf16" if torch.cuda.is_available() else "no")
+    if target is None:
+        from ..defaults import default_target
+
+        target, _ = default_target(device=accelerator.device)
+    target.requires_grad_(False).eval()
+    vocab_size = target.get_output_embeddings().weight.shape[0]
+    train_set, heldout = split_heldout(load_dataset(config.dataset, vocab_size), config.heldout_fraction)
+    for ex in train_set + heldout:
+        ex.input_ids = ex.input_ids[: config.max_length]
+    train_set = [e for e in train_set if e.answer_start < len(e.input_ids) - 1]
+
+    out_dir = Path(config.output_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "train_config.json").write_text(json.dumps(asdict(config), indent=2))
+    resume = _latest_checkpoint(out_dir)
+    if resume is not None:
+        draft = DSparkDraftModel.from_pretrained(resume).bind_target(target)
+    elif config.init_from:
+        draft = DSparkDraftModel.from_pretrained(config.init_from).bind_target(target)
+    else:
+        draft = make_draft(target, config, train_set)
+    draft.to(accelerator.device).train()
+
+    features = (CachedFeatures(config.feature_cache, target, draft.config.target_layer_ids, train_set + heldout,
+                               progress=progress and accelerator.is_main_process)
+                if config.feature_cache else OnlineFeatures(target, draft.config.target_layer_ids))
+    steps_per_epoch = math.ceil(len(train_set) / (config.batch_size * accelerator.num_processes))
+    total_steps = max(1, int(config.epochs * steps_per_epoch))
+    optimizer = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=config.learning_rate,
+                                  weight_decay=config.weight_decay)
+    warmup = max(1, int(config.warmup_ratio * total_steps))
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min((s + 1) / warmup, 0.5 * (
+        1 + math.cos(math.pi * min(1.0, max(0, s - warmup) / max(1, total_steps - warmup))))))
+    draft, optimizer = accelerator.prepare(draft, optimizer)
+    step = 0
+    if resume is not None:
+        state = torch.load(resume / _STATE, weights_only=False)
+        optimizer.load_state_dict(state["optimizer"])
+        schedule.load_state_dict(state["schedule"])
+        step = state["step"]
+    weights = LossWeights(config.loss_ce, config.loss_l1, config.loss_confidence, config.position_decay)
+    model = accelerator.unwrap_model(draft)
+
+    bar = tqdm(total=total_steps, initial=step, desc="training", disable=not (progress and
+                                                                              accelerator.is_main_process))
+    running = None
+    while step < total_steps:
+        epoch, offset = divmod(step, steps_per_epoch)
+        order = list(range(len(train_set)))
+        random.Random(config.seed + epoch).shuffle(order)
+        shard = order[accelerator.process_index:: accelerator.num_processes]
+        generator = torch.Generator().manual_seed(config.seed * 100_003 + step)
+        for i in range(offset, steps_per_epoch):
+            batch = [train_set[j] for j in shard[i * config.batch_size: (i + 1) * config.batch_size]]
+            if not batch or step >= total_steps:
+                break
+            with accelerator.autocast():
+                losses, valid = train_step(model, target, batch, features, config.anchors_per_sequence, weights,
+                                           generator, forward=draft)
+            accelerator.backward(losses["total"])
+            accelerator.clip_grad_norm_(draft.parameters(), 1.0)
+            optimizer.step()
+            schedule.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+            running = _running(running, losses, valid)
+            bar.update(1)
+            bar.set_postfix_str(_postfix(running))
+            if step % config.save_every == 0 and accelerator.is_main_process:
+                _save_checkpoint(model, optimizer, schedule, step, out_dir)
+    bar.close()
+    model.eval()
+    if accelerator.is_main_process:
+        report = evaluate_heldout(model, target, heldout, features, config.anchors_per_sequence, weights)
+        (out_dir / "heldout.json").write_text(json.dumps(report, indent=2))
+        model.save_pretrained(out_dir)
+    return model
+
+
+def _running(running, losses, valid, beta=0.95):
+    """Exponential moving averages of the loss terms and of the analytic acceptance per position."""
+    current = {k: float(v.detach()) for k, v in losses.items() if k != "acceptance"}
+    acc = (losses["acceptance"] * valid).sum(0) / valid.sum(0).clamp_min(1)
+    current["acc"] = acc.tolist()
+    if running is None:
+        return current
+    return {k: ([beta * a + (1 - beta) * b for a, b in zip(running[k], v)] if isinstance(v, list)
+                else beta * running[k] + (1 - beta) * v) for k, v in current.items()}
+
+
+def _postfix(running) -> str:
+    terms = " ".join(f"{k}={running[k]:.3f}" for k in ("total", "ce", "l1", "confidence") if k in running)
+    return f"{terms} acc/pos=[{' '.join(f'{a:.2f}' for a in running['acc'])}]"
+
+
+@torch.no_grad()
+def evaluate_heldout(draft, target, heldout, features, anchors_per_sequence, weights, batch_size=4) -> dict:
+    """Analytic acceptance 1 - TV per position and the expected acceptance length it implies, on held-out
+    sequences (teacher-forced on the target's own tokens)."""
+    if not heldout:
+        return {}
+    generator = torch.Generator().manual_seed(1234)
+    acc_sum, count = 0, 0
+    for i in range(0, len(heldout), batch_size):
+        batch = heldout[i: i + batch_size]
+        losses, valid = train_step(draft, target, batch, features, anchors_per_sequence, weights, generator)
+        acc_sum = acc_sum + (losses["acceptance"] * valid).sum(0)
+        count = count + valid.sum(0)
+    acceptance = (acc_sum / count.clamp_min(1)).tolist()
+    expected_tau = 1 + sum(math.prod(acceptance[: k + 1]) for k in range(len(acceptance)))
+    return {"sequences": len(heldout), "acceptance_per_position": acceptance,
+            "expected_tau_from_acceptance": expected_tau}
+
+
+def _latest_checkpoint(out_dir: Path) -> Path | None:
+    found = sorted(out_dir.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
+    found = [p for p in found if (p / _STATE).exists()]
+    return found[-1] if found else None
+
+
+def _save_checkpoint(model, optimizer, schedule, step, out_dir: Path):
+    path = out_dir / f"checkpoint-{step}"
+    model.save_pretrained(path)
+    torch.save({"optimizer": optimizer.state_dict(), "schedule": schedule.state_dict(), "step": step},
+               path / _STATE)
+    for old in sorted(out_dir.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))[:-2]:
+        import shutil
+
+        shutil.rmtree(old, ignore_errors=True)

@@ -1,0 +1,125 @@
+"""Evaluation: the metric definitions on hand-made rounds, and the CLI end to end on a tiny random model."""
+
+import json
+
+import pytest
+from transformers import PreTrainedTokenizerFast
+
+from conftest import VOCAB, tiny_draft, tiny_target
+from dspark_hf.cli import main
+from dspark_hf.evaluation.evaluate import threshold_sweep
+from dspark_hf.evaluation.metrics import acceptance_length, conditional_acceptance, prefix_survival, summarize
+from dspark_hf.generation import DSparkRound
+
+
+def round_(verified, accepted, gamma=4, confidences=None):
+    return DSparkRound(drafted=[1] * gamma, draft_probs=[1.0] * gamma, confidences=confidences, verified=verified,
+                       accepted=accepted, next_token=2, committed=accepted + 1)
+
+
+def test_a_round_accepting_two_of_four_contributes_tau_three():
+    assert acceptance_length([round_(4, 2)]) == 3
+    assert acceptance_length([round_(4, 2), round_(4, 4)]) == 4
+
+
+def test_conditional_acceptance_ignores_rounds_that_failed_earlier():
+    rounds = [round_(4, 0), round_(4, 1), round_(4, 2), round_(4, 4)]
+    ca = conditional_acceptance(rounds, 4)
+    assert ca[0] == 3 / 4  # all four reached position 1; three passed it
+    assert ca[1] == 2 / 3  # the round that failed at 1 is ignored
+    assert ca[2] == 1 / 2  # rounds that failed at 1 or 2 are ignored
+    assert ca[3] == 1.0
+
+
+def test_conditional_acceptance_only_counts_verified_positions():
+    ca = conditional_acceptance([round_(2, 2), round_(4, 3)], 4)
+    assert ca[2] == 1.0  # position 3 was verified only by the second round, which accepted it
+    assert ca[3] == 0.0
+
+
+def test_prefix_survival_is_the_share_of_rounds_accepting_positions_one_to_k():
+    rounds = [round_(4, 0), round_(4, 1), round_(4, 2), round_(4, 4)]
+    assert prefix_survival(rounds, 4) == [3 / 4, 2 / 4, 1 / 4, 1 / 4]
+
+
+def test_summary_counts_rounds_and_tokens():
+    summary = summarize([round_(4, 2), round_(4, 0)], 4)
+    assert summary["rounds"] == 2 and summary["new_tokens"] == 4 and summary["acceptance_length"] == 2
+
+
+def test_threshold_sweep_cuts_at_the_first_low_confidence():
+    records = [{"domain": "code", "rounds_detail": [
+        {"confidences": [0.9, 0.8, 0.3, 0.9], "verified": 4, "accepted": 4},
+        {"confidences": [0.4, 0.9, 0.9, 0.9], "verified": 4, "accepted": 0},
+    ]}]
+    sweep = threshold_sweep(records, [0.0, 0.5])
+    full, cut = sweep["code"]
+    assert full["tokens_per_step"] == (5 + 1) / 2 and full["acceptance_rate"] == 4 / 8
+    # at 0.5 the first round verifies 2 (both accepted), the second verifies nothing
+    assert cut["tokens_per_step"] == (3 + 1) / 2 and cut["acceptance_rate"] == 1.0
+
+
+def tiny_tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"<pad>": 0, "<unk>": 1, "<eos>": 2, **{f"w{i}": i for i in range(3, VOCAB)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>", eos_token="<eos>",
+                                   chat_template="{% for m in messages %}{{ m['content'] }} {% endfor %}w3")
+
+
+@pytest.fixture(scope="module")
+def tiny_models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    target = tiny_target("llama")
+    target.generation_config.eos_token_id = 2
+    target.save_pretrained(root / "target")
+    tiny_tokenizer().save_pretrained(root / "target")
+    tiny_draft(target).save_pretrained(root / "draft")
+    prompts = root / "prompts.jsonl"
+    with prompts.open("w") as f:
+        for i in range(6):
+            domain = ["code", "chat"][i % 2]
+            f.write(json.dumps({"id": f"p{i}", "domain": domain, "prompt": " ".join(f"w{4 + (i * 7 + j) % 90}"
+                                                                                   for j in range(5 + i))}) + "\n")
+    return root
+
+
+def test_dspark_eval_writes_the_documented_json_and_plots(tiny_models, tmp_path, capsys):
+    out = tmp_path / "results.json"
+    assert main(["eval", "--target", str(tiny_models / "target"), "--draft", str(tiny_models / "draft"),
+                 "--prompts", str(tiny_models / "prompts.jsonl"), "--max-new-tokens", "12", "--batch-size", "2",
+                 "--output", str(out), "--plot", str(tmp_path / "plots"), "--threshold-sweep"]) == 0
+    results = json.loads(out.read_text())
+    for section in [results["overall"], *results["domains"].values()]:
+        assert set(section) >= {"acceptance_length", "rounds", "new_tokens", "conditional_acceptance",
+                                "prefix_survival"}
+        assert section["acceptance_length"] >= 1
+    assert set(results["domains"]) == {"code", "chat"}
+    assert len(results["prompts"]) == 6 and results["settings"]["max_new_tokens"] == 12
+    assert sum(p["new_tokens"] for p in results["prompts"]) == results["overall"]["new_tokens"]
+    assert "threshold_sweep" in results
+    for png in ("conditional_acceptance.png", "acceptance_length.png", "threshold_sweep.png"):
+        assert (tmp_path / "plots" / png).stat().st_size > 1000
+    assert "| overall |" in capsys.readouterr().out
+
+
+def test_dspark_bench_speed_reports_every_method(tiny_models, tmp_path):
+    out = tmp_path / "bench.json"
+    assert main(["bench", "speed", "--target", str(tiny_models / "target"), "--draft", str(tiny_models / "draft"),
+                 "--prompts", str(tiny_models / "prompts.jsonl"), "--limit", "2", "--max-new-tokens", "8",
+                 "--repeats", "2", "--output", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert set(report["methods"]) == {"plain", "prompt_lookup", "dspark"}
+    assert report["methods"]["plain"]["ratio_to_plain"] == 1.0
+    assert report["methods"]["dspark"]["acceptance_length"] >= 1
+    assert report["machine"]["torch_threads"] >= 1
+
+
+def test_bad_prompt_files_and_suites_fail_clearly(tiny_models, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"id": 1}\n')
+    with pytest.raises(ValueError, match="bad.jsonl:1"):
+        main(["eval", "--target", str(tiny_models / "target"), "--draft", str(tiny_models / "draft"),
+              "--prompts", str(bad)])

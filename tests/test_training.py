@@ -1,0 +1,186 @@
+"""Training: losses on hand-computed cases, anchor sampling, data files, and short runs that learn."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from conftest import VOCAB, tiny_target
+from dspark_hf import DSparkDraftModel
+from dspark_hf.training import DataFileError, GenerationSettings, load_dataset, prepare_data, read_prompts
+from dspark_hf.training.features import CachedFeatures, OnlineFeatures
+from dspark_hf.training.losses import LossWeights, dspark_losses, position_weights, sample_anchors
+from dspark_hf.training.trainer import TrainConfig, gather_blocks, train
+
+
+def test_position_weights_follow_the_reference_decay():
+    torch.testing.assert_close(position_weights(3, 4.0), torch.tensor([1.0, math.exp(-0.25), math.exp(-0.5)]))
+
+
+def test_identical_distributions_have_zero_l1_and_full_acceptance():
+    logits = torch.randn(2, 3, 5)
+    out = dspark_losses(logits, logits, torch.zeros(2, 3, dtype=torch.long), torch.ones(2, 3, dtype=torch.bool))
+    assert float(out["l1"]) == pytest.approx(0.0, abs=1e-6)
+    torch.testing.assert_close(out["acceptance"], torch.ones(2, 3))
+
+
+def test_confidence_label_is_one_minus_total_variation():
+    draft = torch.log(torch.tensor([[[0.5, 0.5, 0.0 + 1e-12]]]))
+    target = torch.log(torch.tensor([[[0.2, 0.3, 0.5]]]))
+    out = dspark_losses(draft, target, torch.zeros(1, 1, dtype=torch.long), torch.ones(1, 1, dtype=torch.bool),
+                        confidence_logits=torch.zeros(1, 1))
+    # |0.5-0.2| + |0.5-0.3| + |0-0.5| = 1.0, so TV = 0.5 and c* = 0.5
+    assert float(out["l1"]) == pytest.approx(1.0, abs=1e-5)
+    assert float(out["acceptance"]) == pytest.approx(0.5, abs=1e-5)
+    assert float(out["confidence"]) == pytest.approx(math.log(2), abs=1e-5)  # BCE(0.5, sigmoid(0))
+
+
+def test_cross_entropy_is_the_weighted_mean_over_valid_positions():
+    logits = torch.log(torch.tensor([[[0.25, 0.75], [0.5, 0.5]]]))
+    labels = torch.tensor([[1, 0]])
+    w = position_weights(2, 4.0)
+    out = dspark_losses(logits, logits, labels, torch.ones(1, 2, dtype=torch.bool),
+                        weights=LossWeights(ce=1.0, l1=0.0, confidence=0.0))
+    expected = (w[0] * -math.log(0.75) + w[1] * -math.log(0.5)) / w.sum()
+    assert float(out["ce"]) == pytest.approx(float(expected), rel=1e-5)
+    masked = dspark_losses(logits, logits, labels, torch.tensor([[True, False]]))
+    assert float(masked["ce"]) == pytest.approx(-math.log(0.75), rel=1e-5)
+
+
+def test_target_mass_outside_the_draft_vocabulary_counts_in_l1():
+    target = torch.log(torch.tensor([[[0.6, 0.3, 0.1]]]))
+    draft_on_subset = torch.log(torch.tensor([[[0.6 / 0.9, 0.3 / 0.9]]]))
+    out = dspark_losses(draft_on_subset, target, torch.tensor([[2]]), torch.ones(1, 1, dtype=torch.bool),
+                        draft_vocab=torch.tensor([0, 1]), target_to_draft=torch.tensor([0, 1, 2]))
+    assert float(out["l1"]) == pytest.approx(abs(0.6 / 0.9 - 0.6) + abs(0.3 / 0.9 - 0.3) + 0.1, abs=1e-5)
+    assert float(out["ce"]) == 0.0  # the label cannot be proposed by the draft: no CE term
+
+
+def test_anchors_stay_inside_the_answer_and_leave_room_for_the_next_token():
+    g = torch.Generator().manual_seed(0)
+    answer_start, lengths = torch.tensor([3, 5, 9]), torch.tensor([10, 7, 10])
+    anchors, valid = sample_anchors(answer_start, lengths, 4, g)
+    for b in range(3):
+        picked = anchors[b][valid[b]]
+        assert bool(((picked >= answer_start[b]) & (picked <= lengths[b] - 2)).all())
+        assert len(set(picked.tolist())) == len(picked)
+    assert valid.sum(1).tolist() == [4, 1, 0]
+
+
+def test_gather_blocks_takes_anchor_plus_k():
+    x = torch.arange(10)[None]
+    assert gather_blocks(x, torch.tensor([[2, 7]]), 3).tolist() == [[[2, 3, 4], [7, 8, 9]]]
+
+
+def test_prompt_files_with_errors_name_the_line(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text('{"id": "a", "prompt": "hi"}\n{"id": "b"}\n')
+    with pytest.raises(DataFileError, match=r"prompts.jsonl:2"):
+        list(read_prompts(path))
+    path.write_text('{"id": "a", "prompt": "hi"}\nnot json\n')
+    with pytest.raises(DataFileError, match=r"prompts.jsonl:2: not valid JSON"):
+        list(read_prompts(path))
+
+
+def test_dataset_files_are_validated(tmp_path):
+    path = tmp_path / "data.jsonl"
+    path.write_text(json.dumps({"id": "a", "input_ids": [1, 2, 3], "answer_start": 3}) + "\n")
+    with pytest.raises(DataFileError, match="answer_start=3"):
+        load_dataset(path)
+    path.write_text(json.dumps({"id": "a", "input_ids": [1, 2, 999], "answer_start": 1}) + "\n")
+    with pytest.raises(DataFileError, match="another tokenizer"):
+        load_dataset(path, vocab_size=VOCAB)
+
+
+class TinyTokenizer:
+    """Characters as tokens, enough for prepare_data on a tiny target."""
+
+    pad_token_id = 0
+    padding_side = "left"
+
+    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True):
+        return messages[-1]["content"]
+
+    def __call__(self, texts, return_tensors=None, padding=False, add_special_tokens=True):
+        if isinstance(texts, str):
+            return {"input_ids": [1 + ord(c) % (VOCAB - 1) for c in texts]}
+        rows = [[1 + ord(c) % (VOCAB - 1) for c in t] for t in texts]
+        width = max(map(len, rows))
+        ids = torch.tensor([[0] * (width - len(r)) + r for r in rows])
+        return {"input_ids": ids, "attention_mask": (ids != 0).long()}
+
+
+def tiny_dataset(tmp_path, target, n=12):
+    prompts = [{"id": f"p{i}", "messages": [{"role": "user", "content": f"question {i} " * (1 + i % 3)}]}
+               for i in range(n)]
+    path = tmp_path / "data.jsonl"
+    prepare_data(target, TinyTokenizer(), iter(prompts), path, n, batch_size=4,
+                 settings=GenerationSettings(max_new_tokens=24), progress=False)
+    return path
+
+
+def test_prepare_data_is_deterministic_and_resumable(tmp_path):
+    target = tiny_target("llama")
+    full = tiny_dataset(tmp_path, target).read_text().splitlines()
+    again = tmp_path / "again"
+    again.mkdir()
+    assert tiny_dataset(again, target).read_text().splitlines() == full
+    partial = tmp_path / "partial"
+    partial.mkdir()
+    (partial / "data.jsonl").write_text("\n".join(full[:4]) + "\n")  # the first batch of 4 survived a crash
+    assert tiny_dataset(partial, target).read_text().splitlines() == full
+    examples = load_dataset(tmp_path / "data.jsonl", vocab_size=VOCAB)
+    assert len(examples) == 12 and all(len(e.input_ids) > e.answer_start for e in examples)
+
+
+def test_cached_features_equal_online_features(tmp_path):
+    target = tiny_target("qwen3")
+    examples = load_dataset(tiny_dataset(tmp_path, target))
+    online = OnlineFeatures(target, [1, 2])
+    cached = CachedFeatures(tmp_path / "cache", target, [1, 2], examples, progress=False)
+    a, b = online(examples[:3]), cached(examples[:3])
+    for x, y in zip(a, b):
+        torch.testing.assert_close(x, y, atol=2e-2, rtol=1e-2)  # the cache stores fp16
+    with pytest.raises(ValueError, match="built for"):
+        CachedFeatures(tmp_path / "cache", target, [1], examples, progress=False)
+
+
+@pytest.mark.parametrize("head_type", ["markov", "none"])
+def test_a_short_training_run_lowers_the_loss_and_saves_a_loadable_draft(tmp_path, head_type):
+    target = tiny_target("llama")
+    data = tiny_dataset(tmp_path, target, n=16)
+    config = TrainConfig(dataset=str(data), output_dir=str(tmp_path / "run"), epochs=12, batch_size=4,
+                         anchors_per_sequence=8, learning_rate=3e-3, heldout_fraction=0.0, save_every=5,
+                         draft=dict(num_hidden_layers=1, markov_rank=8, block_size=3, head_type=head_type,
+                                    draft_vocab_size=40))
+    examples = load_dataset(data)
+
+    def loss_of(draft):
+        from dspark_hf.training.trainer import train_step
+
+        torch.manual_seed(0)
+        losses, _ = train_step(draft, target, examples, OnlineFeatures(target, draft.config.target_layer_ids), 8,
+                               LossWeights(), torch.Generator().manual_seed(0))
+        return float(losses["total"].detach())
+
+    from dspark_hf.training.trainer import make_draft
+
+    before = loss_of(make_draft(target, config, examples))
+    draft = train(config, target=target, progress=False)
+    after = loss_of(draft)
+    assert after < before * 0.95
+    loaded = DSparkDraftModel.from_pretrained(tmp_path / "run").bind_target(target)
+    assert loaded.config.draft_vocab_size == 40 and loaded.config.head_type == head_type
+    assert loss_of(loaded) == pytest.approx(after, rel=1e-3)
+
+
+def test_training_resumes_from_the_last_checkpoint(tmp_path):
+    target = tiny_target("llama")
+    data = tiny_dataset(tmp_path, target, n=8)
+    kw = dict(dataset=str(data), output_dir=str(tmp_path / "run"), batch_size=4, anchors_per_sequence=4,
+              heldout_fraction=0.0, save_every=2, draft=dict(num_hidden_layers=1, markov_rank=4, block_size=3))
+    train(TrainConfig(epochs=2, **kw), target=target, progress=False)  # 4 steps, checkpoints at 2 and 4
+    assert (tmp_path / "run" / "checkpoint-4" / "trainer_state.pt").exists()
+    resumed = train(TrainConfig(epochs=3, **kw), target=target, progress=False)  # continues at step 4
+    assert (tmp_path / "run" / "checkpoint-6").exists() and resumed is not None
