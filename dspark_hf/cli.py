@@ -181,6 +181,22 @@ def cmd_bench_speed(args) -> int:
     return 0
 
 
+def cmd_export(args) -> int:
+    """Save a trained draft for sharing: chosen dtype, code for trust_remote_code, and a generated model card."""
+    from .cards import render_model_card
+    from .model import DSparkDraftModel
+
+    draft = DSparkDraftModel.from_pretrained(args.draft).to(getattr(torch, args.dtype))
+    draft.save_pretrained(args.output)
+    eval_results = json.loads(Path(args.eval).read_text()) if args.eval else None
+    recipe = Path(args.recipe).read_text() if args.recipe else None
+    card = render_model_card(draft.config, args.base_model, args.repo_id, eval_results, recipe)
+    (Path(args.output) / "README.md").write_text(card)
+    size = sum(f.stat().st_size for f in Path(args.output).glob("*.safetensors")) / 1e6
+    print(f"exported to {args.output} ({size:.1f} MB of weights)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dspark", description="DSpark speculative decoding for transformers.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -251,6 +267,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--save-every", type=int, default=200)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("export", help="save a trained draft for sharing, with a generated model card")
+    p.add_argument("draft", help="trained draft directory")
+    p.add_argument("--output", required=True)
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--base-model", required=True, help="hub id of the target, for the card")
+    p.add_argument("--repo-id", default="<your-repo/draft>", help="where the draft will live, for the card")
+    p.add_argument("--eval", help="results.json from `dspark eval`, for the card's results")
+    p.add_argument("--recipe", help="a markdown file describing the training recipe, for the card")
+    p.set_defaults(func=cmd_export)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     p = bench.add_parser("oracle", help="plain vs DSpark with an oracle draft: the ceiling of our loop")

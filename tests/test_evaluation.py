@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 from transformers import PreTrainedTokenizerFast
 
 from conftest import VOCAB, tiny_draft, tiny_target
@@ -123,3 +124,20 @@ def test_bad_prompt_files_and_suites_fail_clearly(tiny_models, tmp_path):
     with pytest.raises(ValueError, match="bad.jsonl:1"):
         main(["eval", "--target", str(tiny_models / "target"), "--draft", str(tiny_models / "draft"),
               "--prompts", str(bad)])
+
+
+def test_export_writes_a_small_checkpoint_and_a_card_from_the_results(tiny_models, tmp_path):
+    results = tmp_path / "results.json"
+    main(["eval", "--target", str(tiny_models / "target"), "--draft", str(tiny_models / "draft"),
+          "--prompts", str(tiny_models / "prompts.jsonl"), "--max-new-tokens", "6", "--output", str(results)])
+    out = tmp_path / "shipped"
+    assert main(["export", str(tiny_models / "draft"), "--output", str(out), "--base-model", "org/tiny-target",
+                 "--eval", str(results)]) == 0
+    card = (out / "README.md").read_text()
+    assert card.startswith("---\nbase_model: org/tiny-target\n")
+    assert "speculative-decoding" in card and "dspark" in card
+    tau = json.loads(results.read_text())["macro_acceptance_length"]
+    assert f"| macro | {tau:.2f} |" in card
+    from dspark_hf import DSparkDraftModel
+
+    assert DSparkDraftModel.from_pretrained(out).dtype == torch.bfloat16
