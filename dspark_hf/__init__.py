@@ -10,7 +10,7 @@ from .generation import DSparkGenerateOutput, DSparkRound, dspark_generate
 from .generation.integration import install as _install_generate_hook
 from .defaults import default_draft, default_target
 from .model import DSparkConfig, DSparkContext, DSparkDraftModel, DraftBlock
-from .scheduling import FixedLength, FullBlock
+from .scheduling import AsyncScheduled, FixedLength, FullBlock, Scheduled, ThresholdPolicy, prefix_schedule
 
 __version__ = "0.1.0"
 
@@ -30,6 +30,10 @@ __all__ = [
     "dspark_generate",
     "FullBlock",
     "FixedLength",
+    "ThresholdPolicy",
+    "Scheduled",
+    "AsyncScheduled",
+    "prefix_schedule",
     "default_target",
     "default_draft",
 ]

@@ -1,0 +1,139 @@
+"""The hardware-aware prefix scheduler (paper sec. 3.2.2, Algorithm 1) and its asynchronous variant (sec. 5.2).
+
+For R requests with conditional confidences c_{r,1..gamma}, the survival probability of draft position j is
+a_{r,j} = prod_{i<=j} c_{r,i}. Verifying lengths l_r sends B = sum(1 + l_r) tokens to the target and is expected
+to commit tau = sum(1 + sum_{j<=l_r} a_{r,j}) tokens, at SPS(B) steps per second: throughput Theta = tau * SPS(B).
+Because a_{r,j} falls with j, admitting candidates in descending order of a respects every request's prefix.
+
+Lossless scheduling needs admission to be non-anticipating: whether position k of a request is verified must not
+depend on the drafted token x_{r,k} (Appendix A). c_{r,k+1} depends on x_{r,k} through the Markov feature, so:
+
+- `prefix_schedule` (Algorithm 1) stops at the first admission that does not raise Theta. Position k is admitted
+  only on evidence up to a_{r,k}; a later, higher Theta that would need a_{r,k+1} is never looked at. Optimal
+  when Theta is unimodal along the admission path (smooth SPS curves).
+- `topk_schedule` admits the K highest a_{r,j}, with K fixed beforehand. a_{r,k} outranks the request's own later
+  candidates (ties broken by position), so whether it makes the cut never depends on x_{r,k}. `AsyncScheduled`
+  takes K from a global search without early stop over the confidences of two steps earlier (sec. 5.2), which
+  cannot depend on the current tokens either, and which sees past jagged SPS cliffs. Use it when SPS(B) is not
+  smooth (real engines: steps at kernel tile sizes) and when the batch size of a step must be known early.
+- A global search over the *current* confidences without early stop is the retrospective scheduler of Appendix
+  A: it leaks x_{r,k} into the admission of position k and biases the output. It exists here only as
+  ``prefix_schedule(..., early_stop=False)`` for capacity estimates on past data and for the counterexample test.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Callable, Sequence
+
+import torch
+
+SPS = Sequence[float] | Callable[[int], float]
+
+
+def _sps_fn(sps: SPS) -> Callable[[int], float]:
+    if callable(sps):
+        return sps
+    table = list(sps)
+
+    def lookup(b: int) -> float:
+        if b >= len(table):
+            raise ValueError(f"SPS table covers batch sizes up to {len(table) - 1}, the schedule needs {b}: "
+                             "profile larger batches or pass a callable.")
+        return table[b]
+
+    return lookup
+
+
+def survival(confidences) -> torch.Tensor:
+    """c (R, gamma) -> a (R, gamma), a_{r,j} = prod_{i<=j} c_{r,i}."""
+    c = torch.as_tensor(confidences, dtype=torch.float64)
+    if c.dim() != 2:
+        raise ValueError(f"confidences must be (R, gamma), got shape {tuple(c.shape)}")
+    return torch.cumprod(c, dim=1)
+
+
+def _candidates(a: torch.Tensor) -> list[tuple[float, int, int]]:
+    """(a_{r,j}, r, j) for a > 0, by descending a; ties by request then position (prefix order)."""
+    R, gamma = a.shape
+    rows = [(float(a[r, j]), r, j + 1) for r in range(R) for j in range(gamma) if a[r, j] > 0]
+    return sorted(rows, key=lambda x: (-x[0], x[1], x[2]))
+
+
+def prefix_schedule(confidences, sps: SPS, early_stop: bool = True) -> list[int]:
+    """Algorithm 1: per-request verification lengths in [0, gamma] maximising tau * SPS(B).
+
+    confidences: R rows of conditional confidences (nested lists or an (R, gamma) tensor); sps: steps per second
+    by verification batch size in tokens, sps[B] or a callable. Keep early_stop=True for lossless decoding.
+    """
+    a = survival(confidences)
+    R = a.shape[0]
+    sps = _sps_fn(sps)
+    lengths, best_lengths = [0] * R, [0] * R
+    B, tau = R, float(R)
+    best = tau * sps(B)
+    for a_rj, r, j in _candidates(a):
+        lengths[r], B, tau = j, B + 1, tau + a_rj
+        theta = tau * sps(B)
+        if theta > best:
+            best, best_lengths = theta, list(lengths)
+        elif early_stop:
+            break
+    return best_lengths
+
+
+def topk_schedule(confidences, capacity: int) -> list[int]:
+    """Admit the `capacity` draft tokens with the highest survival probabilities (prefixes by construction)."""
+    a = survival(confidences)
+    lengths = [0] * a.shape[0]
+    for _, r, j in _candidates(a)[: max(capacity, 0)]:
+        lengths[r] = j
+    return lengths
+
+
+class ThresholdPolicy:
+    """The reference baseline: verify up to the first position whose confidence is below `threshold`."""
+
+    def __init__(self, threshold: float):
+        self.threshold = threshold
+
+    def __call__(self, confidences, gamma: int, num_rows: int) -> torch.Tensor:
+        c = _require(confidences, "ThresholdPolicy")
+        below = c < self.threshold
+        first = torch.where(below.any(1), below.float().argmax(1), torch.full_like(below[:, 0], gamma,
+                                                                                   dtype=torch.long))
+        return first.long()
+
+
+class Scheduled:
+    """Algorithm 1 every round, against a profiled SPS curve (see `dspark profile`)."""
+
+    def __init__(self, sps: SPS):
+        self.sps = sps
+
+    def __call__(self, confidences, gamma: int, num_rows: int) -> torch.Tensor:
+        return torch.tensor(prefix_schedule(_require(confidences, "Scheduled").cpu(), self.sps), dtype=torch.long)
+
+
+class AsyncScheduled:
+    """Sec. 5.2: capacity K from a global search over the confidences of `lag` rounds earlier, then top-K
+    admission over the current survival probabilities. Until `lag` rounds have passed, Algorithm 1 decides."""
+
+    def __init__(self, sps: SPS, lag: int = 2):
+        self.sps, self.lag = sps, lag
+        self.capacities: deque[int] = deque(maxlen=lag)
+
+    def __call__(self, confidences, gamma: int, num_rows: int) -> torch.Tensor:
+        c = _require(confidences, "AsyncScheduled").cpu()
+        if len(self.capacities) == self.lag:
+            lengths = topk_schedule(c, self.capacities[0])
+        else:
+            lengths = prefix_schedule(c, self.sps)
+        self.capacities.append(sum(prefix_schedule(c, self.sps, early_stop=False)))
+        return torch.tensor(lengths, dtype=torch.long)
+
+
+def _require(confidences, name):
+    if confidences is None:
+        raise ValueError(f"{name} needs a draft with a confidence head (config.confidence_head=True).")
+    return torch.as_tensor(confidences, dtype=torch.float64)

@@ -1,0 +1,107 @@
+"""The hardware-aware prefix scheduler reproduces the paper's oracles, and scheduled decoding stays lossless."""
+
+import pytest
+import torch
+
+from conftest import left_padded_prompts, tiny_draft, tiny_target
+from dspark_hf.scheduling.scheduler import AsyncScheduled, Scheduled, ThresholdPolicy, prefix_schedule, \
+    topk_schedule
+
+APPENDIX_A_SPS = [None, 1.0, 0.5, 0.45]
+
+
+def test_appendix_a_capacity_curve_schedules_nothing():
+    assert prefix_schedule([[0.8, 0.9]], APPENDIX_A_SPS) == [0]
+
+
+def test_sps_as_a_callable_or_a_table_agree():
+    conf = [[0.9, 0.8, 0.5], [0.6, 0.6, 0.6]]
+    table = [None] + [8000 / (96 + b) for b in range(1, 10)]
+    assert prefix_schedule(conf, table) == prefix_schedule(conf, lambda b: 8000 / (96 + b))
+
+
+@pytest.mark.parametrize("requests, mean_budget", [(4, 5.00), (32, 3.00), (256, 1.00)])
+def test_budgets_shrink_with_load(requests, mean_budget):
+    """SPS(B) = 8000 / (96 + B), every request with confidences [0.9, 0.85, 0.8, 0.7, 0.6, 0.5]."""
+    conf = [[0.9, 0.85, 0.8, 0.7, 0.6, 0.5]] * requests
+    lengths = prefix_schedule(conf, lambda b: 8000 / (96 + b))
+    assert sum(lengths) / requests == pytest.approx(mean_budget, abs=1e-9)
+
+
+def test_zero_confidences_give_zero_budgets():
+    assert prefix_schedule(torch.zeros(3, 5), lambda b: 1.0) == [0, 0, 0]
+
+
+def test_admission_respects_prefixes_and_top_k():
+    conf = [[0.9, 0.9, 0.1], [0.5, 1.0, 1.0]]
+    assert topk_schedule(conf, 3) == [2, 1]  # a = [.9, .81, .081] and [.5, .5, .5]: .9, .81, then (.5, r1, j1)
+    assert topk_schedule(conf, 0) == [0, 0]
+
+
+def output_distribution(early_stop: bool) -> float:
+    """Appendix A, computed exactly: P(Y = A) when the scheduler sees c_2 = 0.9 after x_1 = A and 0 after B."""
+    p_t, p_d = {"A": 0.7, "B": 0.3}, {"A": 0.5, "B": 0.5}
+    c2 = {"A": 0.9, "B": 0.0}
+    prob_a = 0.0
+    for x1, q in p_d.items():
+        (length,) = prefix_schedule([[0.8, c2[x1]]], APPENDIX_A_SPS, early_stop=early_stop)
+        if length >= 1:  # x1 verified: accepted with min(1, p/q), else the residual (all mass on the other token)
+            accept = min(1.0, p_t[x1] / q)
+            residual_a = max(p_t["A"] - p_d["A"], 0) / sum(max(p_t[v] - p_d[v], 0) for v in "AB")
+            prob_a += q * (accept * (x1 == "A") + (1 - accept) * residual_a)
+        else:  # not verified: the target samples the token itself
+            prob_a += q * p_t["A"]
+    return prob_a
+
+
+def test_retrospective_admission_biases_the_output_and_the_early_stop_does_not():
+    assert output_distribution(early_stop=False) == pytest.approx(0.85)
+    assert output_distribution(early_stop=True) == pytest.approx(0.70)
+
+
+def test_threshold_policy_cuts_at_the_first_low_confidence():
+    lengths = ThresholdPolicy(0.5)(torch.tensor([[0.9, 0.4, 0.9], [0.8, 0.7, 0.6], [0.2, 0.9, 0.9]]), 3, 3)
+    assert lengths.tolist() == [1, 3, 0]
+
+
+def test_async_scheduler_uses_the_capacity_of_two_rounds_earlier():
+    policy = AsyncScheduled(lambda b: 8000 / (96 + b))
+    high, low = torch.full((4, 6), 0.95), torch.full((4, 6), 0.3)
+    first = policy(high, 6, 4)
+    policy(low, 6, 4)
+    third = policy(low, 6, 4)  # capacity from round 1 (high confidence): many tokens admitted
+    assert first.sum() == third.sum() == sum(prefix_schedule(high, lambda b: 8000 / (96 + b), early_stop=False))
+
+
+# -- lossless decoding with scheduling on ---------------------------------------------------------------------------
+@pytest.mark.parametrize("policy", [ThresholdPolicy(0.5), Scheduled(lambda b: 100 / (10 + b)),
+                                    AsyncScheduled(lambda b: 100 / (10 + b))])
+def test_scheduled_greedy_decoding_is_token_identical(family, policy):
+    from test_generation_greedy import dspark, oracle, plain
+
+    target = tiny_target(family)
+    ids, mask = left_padded_prompts(3)
+    reference = plain(target, ids, mask, max_new_tokens=20)
+    out = dspark(target, oracle(target, tiny_draft(target), reference, mask, 0.2), ids, mask, max_new_tokens=20,
+                 verification_policy=policy)
+    assert torch.equal(out.sequences, reference)
+    verified = [r.verified for rows in out.rounds for r in rows]
+    assert min(verified) < 4, "the policy must actually trim some blocks"
+
+
+def test_scheduled_sampling_is_exact():
+    from test_generation_sampling import ALPHA, SAMPLES, exact_distribution, p_value, sample_continuations
+    from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper
+
+    from conftest import tiny_draft as make_draft
+    from test_generation_sampling import V
+
+    target = tiny_target("llama", vocab=V, initializer_range=0.2)
+    draft = make_draft(target, block_size=2, initializer_range=0.05)
+    with torch.no_grad():
+        draft.norm.weight.fill_(0.05)
+    probs = exact_distribution(target, LogitsProcessorList([TemperatureLogitsWarper(0.7), TopKLogitsWarper(4)]))
+    torch.manual_seed(3)
+    samples = sample_continuations(target, draft, SAMPLES, temperature=0.7, top_k=4,
+                                   verification_policy=Scheduled(lambda b: 3000 / (2000 + b)))
+    assert p_value(samples, probs) > ALPHA
