@@ -197,6 +197,46 @@ def cmd_export(args) -> int:
     return 0
 
 
+def cmd_calibrate(args) -> int:
+    """STS on held-out data: raw confidences of full-block rounds -> per-position temperatures saved with the draft."""
+    from tqdm.auto import tqdm
+
+    from .scheduling.calibration import calibration_report, reliability_diagram, sequential_temperature_scaling
+    from .training.data import load_dataset, split_heldout
+
+    target, tokenizer, draft = _load(args)
+    _, heldout = split_heldout(load_dataset(args.dataset), args.heldout_fraction)
+    texts = [tokenizer.decode(e.input_ids[: e.answer_start]) for e in heldout][: args.limit]
+    draft.config.confidence_temperatures = None  # collect raw confidences
+    logits, verified, accepted = [], [], []
+    for i in tqdm(range(0, len(texts), args.batch_size), desc="held-out rollouts"):
+        inputs = tokenizer(texts[i: i + args.batch_size], return_tensors="pt", padding=True, add_special_tokens=False)
+        out = target.generate(**inputs, max_new_tokens=args.max_new_tokens, do_sample=args.temperature > 0,
+                              **({"temperature": args.temperature} if args.temperature > 0 else {}),
+                              assistant_model=draft, return_dict_in_generate=True)
+        for r in (r for rows in out.rounds for r in rows):
+            logits.append(torch.logit(torch.tensor(r.confidences, dtype=torch.double), eps=1e-12))
+            verified.append(r.verified)
+            accepted.append(r.accepted)
+    logits, verified, accepted = torch.stack(logits), torch.tensor(verified), torch.tensor(accepted)
+    gamma = draft.config.block_size
+    temps = sequential_temperature_scaling(logits, verified, accepted)
+    report = {"before": calibration_report(logits, verified, accepted, [1.0] * gamma),
+              "after": calibration_report(logits, verified, accepted, temps), "temperatures": temps,
+              "prompts": len(texts), "rounds": len(accepted), "max_new_tokens": args.max_new_tokens,
+              "temperature": args.temperature}
+    out_dir = Path(args.output)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    draft.config.confidence_temperatures = temps
+    draft.save_pretrained(out_dir)
+    (out_dir / "calibration.json").write_text(json.dumps(report, indent=2))
+    reliability_diagram(logits, verified, accepted, [1.0] * gamma, temps, out_dir / "reliability.png")
+    print(f"ECE {report['before']['ece']:.2%} -> {report['after']['ece']:.2%}, ROC-AUC "
+          f"{report['before']['roc_auc']:.3f} -> {report['after']['roc_auc']:.3f} on {len(accepted)} rounds; "
+          f"temperatures {[round(t, 2) for t in temps]}; saved to {out_dir}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dspark", description="DSpark speculative decoding for transformers.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -277,6 +317,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval", help="results.json from `dspark eval`, for the card's results")
     p.add_argument("--recipe", help="a markdown file describing the training recipe, for the card")
     p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser("calibrate", help="Sequential Temperature Scaling of the confidence head on held-out data")
+    models(p)
+    p.add_argument("--dataset", required=True, help="the training JSONL; its held-out split is used")
+    p.add_argument("--heldout-fraction", type=float, default=0.05, help="as in training")
+    p.add_argument("--limit", type=int, help="at most this many held-out prompts")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--output", required=True, help="directory for the calibrated draft, calibration.json and "
+                                                   "reliability.png")
+    p.set_defaults(func=cmd_calibrate)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     p = bench.add_parser("oracle", help="plain vs DSpark with an oracle draft: the ceiling of our loop")
