@@ -161,7 +161,7 @@ def cmd_eval(args) -> int:
 
 
 def cmd_bench_speed(args) -> int:
-    from .evaluation.evaluate import bench_speed
+    from .evaluation.evaluate import bench_speed, format_speed_table
     from .evaluation.machine import describe
     from .evaluation.suites import load_prompts
 
@@ -173,10 +173,7 @@ def cmd_bench_speed(args) -> int:
     Path(args.output).write_text(json.dumps(report, indent=2))
     print(f"\n{describe(report['machine'])}; {len(prompts)} prompts, batch {args.batch_size}, "
           f"max_new_tokens={args.max_new_tokens}, median of {args.repeats}")
-    print("| method | tokens/s | vs plain | tau |\n|---|---:|---:|---:|")
-    for name, m in report["methods"].items():
-        tau = "" if m["acceptance_length"] is None else f"{m['acceptance_length']:.2f}"
-        print(f"| {name} | {m['tokens_per_s']:.1f} | {m['ratio_to_plain']:.2f}x | {tau} |")
+    print(format_speed_table(report))
     print(f"results: {args.output}")
     return 0
 

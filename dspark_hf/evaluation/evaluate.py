@@ -145,6 +145,14 @@ def bench_speed(target, tokenizer, draft, prompts: list[dict], batch_size: int =
     }
 
 
+def format_speed_table(report: dict) -> str:
+    lines = ["| method | tokens/s | vs plain | tau |", "|---|---:|---:|---:|"]
+    for name, m in report["methods"].items():
+        tau = "" if m["acceptance_length"] is None else f"{m['acceptance_length']:.2f}"
+        lines.append(f"| {name} | {m['tokens_per_s']:.1f} | {m['ratio_to_plain']:.2f}x | {tau} |")
+    return "\n".join(lines)
+
+
 def _user_tokens(new: torch.Tensor, eos_ids: set[int]) -> int:
     total = 0
     for row in new.tolist():

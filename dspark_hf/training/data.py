@@ -56,22 +56,27 @@ def read_sharegpt(path: Path | None = None) -> Iterator[dict]:
 def read_prompts(path: str | Path) -> Iterator[dict]:
     """Prompts from a JSONL file: each line {"id", "prompt"} (a user message) or {"id", "messages"}, optionally with
     "domain". Raises DataFileError naming the line for anything else."""
+    for n, obj in _jsonl(path):
+        if not isinstance(obj, dict) or "id" not in obj or ("prompt" in obj) == ("messages" in obj):
+            raise DataFileError(f'{path}:{n}: expected {{"id", "prompt"}} or {{"id", "messages"}} (exactly one '
+                                f"of prompt/messages), got keys {sorted(obj) if isinstance(obj, dict) else obj}.")
+        messages = obj.get("messages") or [{"role": "user", "content": obj["prompt"]}]
+        if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m and "content" in m
+                                                      for m in messages):
+            raise DataFileError(f'{path}:{n}: "messages" must be a list of {{"role", "content"}} objects.')
+        yield {"id": str(obj["id"]), "messages": messages, "domain": obj.get("domain")}
+
+
+def _jsonl(path) -> Iterator[tuple[int, object]]:
+    """(line number, decoded object) for each non-empty line; DataFileError naming the line otherwise."""
     with open(path, encoding="utf-8") as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
-                obj = json.loads(line)
+                yield n, json.loads(line)
             except json.JSONDecodeError as e:
                 raise DataFileError(f"{path}:{n}: not valid JSON ({e.msg}). Each line must be one JSON object.") from e
-            if not isinstance(obj, dict) or "id" not in obj or ("prompt" in obj) == ("messages" in obj):
-                raise DataFileError(f'{path}:{n}: expected {{"id", "prompt"}} or {{"id", "messages"}} (exactly one '
-                                    f"of prompt/messages), got keys {sorted(obj) if isinstance(obj, dict) else obj}.")
-            messages = obj.get("messages") or [{"role": "user", "content": obj["prompt"]}]
-            if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m and "content" in m
-                                                          for m in messages):
-                raise DataFileError(f'{path}:{n}: "messages" must be a list of {{"role", "content"}} objects.')
-            yield {"id": str(obj["id"]), "messages": messages, "domain": obj.get("domain")}
 
 
 # -- regeneration --------------------------------------------------------------------------------------------------
@@ -154,23 +159,19 @@ class Example:
 def load_dataset(path: str | Path, vocab_size: int | None = None) -> list[Example]:
     """Read a dataset written by prepare_data, validating every line."""
     examples = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-                ex = Example(str(obj["id"]), list(obj["input_ids"]), int(obj["answer_start"]))
-            except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
-                raise DataFileError(f'{path}:{n}: expected {{"id", "input_ids", "answer_start"}} as written by '
-                                    f"`dspark prepare-data` ({type(e).__name__}: {e}).") from e
-            if not 0 < ex.answer_start < len(ex.input_ids):
-                raise DataFileError(f"{path}:{n}: answer_start={ex.answer_start} must index a token of input_ids "
-                                    f"(length {len(ex.input_ids)}) after at least one prompt token.")
-            if vocab_size is not None and any(not 0 <= t < vocab_size for t in ex.input_ids):
-                raise DataFileError(f"{path}:{n}: token ids outside the target vocabulary (size {vocab_size}): the "
-                                    "dataset was made with another tokenizer.")
-            examples.append(ex)
+    for n, obj in _jsonl(path):
+        try:
+            ex = Example(str(obj["id"]), list(obj["input_ids"]), int(obj["answer_start"]))
+        except (KeyError, TypeError, ValueError) as e:
+            raise DataFileError(f'{path}:{n}: expected {{"id", "input_ids", "answer_start"}} as written by '
+                                f"`dspark prepare-data` ({type(e).__name__}: {e}).") from e
+        if not 0 < ex.answer_start < len(ex.input_ids):
+            raise DataFileError(f"{path}:{n}: answer_start={ex.answer_start} must index a token of input_ids "
+                                f"(length {len(ex.input_ids)}) after at least one prompt token.")
+        if vocab_size is not None and any(not 0 <= t < vocab_size for t in ex.input_ids):
+            raise DataFileError(f"{path}:{n}: token ids outside the target vocabulary (size {vocab_size}): the "
+                                "dataset was made with another tokenizer.")
+        examples.append(ex)
     if not examples:
         raise DataFileError(f"{path}: no examples.")
     return examples

@@ -1,0 +1,33 @@
+"""Print the README's result tables from the JSON files the commands wrote (no figure is typed by hand).
+
+    python examples/readme_tables.py runs/eval_dspark.json runs/eval_dflash.json examples/results/*.json
+"""
+
+import json
+import sys
+
+from dspark_hf.cli import _summary_table
+from dspark_hf.evaluation.bench_oracle import format_oracle_table
+from dspark_hf.evaluation.evaluate import format_speed_table
+from dspark_hf.evaluation.machine import describe
+
+for path in sys.argv[1:]:
+    data = json.load(open(path))
+    print(f"\n### {path}\n")
+    if data.get("benchmark") == "oracle":
+        print(f"{describe(data['machine'])}\n\n{format_oracle_table(data)}")
+    elif "methods" in data:
+        s = data["settings"]
+        print(f"{describe(data['machine'])}; {s['prompts']} prompts, batch {s['batch_size']}, "
+              f"max_new_tokens={s['max_new_tokens']}, median of {s['repeats']}\n")
+        print(format_speed_table(data))
+    elif "overall" in data:
+        s = data["settings"]
+        print(f"{describe(data['machine'])}; {s['prompts']} prompts, max_new_tokens={s['max_new_tokens']}, "
+              f"temperature={s['temperature']}\n")
+        print(_summary_table(data))
+    elif "before" in data:
+        b, a = data["before"], data["after"]
+        print(f"STS on {data['rounds']} held-out rounds ({data['prompts']} prompts): ECE {b['ece']:.2%} -> "
+              f"{a['ece']:.2%}, ROC-AUC {b['roc_auc']:.3f} -> {a['roc_auc']:.3f}; temperatures "
+              f"{[round(t, 2) for t in data['temperatures']]}")
