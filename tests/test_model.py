@@ -223,6 +223,14 @@ def test_save_and_auto_load_round_trip_bit_identically_without_target_weights(tm
     assert isinstance(loaded, DSparkDraftModel)
     for (name, a), (_, b) in zip(draft.state_dict().items(), loaded.state_dict().items()):
         assert torch.equal(a, b), name
+    # and it computes the same thing (guards state that is not in the state dict, e.g. RoPE frequencies)
+    loaded.bind_target(target)
+    ids, features, positions = context_for(draft, target)
+    torch.manual_seed(0)
+    before = draft.draft_block(ids[:, -1], positions[:, -1], encode(draft, features, positions), do_sample=True)
+    torch.manual_seed(0)
+    after = loaded.draft_block(ids[:, -1], positions[:, -1], encode(loaded, features, positions), do_sample=True)
+    assert torch.equal(before.tokens, after.tokens) and torch.equal(before.probs, after.probs)
 
     with safe_open(tmp_path / "model.safetensors", "pt") as f:
         keys = list(f.keys())

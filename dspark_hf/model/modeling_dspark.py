@@ -51,13 +51,15 @@ class DSparkRMSNorm(nn.Module):
 class DSparkRotaryEmbedding(nn.Module):
     def __init__(self, config: DSparkConfig):
         super().__init__()
-        dim = config.head_dim
-        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.dim, self.theta = config.head_dim, config.rope_theta
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions (N, T) -> cos, sin (N, 1, T, head_dim)."""
-        freqs = positions.float()[..., None] * self.inv_freq
+        # computed here rather than kept as a non-persistent buffer: from_pretrained materialises models from
+        # the meta device and leaves such buffers uninitialised
+        exponent = torch.arange(0, self.dim, 2, dtype=torch.float, device=positions.device) / self.dim
+        inv_freq = 1.0 / (self.theta ** exponent)
+        freqs = positions.float()[..., None] * inv_freq
         emb = torch.cat([freqs, freqs], dim=-1)[:, None]
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
