@@ -167,8 +167,15 @@ def cmd_bench_speed(args) -> int:
 
     prompts = load_prompts(args.prompts, args.suite, args.limit)
     target, tokenizer, draft = _load(args)
+    extra = {}
+    if args.profile:
+        from .scheduling import Scheduled
+        from .scheduling.profile import load_profile
+
+        extra["dspark_scheduled"] = {"assistant_model": draft, "verification_policy": Scheduled(load_profile(
+            args.profile))}
     report = bench_speed(target, tokenizer, draft, prompts, args.batch_size, args.max_new_tokens, args.repeats,
-                         args.temperature)
+                         args.temperature, extra_methods=extra)
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output).write_text(json.dumps(report, indent=2))
     print(f"\n{describe(report['machine'])}; {len(prompts)} prompts, batch {args.batch_size}, "
@@ -231,6 +238,19 @@ def cmd_calibrate(args) -> int:
     print(f"ECE {report['before']['ece']:.2%} -> {report['after']['ece']:.2%}, ROC-AUC "
           f"{report['before']['roc_auc']:.3f} -> {report['after']['roc_auc']:.3f} on {len(accepted)} rounds; "
           f"temperatures {[round(t, 2) for t in temps]}; saved to {out_dir}")
+    return 0
+
+
+def cmd_profile(args) -> int:
+    from .scheduling.profile import profile_sps, save_profile
+
+    target, _, _ = _load(args, draft=False)
+    profile = profile_sps(target, args.rows, args.max_tokens, args.context, args.repeats)
+    save_profile(profile, args.output)
+    print("| B (tokens) | SPS (steps/s) | tokens/s at full acceptance |\n|---:|---:|---:|")
+    for b, v in profile["sps"].items():
+        print(f"| {b} | {v:.2f} | {b * v:.1f} |")
+    print(f"profile: {args.output}")
     return 0
 
 
@@ -327,6 +347,15 @@ def build_parser() -> argparse.ArgumentParser:
                                                    "reliability.png")
     p.set_defaults(func=cmd_calibrate)
 
+    p = sub.add_parser("profile", help="measure SPS(B) of the target's verification forward for the scheduler")
+    p.add_argument("--target", help="target model path or hub id (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--rows", type=int, default=1, help="requests per verification batch")
+    p.add_argument("--max-tokens", type=int, default=8, help="verified tokens per row, 1..this")
+    p.add_argument("--context", type=int, default=256, help="cached context length")
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--output", default="profile.json")
+    p.set_defaults(func=cmd_profile)
+
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     p = bench.add_parser("oracle", help="plain vs DSpark with an oracle draft: the ceiling of our loop")
     models(p)
@@ -341,6 +370,7 @@ def build_parser() -> argparse.ArgumentParser:
     prompt_set(p)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--output", default="bench.json")
+    p.add_argument("--profile", help="a `dspark profile` JSON: adds DSpark with the hardware-aware scheduler")
     p.set_defaults(func=cmd_bench_speed)
     return parser
 

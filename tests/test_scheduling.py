@@ -105,3 +105,15 @@ def test_scheduled_sampling_is_exact():
     samples = sample_continuations(target, draft, SAMPLES, temperature=0.7, top_k=4,
                                    verification_policy=Scheduled(lambda b: 3000 / (2000 + b)))
     assert p_value(samples, probs) > ALPHA
+
+
+def test_profile_measures_every_batch_size_and_loads_as_a_callable(tmp_path):
+    from dspark_hf.scheduling.profile import load_profile, profile_sps, save_profile
+
+    profile = profile_sps(tiny_target("llama"), rows=2, max_tokens_per_row=3, context=16, repeats=2, warmup=1)
+    assert sorted(profile["sps"]) == [2, 4, 6] and all(v > 0 for v in profile["sps"].values())
+    save_profile(profile, tmp_path / "p.json")
+    sps = load_profile(tmp_path / "p.json")
+    assert sps(4) == pytest.approx(profile["sps"][4])
+    assert min(profile["sps"][2], profile["sps"][4]) <= sps(3) <= max(profile["sps"][2], profile["sps"][4])
+    assert sps(12) == pytest.approx(profile["sps"][6] * 6 / 12)
