@@ -26,8 +26,8 @@ def _load(args, draft: bool = True):
     if getattr(args, "draft", None):
         from .model import DSparkDraftModel
 
-        return target, tokenizer, DSparkDraftModel.from_pretrained(args.draft).to(target.device).bind_target(
-            target).eval()
+        draft = DSparkDraftModel.from_pretrained(args.draft, dtype=target.dtype).to(target.device)
+        return target, tokenizer, draft.bind_target(target).eval()
     return target, tokenizer, default_draft(target)
 
 
