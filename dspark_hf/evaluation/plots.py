@@ -71,7 +71,8 @@ def plot_threshold_sweep(sweep: dict, out_dir: str | Path) -> Path:
         ax.set_xlabel("confidence threshold")
         ax.set_title(domain)
         twin = ax.twinx()
-        twin.plot(xs, [r["acceptance_rate"] or 0 for r in rows], color="black", marker="o", label="acceptance rate")
+        rates = [float("nan") if r["acceptance_rate"] is None else r["acceptance_rate"] for r in rows]  # gap: none verified
+        twin.plot(xs, rates, color="black", marker="o", label="acceptance rate")
         twin.set_ylim(0, 1)
     axes[0][0].legend(loc="upper left", fontsize=8)
     fig.tight_layout()
