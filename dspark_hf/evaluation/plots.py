@@ -30,6 +30,7 @@ def plot_eval(results: dict | list[tuple[str, dict]], out_dir: str | Path) -> li
             ax.plot(ks, [ca[k - 1] for k in ks], marker="o", label=label)
         ax.set_title(domain)
         ax.set_xlabel("draft position k")
+        ax.set_xticks(range(1, 1 + max(len(r["overall"]["conditional_acceptance"]) for _, r in runs)))
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("conditional acceptance")
     axes[0][-1].legend()

@@ -1,0 +1,138 @@
+"""Configuration of a DSpark draft model (DSpark, DeepSeek 2026, sec. 2.2 and 3.1-3.2.1)."""
+
+from dataclasses import field
+
+from transformers import PreTrainedConfig
+
+HEAD_TYPES = ("markov", "rnn", "none")
+
+
+class DSparkConfig(PreTrainedConfig):
+    r"""
+    Configuration of a [`DSparkDraftModel`]: a parallel draft backbone that reads a target model's hidden states
+    (context injection), plus a light sequential head (Markov or RNN) and a confidence head.
+
+    The draft shares the target's frozen embedding table and LM head, so its hidden size equals the target's. The
+    target geometry fields record which target the draft was built for, so that binding it to another one fails
+    with a clear error instead of drafting garbage.
+
+    Use [`DSparkDraftModel.from_target`] to size a fresh draft for a target; pass any field as an override.
+    """
+
+    model_type = "dspark"
+
+    # --- drafting -------------------------------------------------------------------------------------------
+    block_size: int = field(
+        default=7,
+        metadata={"help": "Inputs per drafted block, anchor included (anchor + block_size - 1 mask tokens). "
+                  "The draft proposes block_size tokens per round; up to block_size + 1 are committed."},
+    )
+    mask_token_id: int | None = field(
+        default=None,
+        metadata={"help": "Target-vocabulary id whose (frozen) embedding fills the non-anchor block positions. "
+                  "Pick a reserved or unused token."},
+    )
+    target_layer_ids: list[int] | None = field(
+        default=None,
+        metadata={"help": "Target decoder layers whose outputs feed the draft (HF hidden_states[i + 1]). "
+                  "Never the last layer: HF returns it after the final norm."},
+    )
+    head_type: str = field(
+        default="markov",
+        metadata={"help": "Sequential head: 'markov' (eq. 5, low-rank first-order transition bias), 'rnn' "
+                  "(eq. 6, gated recurrent state over the block) or 'none' (DFlash-style parallel ablation)."},
+    )
+    markov_rank: int = field(
+        default=256,
+        metadata={"help": "Rank r of the transition factorisation B = W1 W2 (and RNN state size)."},
+    )
+    confidence_head: bool = field(
+        default=True,
+        metadata={"help": "Whether to predict c_k, the probability that draft position k survives verification "
+                  "given that positions 1..k-1 did (eq. 7)."},
+    )
+    confidence_temperatures: list[float] | None = field(
+        default=None,
+        metadata={"help": "Per-position temperatures from Sequential Temperature Scaling (sec. 3.2.1); "
+                  "c_k = sigmoid(logit_k / T_k). None means uncalibrated (all 1)."},
+    )
+    draft_vocab_size: int | None = field(
+        default=None,
+        metadata={"help": "If set, the draft proposes only this many target tokens (ids kept in the "
+                  "`draft_vocab` buffer), which shrinks the draft-side LM head and sequential head. None: the "
+                  "full target vocabulary. Losslessness does not depend on it."},
+    )
+    # --- the draft's own transformer --------------------------------------------------------------------------
+    hidden_size: int = field(default=576, metadata={"help": "Must equal the target's hidden size."})
+    intermediate_size: int = field(default=1536, metadata={"help": "MLP width of each draft layer."})
+    num_hidden_layers: int = field(default=2, metadata={"help": "Draft decoder layers."})
+    num_attention_heads: int = field(default=9, metadata={"help": "Query heads per draft layer."})
+    num_key_value_heads: int = field(default=3, metadata={"help": "Key/value heads per draft layer (GQA)."})
+    head_dim: int | None = field(default=None, metadata={"help": "Per-head size; default hidden/heads."})
+    hidden_act: str = field(default="silu", metadata={"help": "MLP activation (gated)."})
+    rms_norm_eps: float = field(default=1e-5, metadata={"help": "RMSNorm epsilon."})
+    rope_theta: float = field(default=10000.0, metadata={"help": "RoPE base for the draft's own attention."})
+    max_position_embeddings: int = field(default=8192, metadata={"help": "Longest context the draft expects."})
+    attention_bias: bool = field(default=False, metadata={"help": "Bias on q/k/v/o projections."})
+    qk_norm: bool = field(
+        default=False, metadata={"help": "Per-head RMSNorm on queries and keys (as Qwen3 / Gemma3 targets do)."}
+    )
+    initializer_range: float = field(default=0.02, metadata={"help": "Std of the normal weight init."})
+    # --- the target it was built for ----------------------------------------------------------------------------
+    target_model_type: str | None = field(default=None, metadata={"help": "config.model_type of the target."})
+    target_name_or_path: str | None = field(default=None, metadata={"help": "Hub id or path of the target."})
+    target_vocab_size: int | None = field(default=None, metadata={"help": "Target vocabulary size."})
+    target_hidden_size: int | None = field(default=None, metadata={"help": "Target hidden size."})
+    target_num_hidden_layers: int | None = field(default=None, metadata={"help": "Target decoder layers."})
+    final_logit_softcapping: float | None = field(
+        default=None,
+        metadata={"help": "The target's final-logit soft cap (Gemma), applied to the draft's base logits "
+                  "before the transition bias."},
+    )
+    tie_word_embeddings: bool = field(
+        default=False, metadata={"help": "Unused: the draft owns no embedding or LM head."}
+    )
+
+    def __post_init__(self, **kwargs):
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.confidence_temperatures is not None:
+            self.confidence_temperatures = [float(t) for t in self.confidence_temperatures]
+        super().__post_init__(**kwargs)
+        self.validate_dspark()
+
+    @property
+    def vocab_size(self) -> int | None:
+        return self.target_vocab_size
+
+    def validate_dspark(self):
+        """Raise a ValueError naming the field and the fix for settings that cannot work."""
+        if self.head_type not in HEAD_TYPES:
+            raise ValueError(f"head_type={self.head_type!r} is not one of {HEAD_TYPES}.")
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}.")
+        if self.head_type != "none" and self.markov_rank < 1:
+            raise ValueError(f"markov_rank must be >= 1 for head_type={self.head_type!r}; use head_type='none' "
+                             "for a head-less draft.")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                             f"num_key_value_heads ({self.num_key_value_heads}).")
+        if self.target_layer_ids is not None:
+            if len(self.target_layer_ids) == 0:
+                raise ValueError("target_layer_ids must name at least one target layer.")
+            if self.target_num_hidden_layers is not None:
+                bad = [i for i in self.target_layer_ids if not 0 <= i < self.target_num_hidden_layers - 1]
+                if bad:
+                    raise ValueError(
+                        f"target_layer_ids {bad} are out of range for a target with {self.target_num_hidden_layers} "
+                        f"layers: use ids in [0, {self.target_num_hidden_layers - 2}] (never the last layer, which "
+                        "HF returns after the final norm).")
+        if self.confidence_temperatures is not None and len(self.confidence_temperatures) != self.block_size:
+            raise ValueError(f"confidence_temperatures has {len(self.confidence_temperatures)} entries; it needs one "
+                             f"per block position ({self.block_size}).")
+        if self.target_hidden_size is not None and self.target_hidden_size != self.hidden_size:
+            raise ValueError(f"hidden_size ({self.hidden_size}) must equal target_hidden_size "
+                             f"({self.target_hidden_size}): the draft shares the target's embedding and LM head.")
+
+
+__all__ = ["DSparkConfig"]

@@ -1,0 +1,522 @@
+"""DSpark draft model: a parallel backbone with target-context injection, a sequential head and a confidence head.
+
+Notation follows the DSpark paper (DeepSeek, 2026):
+
+- the *anchor* x_0 is the last committed token; a block feeds [x_0, m, ..., m] (``block_size`` = gamma inputs, m the
+  mask token) through the backbone and gets gamma hidden states h_1..h_gamma; position k predicts the token at
+  anchor + k (eq. 4 with the anchor-first layout of sec. 3.1);
+- the backbone reads the target's hidden states of the committed context: concat of ``target_layer_ids`` features
+  -> fc -> RMSNorm (eq. 2), projected by each layer's own k/v weights (eq. 3). Context rows are never queries;
+  block rows attend to the context before the anchor and bidirectionally to each other;
+- U_k are base logits from the target's frozen LM head, B_k a transition bias from the sequential head (eq. 5, 6),
+  p_k = softmax(U_k + B_k) and c_k the confidence (eq. 7).
+
+This file imports nothing from dspark_hf but its configuration, so a saved draft loads with
+``trust_remote_code=True`` where dspark_hf is not installed.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PreTrainedModel
+from transformers.activations import ACT2FN
+from transformers.utils import ModelOutput
+
+from .configuration_dspark import DSparkConfig
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# building blocks
+# ---------------------------------------------------------------------------------------------------------------
+class DSparkRMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class DSparkRotaryEmbedding(nn.Module):
+    def __init__(self, config: DSparkConfig):
+        super().__init__()
+        self.dim, self.theta = config.head_dim, config.rope_theta
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions (N, T) -> cos, sin (N, 1, T, head_dim)."""
+        # computed here rather than kept as a non-persistent buffer: from_pretrained materialises models from
+        # the meta device and leaves such buffers uninitialised
+        exponent = torch.arange(0, self.dim, 2, dtype=torch.float, device=positions.device) / self.dim
+        inv_freq = 1.0 / (self.theta ** exponent)
+        freqs = positions.float()[..., None] * inv_freq
+        emb = torch.cat([freqs, freqs], dim=-1)[:, None]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+class DSparkAttention(nn.Module):
+    """Block queries over keys/values = cat(context, block) (eq. 3)."""
+
+    def __init__(self, config: DSparkConfig):
+        super().__init__()
+        d, hd = config.hidden_size, config.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, hd
+        self.q_proj = nn.Linear(d, self.num_heads * hd, bias=config.attention_bias)
+        self.k_proj = nn.Linear(d, self.num_kv_heads * hd, bias=config.attention_bias)
+        self.v_proj = nn.Linear(d, self.num_kv_heads * hd, bias=config.attention_bias)
+        self.o_proj = nn.Linear(self.num_heads * hd, d, bias=config.attention_bias)
+        self.q_norm = DSparkRMSNorm(hd, config.rms_norm_eps) if config.qk_norm else nn.Identity()
+        self.k_norm = DSparkRMSNorm(hd, config.rms_norm_eps) if config.qk_norm else nn.Identity()
+
+    def _heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
+        return x.view(*x.shape[:2], n, self.head_dim).transpose(1, 2)
+
+    def key_value(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x (N, T, d) -> k, v (N, H_kv, T, head_dim), RoPE applied to k."""
+        k = self.k_norm(self._heads(self.k_proj(x), self.num_kv_heads))
+        v = self._heads(self.v_proj(x), self.num_kv_heads)
+        return apply_rope(k, cos, sin), v
+
+    def forward(self, x, cos, sin, context_k, context_v, mask) -> torch.Tensor:
+        """x (N, Q, d) block rows; context_k/v (N, H_kv, C, hd); mask (N, Q, C + Q) bool, True = may attend."""
+        q = apply_rope(self.q_norm(self._heads(self.q_proj(x), self.num_heads)), cos, sin)
+        k, v = self.key_value(x, cos, sin)
+        k, v = torch.cat([context_k, k], dim=2), torch.cat([context_v, v], dim=2)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], enable_gqa=True)
+        return self.o_proj(out.transpose(1, 2).reshape(*x.shape[:2], -1))
+
+
+class DSparkMLP(nn.Module):
+    def __init__(self, config: DSparkConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.act = ACT2FN[config.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DSparkDecoderLayer(nn.Module):
+    def __init__(self, config: DSparkConfig):
+        super().__init__()
+        self.input_layernorm = DSparkRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = DSparkAttention(config)
+        self.post_attention_layernorm = DSparkRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = DSparkMLP(config)
+
+    def forward(self, x, cos, sin, context_k, context_v, mask) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, context_k, context_v, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# context and outputs
+# ---------------------------------------------------------------------------------------------------------------
+@dataclass
+class DSparkContext:
+    """The injected target context, already projected into every draft layer's keys and values.
+
+    keys/values: one (N, H_kv, C, head_dim) tensor per draft layer; positions (N, C) absolute token positions;
+    valid (N, C) bool, False for padding. Entries may be in any order: RoPE is baked into the keys, and a block
+    attends to the valid entries whose position is before its anchor.
+    """
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    positions: torch.Tensor
+    valid: torch.Tensor
+
+    @property
+    def length(self) -> int:
+        return self.positions.shape[1]
+
+    def map(self, fn: Callable[[torch.Tensor, int], torch.Tensor]) -> "DSparkContext":
+        """Apply fn(tensor, seq_dim) to every tensor, e.g. to crop, shift or select rows consistently."""
+        return DSparkContext(
+            keys=[fn(k, 2) for k in self.keys],
+            values=[fn(v, 2) for v in self.values],
+            positions=fn(self.positions, 1),
+            valid=fn(self.valid, 1),
+        )
+
+    def cat(self, other: "DSparkContext") -> "DSparkContext":
+        return DSparkContext(
+            keys=[torch.cat(p, 2) for p in zip(self.keys, other.keys)],
+            values=[torch.cat(p, 2) for p in zip(self.values, other.values)],
+            positions=torch.cat([self.positions, other.positions], 1),
+            valid=torch.cat([self.valid, other.valid], 1),
+        )
+
+
+@dataclass
+class DSparkOutput(ModelOutput):
+    """Teacher-forced outputs over blocks: logits (N, A, gamma, V_draft) = U + B; confidence_logits (N, A, gamma)
+    (pre-sigmoid, uncalibrated); hidden_states (N, A, gamma, d) after the final norm."""
+
+    logits: torch.Tensor | None = None
+    confidence_logits: torch.Tensor | None = None
+    hidden_states: torch.Tensor | None = None
+
+
+@dataclass
+class DraftBlock:
+    """A sampled block. tokens (N, gamma) target ids; probs (N, gamma, V) the exact distributions the tokens were
+    drawn from (after logits processors); confidences (N, gamma) calibrated c_k in (0, 1), or None."""
+
+    tokens: torch.Tensor
+    probs: torch.Tensor
+    confidences: torch.Tensor | None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the model
+# ---------------------------------------------------------------------------------------------------------------
+class DSparkPreTrainedModel(PreTrainedModel):
+    config_class = DSparkConfig
+    config: DSparkConfig
+    base_model_prefix = "dspark"
+    _no_split_modules = ["DSparkDecoderLayer"]
+    _supports_sdpa = True
+
+    def _init_weights(self, module):
+        super()._init_weights(module)
+        if isinstance(module, DSparkRMSNorm):
+            with torch.no_grad():
+                module.weight.fill_(1.0)
+
+
+class DSparkDraftModel(DSparkPreTrainedModel):
+    """DSpark draft model. Owns the backbone, the sequential head and the confidence head; borrows the target's
+    frozen input embedding and LM head through [`bind_target`] (they are never saved with the draft)."""
+
+    def __init__(self, config: DSparkConfig):
+        super().__init__(config)
+        if config.target_layer_ids is None or config.target_vocab_size is None:
+            raise ValueError("DSparkConfig needs target_layer_ids and target_vocab_size: build the draft with "
+                             "DSparkDraftModel.from_target(target) or load a saved one with from_pretrained.")
+        d, r = config.hidden_size, config.markov_rank
+        feature_size = len(config.target_layer_ids) * (config.target_hidden_size or d)
+        self.fc = nn.Linear(feature_size, d, bias=False)
+        self.context_norm = DSparkRMSNorm(d, config.rms_norm_eps)
+        self.layers = nn.ModuleList(DSparkDecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = DSparkRMSNorm(d, config.rms_norm_eps)
+        self.rotary_emb = DSparkRotaryEmbedding(config)
+
+        vocab = config.draft_vocab_size or config.target_vocab_size
+        if config.draft_vocab_size is not None:
+            # target id -> draft index; ids outside the draft vocabulary share one extra row of W1
+            self.register_buffer("draft_vocab", torch.arange(vocab), persistent=True)
+            self.register_buffer("target_to_draft", torch.full((config.target_vocab_size,), vocab), persistent=True)
+            self.target_to_draft[self.draft_vocab] = torch.arange(vocab)
+        uses_prev_token = config.head_type != "none"
+        self.w1 = nn.Embedding(vocab + (config.draft_vocab_size is not None), r) if uses_prev_token else None
+        self.w2 = nn.Linear(r, vocab, bias=False) if uses_prev_token else None
+        self.rnn_proj = nn.Linear(2 * r + d, 3 * r) if config.head_type == "rnn" else None
+        self.confidence = nn.Linear(d + (r if uses_prev_token else 0), 1) if config.confidence_head else None
+        self.post_init()
+
+    # -- target binding ------------------------------------------------------------------------------------------
+    @classmethod
+    def from_target(cls, target: PreTrainedModel, **overrides) -> "DSparkDraftModel":
+        """A fresh, untrained draft sized for `target` (any HF decoder-only causal LM), already bound to it.
+
+        Feature layers follow the reference rule (one per draft layer, spread uniformly over [1, L - 3]); the mask
+        token is the target's pad token when it is not also EOS/BOS, else the last vocabulary id. Every config
+        field can be overridden, e.g. ``from_target(target, num_hidden_layers=1, markov_rank=16, block_size=4)``.
+        """
+        t = target.config.get_text_config()
+        n_layers = overrides.get("num_hidden_layers", 5)
+        lo = min(1, t.num_hidden_layers - 2)
+        hi = max(lo, t.num_hidden_layers - 3)
+        layer_ids = sorted({round(lo + i * (hi - lo) / max(n_layers - 1, 1)) for i in range(n_layers)})
+        vocab = target.get_output_embeddings().weight.shape[0]
+        specials = {i for i in _as_list(t.eos_token_id) + _as_list(getattr(t, "bos_token_id", None))}
+        pad = getattr(t, "pad_token_id", None)
+        mask_token_id = pad if pad is not None and pad not in specials and pad < vocab else vocab - 1
+        rope = getattr(t, "rope_parameters", None) or {}
+        if "full_attention" in rope:  # per-layer-type rope parameters (Gemma3)
+            rope = rope["full_attention"]
+        has_qk_norm = any(name.endswith("k_norm") for name, _ in target.named_modules())
+        fields = dict(
+            block_size=7,
+            mask_token_id=mask_token_id,
+            target_layer_ids=layer_ids,
+            hidden_size=t.hidden_size,
+            intermediate_size=t.intermediate_size,
+            num_hidden_layers=n_layers,
+            num_attention_heads=t.num_attention_heads,
+            num_key_value_heads=getattr(t, "num_key_value_heads", None) or t.num_attention_heads,
+            head_dim=getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads,
+            hidden_act=getattr(t, "hidden_activation", None) or getattr(t, "hidden_act", "silu"),
+            rms_norm_eps=getattr(t, "rms_norm_eps", 1e-6),
+            rope_theta=rope.get("rope_theta", getattr(t, "rope_theta", 10000.0)),
+            max_position_embeddings=getattr(t, "max_position_embeddings", 8192),
+            qk_norm=has_qk_norm,
+            target_model_type=t.model_type,
+            target_name_or_path=getattr(target.config, "_name_or_path", None) or None,
+            target_vocab_size=vocab,
+            target_hidden_size=t.hidden_size,
+            target_num_hidden_layers=t.num_hidden_layers,
+            final_logit_softcapping=getattr(t, "final_logit_softcapping", None),
+        )
+        fields.update(overrides)
+        draft_vocab = fields.pop("draft_vocab", None)
+        if draft_vocab is not None:
+            fields["draft_vocab_size"] = len(draft_vocab)
+        draft = cls(DSparkConfig(**fields)).to(device=target.device, dtype=target.dtype)
+        if draft_vocab is not None:
+            draft.set_draft_vocab(torch.as_tensor(draft_vocab))
+        return draft.bind_target(target)
+
+    def set_draft_vocab(self, ids: torch.Tensor) -> None:
+        """Set the target ids the draft may propose (requires ``draft_vocab_size == len(ids)``)."""
+        ids = ids.to(self.draft_vocab.device, torch.long)
+        if ids.shape != self.draft_vocab.shape or ids.unique().numel() != ids.numel():
+            raise ValueError(f"draft vocabulary needs {self.draft_vocab.numel()} distinct ids, got {ids.numel()}.")
+        self.draft_vocab.copy_(ids)
+        self.target_to_draft.fill_(ids.numel())
+        self.target_to_draft[ids] = torch.arange(ids.numel(), device=ids.device)
+        self._lm_weight = None
+
+    def check_target(self, target: PreTrainedModel) -> None:
+        """Raise a ValueError that says what differs if this draft was not built for `target`."""
+        c, t = self.config, target.config.get_text_config()
+        out = target.get_output_embeddings()
+        problems = []
+        if out is None:
+            problems.append("the target has no LM head (get_output_embeddings() is None)")
+        elif out.weight.shape[0] != c.target_vocab_size:
+            problems.append(f"vocabulary size {out.weight.shape[0]} != {c.target_vocab_size} the draft was built for")
+        if t.hidden_size != c.hidden_size:
+            problems.append(f"hidden size {t.hidden_size} != {c.hidden_size}")
+        bad = [i for i in c.target_layer_ids if not 0 <= i < t.num_hidden_layers - 1]
+        if bad:
+            problems.append(f"target_layer_ids {bad} do not exist below the last of its {t.num_hidden_layers} "
+                            "layers")
+        if c.mask_token_id is None or not 0 <= c.mask_token_id < c.target_vocab_size:
+            problems.append(f"mask_token_id {c.mask_token_id} is not a token of the target vocabulary")
+        if problems:
+            raise ValueError(
+                f"This DSpark draft was built for {c.target_name_or_path or c.target_model_type or 'another target'}"
+                f" and does not fit {getattr(target.config, '_name_or_path', '') or t.model_type}: "
+                + "; ".join(problems)
+                + ". Use a draft trained for this target, or make one with DSparkDraftModel.from_target(target).")
+        if c.target_model_type is not None and c.target_model_type != t.model_type:
+            warnings.warn(f"Draft built for a {c.target_model_type!r} target is bound to a {t.model_type!r} target "
+                          "with the same geometry; acceptance will likely be poor.", stacklevel=3)
+
+    def bind_target(self, target: PreTrainedModel) -> "DSparkDraftModel":
+        """Borrow the target's frozen input embedding and LM head (not registered as submodules, never saved)."""
+        self.check_target(target)
+        self.__dict__["_target_embed"] = target.get_input_embeddings()
+        self.__dict__["_target_lm_head"] = target.get_output_embeddings()
+        self.__dict__["_lm_weight"] = None
+        self.__dict__["_bound_to"] = id(target)
+        return self
+
+    def is_bound_to(self, target: PreTrainedModel) -> bool:
+        return self.__dict__.get("_bound_to") == id(target)
+
+    def _require_target(self):
+        if self.__dict__.get("_target_embed") is None:
+            raise RuntimeError("This draft is not bound to a target: call draft.bind_target(target) first (generate() "
+                               "does it for you).")
+
+    # -- pieces of the forward pass ----------------------------------------------------------------------------
+    @property
+    def hidden_states_request(self) -> list[int]:
+        """What to pass as the target's ``output_hidden_states`` so it returns only the layers the draft reads."""
+        return [i + 1 for i in self.config.target_layer_ids]
+
+    def target_features(self, hidden_states: tuple[torch.Tensor | None, ...]) -> torch.Tensor:
+        """The target's ``hidden_states`` output -> features (N, T, m * d_t) in ``target_layer_ids`` order."""
+        return torch.cat([hidden_states[i] for i in self.hidden_states_request], dim=-1)
+
+    def encode_context(self, features: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor) -> DSparkContext:
+        """Target features (N, C, m * d_t) of committed tokens -> per-layer keys/values (eq. 2-3)."""
+        h = self.context_norm(self.fc(features.to(self.fc.weight.dtype)))
+        cos, sin = self.rotary_emb(positions, h.dtype)
+        kv = [layer.self_attn.key_value(h, cos, sin) for layer in self.layers]
+        return DSparkContext([k for k, _ in kv], [v for _, v in kv], positions, valid.bool())
+
+    def empty_context(self, batch_size: int) -> DSparkContext:
+        c, p = self.config, self.fc.weight
+        empty = p.new_zeros(batch_size, c.num_key_value_heads, 0, c.head_dim)
+        return DSparkContext([empty] * len(self.layers), [empty] * len(self.layers),
+                             torch.zeros(batch_size, 0, dtype=torch.long, device=p.device),
+                             torch.zeros(batch_size, 0, dtype=torch.bool, device=p.device))
+
+    def backbone(self, anchor_ids: torch.Tensor, anchor_positions: torch.Tensor, context: DSparkContext):
+        """anchor_ids, anchor_positions (N, A) -> h (N, A, gamma, d): one block per anchor, all in one pass."""
+        self._require_target()
+        N, A = anchor_ids.shape
+        gamma = self.config.block_size
+        block_ids = anchor_ids.new_full((N, A, gamma), self.config.mask_token_id)
+        block_ids[..., 0] = anchor_ids
+        x = self._target_embed(block_ids.view(N, A * gamma)).to(self.fc.weight.dtype)
+        offsets = torch.arange(gamma, device=anchor_ids.device)
+        positions = (anchor_positions[..., None] + offsets).view(N, A * gamma)
+        cos, sin = self.rotary_emb(positions, x.dtype)
+
+        anchor_of_row = anchor_positions.repeat_interleave(gamma, dim=1)  # (N, A * gamma)
+        sees_context = context.valid[:, None, :] & (context.positions[:, None, :] < anchor_of_row[..., None])
+        block_of_row = torch.arange(A, device=x.device).repeat_interleave(gamma)
+        sees_block = (block_of_row[:, None] == block_of_row[None, :]).expand(N, -1, -1)
+        mask = torch.cat([sees_context, sees_block], dim=-1)
+
+        for layer, k, v in zip(self.layers, context.keys, context.values):
+            x = layer(x, cos, sin, k, v, mask)
+        return self.norm(x).view(N, A, gamma, -1)
+
+    def base_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """U_k over the draft vocabulary, soft-capped like the target's final logits."""
+        if self.config.draft_vocab_size is None:
+            logits = self._target_lm_head(h)
+        else:
+            if self.__dict__.get("_lm_weight") is None or self._lm_weight.device != h.device:
+                self.__dict__["_lm_weight"] = self._target_lm_head.weight[self.draft_vocab].detach()
+            logits = F.linear(h, self._lm_weight.to(h.dtype))
+        cap = self.config.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap
+
+    def _prev_embedding(self, prev_ids: torch.Tensor) -> torch.Tensor:
+        """W1[x_{k-1}] for target ids."""
+        if self.config.draft_vocab_size is not None:
+            prev_ids = self.target_to_draft[prev_ids]
+        return self.w1(prev_ids)
+
+    def transition(self, prev_emb, h, state):
+        """Sequential head step: (bias B_k over the draft vocab, new state). prev_emb (.., r), h (.., d)."""
+        if self.config.head_type == "markov":
+            return self.w2(prev_emb), state
+        z = torch.cat([state, prev_emb, h], dim=-1)
+        gate, cand, out = self.rnn_proj(z).chunk(3, dim=-1)
+        gate = torch.sigmoid(gate)
+        state = gate * state + (1 - gate) * torch.tanh(cand)
+        return self.w2(torch.tanh(out)), state
+
+    def confidence_logit(self, h, prev_emb) -> torch.Tensor:
+        feats = h if prev_emb is None else torch.cat([h, prev_emb.to(h.dtype)], dim=-1)
+        return self.confidence(feats).squeeze(-1)
+
+    def calibrated(self, confidence_logits: torch.Tensor) -> torch.Tensor:
+        """c_k = sigmoid(logit_k / T_k) with the STS temperatures (sec. 3.2.1); gamma is the last dim."""
+        temps = self.config.confidence_temperatures
+        if temps is not None:
+            confidence_logits = confidence_logits / confidence_logits.new_tensor(temps[: confidence_logits.shape[-1]])
+        return torch.sigmoid(confidence_logits)
+
+    def to_target_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        """Draft-vocab logits (.., V_draft) -> target-vocab logits (.., V), -inf for tokens the draft never proposes."""
+        if self.config.draft_vocab_size is None:
+            return logits
+        full = logits.new_full((*logits.shape[:-1], self.config.target_vocab_size), float("-inf"))
+        return full.index_copy_(-1, self.draft_vocab, logits)
+
+    # -- teacher-forced forward (training, analysis) --------------------------------------------------------------
+    def forward(
+        self,
+        anchor_ids: torch.Tensor,
+        anchor_positions: torch.Tensor,
+        context: DSparkContext | None = None,
+        block_tokens: torch.Tensor | None = None,
+        context_features: torch.Tensor | None = None,
+        context_positions: torch.Tensor | None = None,
+        context_valid: torch.Tensor | None = None,
+    ) -> DSparkOutput:
+        """Blocks at anchors (N, A) over `context` (or over raw target features (N, C, m * d_t) with their
+        positions and validity (N, C), encoded here, as training does), with the sequential and confidence heads
+        teacher-forced on `block_tokens` (N, A, gamma): position k conditions on block_tokens[..., k - 1] (the
+        anchor for k = 1). Returns draft-vocabulary logits; use [`to_target_vocab`] for target-vocabulary ones."""
+        if context is None:
+            context = self.encode_context(context_features, context_positions, context_valid)
+        h = self.backbone(anchor_ids, anchor_positions, context)
+        logits = self.base_logits(h)
+        if self.w1 is None:
+            conf = self.confidence_logit(h, None) if self.confidence is not None else None
+            return DSparkOutput(logits=logits, confidence_logits=conf, hidden_states=h)
+        if block_tokens is None:
+            raise ValueError("A draft with a sequential head needs block_tokens for a teacher-forced forward; "
+                             "use draft_block() to sample a block instead.")
+        prev = torch.cat([anchor_ids[..., None], block_tokens[..., :-1]], dim=-1).clamp_min(0)
+        prev_emb = self._prev_embedding(prev)
+        if self.config.head_type == "markov":
+            bias, _ = self.transition(prev_emb, h, None)
+        else:
+            state = h.new_zeros(*h.shape[:-2], self.config.markov_rank)
+            steps = []
+            for k in range(h.shape[-2]):
+                b, state = self.transition(prev_emb[..., k, :], h[..., k, :], state)
+                steps.append(b)
+            bias = torch.stack(steps, dim=-2)
+        conf = self.confidence_logit(h, prev_emb) if self.confidence is not None else None
+        return DSparkOutput(logits=logits + bias, confidence_logits=conf, hidden_states=h)
+
+    # -- sampling ------------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def draft_block(
+        self,
+        anchor_ids: torch.Tensor,
+        anchor_positions: torch.Tensor,
+        context: DSparkContext,
+        do_sample: bool = False,
+        process_logits: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+        generator: torch.Generator | None = None,
+    ) -> DraftBlock:
+        """Draft one block per row, left to right (eq. 4).
+
+        anchor_ids, anchor_positions (N,). `process_logits(tokens_so_far (N, k), logits (N, V)) -> logits` applies
+        generation's logits processors (temperature, top-k, ...) exactly as they will be applied to the target.
+        Greedy (do_sample=False) takes the argmax of the processed logits.
+        """
+        h = self.backbone(anchor_ids[:, None], anchor_positions[:, None], context)[:, 0]  # (N, gamma, d)
+        U = self.base_logits(h)
+        N, gamma = h.shape[:2]
+        state = h.new_zeros(N, self.config.markov_rank) if self.config.head_type == "rnn" else None
+        prev = anchor_ids
+        tokens, probs, conf_logits = [], [], []
+        for k in range(gamma):
+            prev_emb = self._prev_embedding(prev) if self.w1 is not None else None
+            logits = U[:, k]
+            if prev_emb is not None:
+                bias, state = self.transition(prev_emb, h[:, k], state)
+                logits = logits + bias
+            if self.confidence is not None:
+                conf_logits.append(self.confidence_logit(h[:, k], prev_emb))
+            logits = self.to_target_vocab(logits.float())
+            if process_logits is not None:
+                prefix = torch.stack(tokens, 1) if tokens else anchor_ids.new_zeros(N, 0)
+                logits = process_logits(prefix, logits)
+            p = torch.softmax(logits, dim=-1)
+            x = torch.multinomial(p, 1, generator=generator).squeeze(1) if do_sample else logits.argmax(-1)
+            tokens.append(x)
+            probs.append(p)
+            prev = x
+        confidences = self.calibrated(torch.stack(conf_logits, 1).float()) if conf_logits else None
+        return DraftBlock(torch.stack(tokens, 1), torch.stack(probs, 1), confidences)
+
+
+def _as_list(x) -> list:
+    if x is None:
+        return []
+    return list(x) if isinstance(x, (list, tuple)) else [x]
+
+
+__all__ = ["DSparkDraftModel", "DSparkPreTrainedModel", "DSparkContext", "DSparkOutput", "DraftBlock"]
