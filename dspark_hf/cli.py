@@ -235,8 +235,11 @@ def cmd_calibrate(args) -> int:
     draft.save_pretrained(out_dir)
     (out_dir / "calibration.json").write_text(json.dumps(report, indent=2))
     reliability_diagram(logits, verified, accepted, [1.0] * gamma, temps, out_dir / "reliability.png")
+    def auc(x):  # undefined when every held-out position was accepted, or none was
+        return "n/a" if x is None else f"{x:.3f}"
+
     print(f"ECE {report['before']['ece']:.2%} -> {report['after']['ece']:.2%}, ROC-AUC "
-          f"{report['before']['roc_auc']:.3f} -> {report['after']['roc_auc']:.3f} on {len(accepted)} rounds; "
+          f"{auc(report['before']['roc_auc'])} -> {auc(report['after']['roc_auc'])} on {len(accepted)} rounds; "
           f"temperatures {[round(t, 2) for t in temps]}; saved to {out_dir}")
     return 0
 

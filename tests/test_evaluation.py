@@ -141,3 +141,23 @@ def test_export_writes_a_small_checkpoint_and_a_card_from_the_results(tiny_model
     from dspark_hf import DSparkDraftModel
 
     assert DSparkDraftModel.from_pretrained(out).dtype == torch.bfloat16
+
+
+def test_dspark_calibrate_saves_temperatures_a_report_and_a_diagram(tiny_models, tmp_path):
+    data = tmp_path / "data.jsonl"
+    with data.open("w") as f:
+        for i in range(6):
+            ids = [4 + (i * 5 + j) % 80 for j in range(8 + i)]
+            f.write(json.dumps({"id": f"d{i}", "prompt": "", "input_ids": ids, "answer_start": 5}) + "\n")
+    out = tmp_path / "calibrated"
+    assert main(["calibrate", "--target", str(tiny_models / "target"), "--draft", str(tiny_models / "draft"),
+                 "--dataset", str(data), "--heldout-fraction", "1.0", "--max-new-tokens", "10",
+                 "--output", str(out)]) == 0
+    report = json.loads((out / "calibration.json").read_text())
+    assert len(report["temperatures"]) == 4 and report["rounds"] > 0
+    assert set(report["before"]) >= {"ece", "roc_auc", "ece_per_position"}
+    assert report["after"]["ece"] <= report["before"]["ece"] + 1e-9
+    assert (out / "reliability.png").stat().st_size > 1000
+    from dspark_hf import DSparkDraftModel
+
+    assert DSparkDraftModel.from_pretrained(out).config.confidence_temperatures == report["temperatures"]
