@@ -37,7 +37,7 @@ def test_greedy_is_token_identical_with_left_padding(family, batch, corruption):
     accepted = [r.accepted for rows in out.rounds for r in rows]
     assert max(accepted) == draft.config.block_size, "some block must be accepted whole"
     if corruption:
-        assert 0 < min(accepted) or 0 in accepted  # partial acceptance happens
+        assert any(0 < a < draft.config.block_size for a in accepted), "corrupted blocks are accepted partly"
         assert len(set(accepted)) > 2
 
 
@@ -147,14 +147,17 @@ def test_round_records_add_up():
     free = plain(target, ids, mask, max_new_tokens=20)
     out = dspark(target, oracle(target, tiny_draft(target), free, mask, 0.3), ids, mask, max_new_tokens=20)
     gamma = 4
-    for rows in out.rounds:
+    for row, rows in enumerate(out.rounds):
         assert sum(r.committed for r in rows) == 20 - 1  # the first token comes from the prefill
+        rebuilt = []
         for r in rows:
             assert len(r.drafted) == gamma and len(r.draft_probs) == gamma and len(r.confidences) == gamma
             assert 0 <= r.accepted <= r.verified <= gamma
             assert r.tau == r.accepted + 1
             assert r.bonus == (r.accepted == r.verified)
-            assert r.drafted[: r.accepted] == r.drafted[: r.accepted]
+            rebuilt += (r.drafted[: r.accepted] + [r.next_token])[: r.committed]
+        # accepted drafts + the target's token, round after round, are exactly the generated tokens
+        assert rebuilt == out.sequences[row, ids.shape[1] + 1:].tolist()
     assert set(out.timings) == {"prefill", "draft", "target", "total"}
     assert out.timings["total"] >= out.timings["prefill"] + out.timings["draft"] + out.timings["target"]
 

@@ -168,12 +168,14 @@ class _Decoder:
             self.streamer.put(chunk[0, : int(counts[0])].cpu())
         return self.n_gen[rows] >= self.max_new
 
-    def _forward(self, input_ids, mask, positions, cache, logits_to_keep):
+    def _forward(self, input_ids, mask, positions, cache, logits_to_keep, timing: str | None = "target"):
+        """Target forward returning only the hidden states the draft reads; its time is added to `timing`."""
         start = time.perf_counter()
         out = self.target(input_ids=input_ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
                           use_cache=True, output_hidden_states=self.draft.hidden_states_request,
                           logits_to_keep=logits_to_keep)
-        self.timings["target"] += time.perf_counter() - start
+        if timing is not None:
+            self.timings[timing] += time.perf_counter() - start
         return out
 
     # -- the decode ------------------------------------------------------------------------------------------------
@@ -201,8 +203,7 @@ class _Decoder:
         mask = self.prompt_mask
         positions = (mask.long().cumsum(1) - 1).clamp_min(0)
         cache = DynamicCache()
-        out = self.target(input_ids=self.prompt, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                          use_cache=True, output_hidden_states=self.draft.hidden_states_request, logits_to_keep=1)
+        out = self._forward(self.prompt, mask, positions, cache, logits_to_keep=1, timing=None)  # in "prefill"
         scores = self._process(rows, self.prompt.new_zeros(B, 0), out.logits[:, -1])
         token = self._pick(scores)
         context = self.draft.encode_context(self.draft.target_features(out.hidden_states), positions, mask.bool())

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -231,9 +232,13 @@ def evaluate_heldout(draft, target, heldout, features, anchors_per_sequence, wei
             "expected_tau_from_acceptance": expected_tau}
 
 
+def _checkpoints(out_dir: Path) -> list[Path]:
+    """checkpoint-<step> folders, oldest first."""
+    return sorted(out_dir.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
+
+
 def _latest_checkpoint(out_dir: Path) -> Path | None:
-    found = sorted(out_dir.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
-    found = [p for p in found if (p / _STATE).exists()]
+    found = [p for p in _checkpoints(out_dir) if (p / _STATE).exists()]
     return found[-1] if found else None
 
 
@@ -242,7 +247,5 @@ def _save_checkpoint(model, optimizer, schedule, step, out_dir: Path):
     model.save_pretrained(path)
     torch.save({"optimizer": optimizer.state_dict(), "schedule": schedule.state_dict(), "step": step},
                path / _STATE)
-    for old in sorted(out_dir.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))[:-2]:
-        import shutil
-
+    for old in _checkpoints(out_dir)[:-2]:
         shutil.rmtree(old, ignore_errors=True)
