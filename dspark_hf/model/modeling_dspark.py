@@ -4,7 +4,8 @@ Notation follows the DSpark paper (DeepSeek, 2026):
 
 - the *anchor* x_0 is the last committed token; a block feeds [x_0, m, ..., m] (``block_size`` = gamma inputs, m the
   mask token) through the backbone and gets gamma hidden states h_1..h_gamma; position k predicts the token at
-  anchor + k (eq. 4 with the anchor-first layout of sec. 3.1);
+  anchor + k (eq. 4 with the anchor-first layout of sec. 3.1); converted DFlash drafts (``anchor_predicts=False``)
+  feed gamma + 1 inputs and read h_1..h_gamma from the mask rows, the anchor row's output unused;
 - the backbone reads the target's hidden states of the committed context: concat of ``target_layer_ids`` features
   -> fc -> RMSNorm (eq. 2), projected by each layer's own k/v weights (eq. 3). Context rows are never queries;
   block rows attend to the context before the anchor and bidirectionally to each other;
@@ -339,6 +340,39 @@ class DSparkDraftModel(DSparkPreTrainedModel):
             raise RuntimeError("This draft is not bound to a target: call draft.bind_target(target) first (generate() "
                                "does it for you).")
 
+    # -- saving and sharing --------------------------------------------------------------------------------------
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
+        """transformers' `from_pretrained` (hub ids, revisions, cache, tokens); under ``HF_HUB_OFFLINE=1`` a draft
+        missing from the cache raises an error that says so (`dspark_hf.hub.offline_load_error`)."""
+        try:
+            return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+        except OSError as error:
+            hub = _dspark_hub()
+            clearer = None if hub is None else hub.offline_load_error(pretrained_model_name_or_path, kwargs)
+            if clearer is None:
+                raise
+            raise clearer from error
+
+    def save_pretrained(self, save_directory, *args, model_card: bool = True, card_data=None, **kwargs):
+        """transformers' `save_pretrained`, plus a README.md model card (`dspark_hf.hub.save_pretrained`): written
+        unless the folder holds a README.md that dspark-hf did not generate, or ``model_card=False``. `card_data`
+        (a `dspark_hf.cards.CardData` or dict: base_model, repo_id, eval_results, calibration, recipe, ...) feeds
+        it. Without dspark_hf installed (remote code), no card is written."""
+        hub = _dspark_hub(card_data)
+        if hub is None:
+            return super().save_pretrained(save_directory, *args, **kwargs)
+        return hub.save_pretrained(self, super().save_pretrained, save_directory, *args, model_card=model_card,
+                                   card_data=card_data, **kwargs)
+
+    def push_to_hub(self, repo_id: str, *, model_card: bool = True, card_data=None, **kwargs):
+        """transformers' `push_to_hub` (same arguments), with the card of [`save_pretrained`] as README.md
+        (`dspark_hf.hub.push_to_hub`; ``model_card=False`` leaves the Hub's README.md alone)."""
+        hub = _dspark_hub(card_data)
+        if hub is None:
+            return super().push_to_hub(repo_id, **kwargs)
+        return hub.push_to_hub(self, repo_id, model_card=model_card, card_data=card_data, **kwargs)
+
     # -- pieces of the forward pass ----------------------------------------------------------------------------
     @property
     def hidden_states_request(self) -> list[int]:
@@ -368,22 +402,23 @@ class DSparkDraftModel(DSparkPreTrainedModel):
         self._require_target()
         N, A = anchor_ids.shape
         gamma = self.config.block_size
-        block_ids = anchor_ids.new_full((N, A, gamma), self.config.mask_token_id)
+        rows = gamma if self.config.anchor_predicts else gamma + 1  # DFlash layout: one more row, anchor output unused
+        block_ids = anchor_ids.new_full((N, A, rows), self.config.mask_token_id)
         block_ids[..., 0] = anchor_ids
-        x = self._target_embed(block_ids.view(N, A * gamma)).to(self.fc.weight.dtype)
-        offsets = torch.arange(gamma, device=anchor_ids.device)
-        positions = (anchor_positions[..., None] + offsets).view(N, A * gamma)
+        x = self._target_embed(block_ids.view(N, A * rows)).to(self.fc.weight.dtype)
+        offsets = torch.arange(rows, device=anchor_ids.device)
+        positions = (anchor_positions[..., None] + offsets).view(N, A * rows)
         cos, sin = self.rotary_emb(positions, x.dtype)
 
-        anchor_of_row = anchor_positions.repeat_interleave(gamma, dim=1)  # (N, A * gamma)
+        anchor_of_row = anchor_positions.repeat_interleave(rows, dim=1)  # (N, A * rows)
         sees_context = context.valid[:, None, :] & (context.positions[:, None, :] < anchor_of_row[..., None])
-        block_of_row = torch.arange(A, device=x.device).repeat_interleave(gamma)
+        block_of_row = torch.arange(A, device=x.device).repeat_interleave(rows)
         sees_block = (block_of_row[:, None] == block_of_row[None, :]).expand(N, -1, -1)
         mask = torch.cat([sees_context, sees_block], dim=-1)
 
         for layer, k, v in zip(self.layers, context.keys, context.values):
             x = layer(x, cos, sin, k, v, mask)
-        return self.norm(x).view(N, A, gamma, -1)
+        return self.norm(x).view(N, A, rows, -1)[:, :, rows - gamma:]
 
     def base_logits(self, h: torch.Tensor) -> torch.Tensor:
         """U_k over the draft vocabulary, soft-capped like the target's final logits."""
@@ -511,6 +546,20 @@ class DSparkDraftModel(DSparkPreTrainedModel):
             prev = x
         confidences = self.calibrated(torch.stack(conf_logits, 1).float()) if conf_logits else None
         return DraftBlock(torch.stack(tokens, 1), torch.stack(probs, 1), confidences)
+
+
+def _dspark_hub(card_data=None):
+    """dspark_hf.hub (cards and pushing), imported on use: this file is also copied next to saved weights and
+    runs as remote code where dspark_hf may be absent; then None, and saving works as in plain transformers."""
+    try:
+        from dspark_hf import hub
+    except ModuleNotFoundError as error:
+        if error.name != "dspark_hf":
+            raise
+        if card_data is not None:
+            raise ImportError("card_data needs dspark-hf to render the model card: pip install dspark-hf") from error
+        return None
+    return hub
 
 
 def _as_list(x) -> list:

@@ -27,6 +27,12 @@ class DSparkConfig(PreTrainedConfig):
         metadata={"help": "Inputs per drafted block, anchor included (anchor + block_size - 1 mask tokens). "
                   "The draft proposes block_size tokens per round; up to block_size + 1 are committed."},
     )
+    anchor_predicts: bool = field(
+        default=True,
+        metadata={"help": "True (DSpark): the anchor row's output predicts the first draft token. False (DFlash "
+                  "checkpoints): the block gets one more mask row and each mask row predicts its own position; "
+                  "the anchor row only conditions the others. Either way block_size tokens are drafted."},
+    )
     mask_token_id: int | None = field(
         default=None,
         metadata={"help": "Target-vocabulary id whose (frozen) embedding fills the non-anchor block positions. "

@@ -1,0 +1,278 @@
+"""Convert public DSpark / DFlash draft checkpoints into a [`DSparkDraftModel`] (``dspark convert``).
+
+The layouts, as read from the public code (all three use a Qwen3-style backbone: fc -> ``hidden_norm`` on the
+concatenated target features, layers whose k/v projections (+ k_norm, RoPE) also run on the context, final norm):
+
+- ``deepspec``: ``Qwen3DSparkModel`` of deepseek-ai/DeepSpec (deepspec/modeling/dspark/qwen3/{config,modeling}.py,
+  markov_head.py, common.py at commit afdfa7c). Flat config (a copy of the target's Qwen3 config) with
+  ``block_size``, ``mask_token_id``, ``target_layer_ids``, ``markov_rank``, ``markov_head_type``,
+  ``enable_confidence_head``, ``confidence_head_with_markov``; the state dict duplicates the target's
+  ``embed_tokens`` and ``lm_head``. Row k of the block [x_0, m, ...] predicts the token at anchor + k + 1, as ours.
+- ``specforge``: ``DSparkDraftModel`` of sgl-project/SpecForge (specforge/modeling/draft/{dspark,dflash}.py,
+  specforge/algorithms/common/dflash_family_model.py at commit a6b6b02). Same heads and key names, settings under
+  ``dflash_config`` (``projector_type="dspark"``), no embedding or LM head. Trained with labels anchor + 1 ..
+  anchor + block_size (``OnlineDSparkModel``), as ours. (SpecForge's own ``spec_generate`` samples from rows 1..
+  block_size - 1 instead; we follow the training labels the weights were fit to.)
+- ``dflash``: ``DFlashDraftModel`` of z-lab/dflash (dflash/model.py at commit 44947fb; SpecForge's DFlash is the
+  same layout). Backbone only, ``dflash_config`` with ``mask_token_id`` and ``target_layer_ids``. A block of
+  ``block_size`` rows drafts ``block_size - 1`` tokens, each mask row predicting its own position, so it becomes
+  ``head_type="none"`` with ``anchor_predicts=False`` and our ``block_size`` one less.
+
+The target's embedding and LM head are never stored in our checkpoint: source copies are dropped only after they
+are checked equal to the target's.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from transformers import PreTrainedModel
+
+from .configuration_dspark import DSparkConfig
+from .modeling_dspark import DSparkDraftModel
+
+SOURCES = ("deepspec", "specforge", "dflash")
+
+# source key prefix -> our parameter prefix; keys under no prefix here keep their name (layers.*, norm, fc)
+_RENAMES = {
+    "hidden_norm.": "context_norm.",
+    "markov_head.markov_w1.": "w1.",
+    "markov_head.markov_w2.": "w2.",
+    "markov_head.joint_proj.": "rnn_proj.",
+    "confidence_head.proj.": "confidence.",
+}
+# copies of the target's frozen weights: source key -> how to fetch the target's tensor
+_TARGET_COPIES = {
+    "embed_tokens.weight": lambda target: target.get_input_embeddings().weight,
+    "lm_head.weight": lambda target: target.get_output_embeddings().weight,
+}
+_ARCHITECTURES = {"deepspec": "Qwen3DSparkModel", "specforge": "DSparkDraftModel", "dflash": "DFlashDraftModel"}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# config
+# ---------------------------------------------------------------------------------------------------------------
+def backbone_fields(raw: dict, source: str) -> dict:
+    """The Qwen3 backbone fields shared by all three layouts -> DSparkConfig fields."""
+    architectures = raw.get("architectures") or []
+    if architectures != [_ARCHITECTURES[source]] or raw.get("model_type") != "qwen3":
+        hint = {"DFlashDraftModel": " (a DFlash draft: use --from dflash)",
+                "DSparkDraftModel": " (a SpecForge DSpark draft: use --from specforge)",
+                "Qwen3DSparkModel": " (a DeepSpec draft: use --from deepspec)"}.get(next(iter(architectures), ""), "")
+        raise NotImplementedError(
+            f"--from {source} expects architectures [{_ARCHITECTURES[source]!r}] with model_type 'qwen3'; this "
+            f"checkpoint has {architectures} / {raw.get('model_type')!r}{hint}. Other backbones (e.g. DeepSpec's "
+            "Gemma4DSparkModel: unscaled attention, v_norm, extra feed-forward norms, a layer scalar) are not mapped.")
+    missing = [k for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                           "num_key_value_heads", "rms_norm_eps", "vocab_size", "num_target_layers") if k not in raw]
+    if missing:
+        raise ValueError(f"config.json lacks {missing}, which a {source} checkpoint carries (num_target_layers is "
+                         "taken from the target when one is passed).")
+    rope = raw.get("rope_parameters") or {**(raw.get("rope_scaling") or {}), "rope_theta": raw.get("rope_theta")}
+    if rope.get("rope_type", rope.get("type", "default")) != "default" or rope.get("rope_theta") is None:
+        raise NotImplementedError(f"RoPE settings {rope} are not supported: the draft uses plain RoPE with a "
+                                  "rope_theta and no scaling.")
+    sliding = [i for i, kind in enumerate(_layer_types(raw)) if kind != "full_attention"]
+    if sliding:
+        raise NotImplementedError(f"Draft layers {sliding} use sliding-window attention (causal within the block); "
+                                  "DSparkDraftModel layers are full attention, bidirectional within the block.")
+    return dict(
+        hidden_size=raw["hidden_size"], intermediate_size=raw["intermediate_size"],
+        num_hidden_layers=raw["num_hidden_layers"], num_attention_heads=raw["num_attention_heads"],
+        num_key_value_heads=raw["num_key_value_heads"],
+        head_dim=raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"],
+        hidden_act=raw.get("hidden_act", "silu"), rms_norm_eps=raw["rms_norm_eps"],
+        rope_theta=float(rope["rope_theta"]), max_position_embeddings=raw.get("max_position_embeddings", 8192),
+        attention_bias=raw.get("attention_bias", False), qk_norm=True,  # Qwen3 layers always norm q and k per head
+        target_vocab_size=raw["vocab_size"], target_hidden_size=raw["hidden_size"],
+        target_num_hidden_layers=raw["num_target_layers"],
+    )
+
+
+def _layer_types(raw: dict) -> list[str]:
+    if raw.get("layer_types"):
+        return list(raw["layer_types"])
+    # Qwen3Config's rule (and defaults) when layer_types is absent: sliding from max_window_layers on, if enabled
+    windowed = raw.get("use_sliding_window", False) and raw.get("sliding_window", 4096)
+    first = raw.get("max_window_layers", 28)
+    return ["sliding_attention" if windowed and i >= first else "full_attention"
+            for i in range(raw["num_hidden_layers"])]
+
+
+def _default_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """The z-lab / SpecForge fallback when dflash_config has no target_layer_ids (their build_target_layer_ids)."""
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    span = num_target_layers - 4  # from layer 1 to layer L - 3
+    return [int(round(1 + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers)]
+
+
+def _layer_ids(ids: list[int]) -> list[int]:
+    if any(i == -1 for i in ids):
+        raise NotImplementedError("target_layer_ids contains -1 (DeepSpec's code for the embedding output); "
+                                  "DSparkDraftModel reads decoder-layer outputs only.")
+    return [int(i) for i in ids]
+
+
+def head_fields(markov_rank: int, markov_head_type: str | None, confidence: bool, with_markov: bool) -> dict:
+    """DeepSpec / SpecForge head settings -> DSparkConfig head fields."""
+    kind = str(markov_head_type).lower() if markov_rank else "none"
+    head_type = {"none": "none", "vanilla": "markov", "rnn": "rnn"}.get(kind)
+    if head_type is None:
+        raise NotImplementedError(f"markov_head_type={markov_head_type!r} has no counterpart here (we have "
+                                  "'vanilla' -> 'markov' and 'rnn'; the gated head scales W1[x] by a sigmoid gate).")
+    if confidence and markov_rank and not with_markov:
+        raise NotImplementedError("confidence_head_with_markov=False with a Markov head: the source confidence head "
+                                  "reads h_k only, ours reads [h_k ; W1[x_{k-1}]] whenever a sequential head exists.")
+    return dict(head_type=head_type, markov_rank=markov_rank, confidence_head=confidence)
+
+
+def deepspec_config(raw: dict) -> dict:
+    """DeepSpec ``Qwen3DSparkModel`` config.json -> DSparkConfig fields."""
+    fields = backbone_fields(raw, "deepspec")
+    missing = [k for k in ("block_size", "mask_token_id", "target_layer_ids", "markov_rank") if k not in raw]
+    if missing:
+        raise ValueError(f"config.json lacks {missing}, which a DeepSpec Qwen3DSparkModel config carries.")
+    rank = int(raw["markov_rank"])
+    return dict(fields, block_size=raw["block_size"], mask_token_id=raw["mask_token_id"],
+                target_layer_ids=_layer_ids(raw["target_layer_ids"]),
+                **head_fields(rank, raw.get("markov_head_type"), bool(raw.get("enable_confidence_head", False)),
+                              bool(raw.get("confidence_head_with_markov", False))))
+
+
+def specforge_config(raw: dict) -> dict:
+    """SpecForge ``DSparkDraftModel`` config.json (settings under dflash_config) -> DSparkConfig fields."""
+    fields, dc = backbone_fields(raw, "specforge"), raw.get("dflash_config") or {}
+    if "block_size" not in raw:
+        raise ValueError("config.json lacks block_size, which a SpecForge DSparkDraftModel config carries.")
+    if dc.get("projector_type", "dspark") != "dspark" or dc.get("pure_draft_prefix_len", 0):
+        raise NotImplementedError(f"dflash_config {dc} asks for a projector or draft prefix other than plain DSpark.")
+    rank = int(dc.get("markov_rank", 0) or 0)
+    # SpecForge's own defaults: vanilla head, confidence head iff confidence_head_alpha > 0, confidence on h only
+    confidence = bool(dc.get("enable_confidence_head", float(dc.get("confidence_head_alpha", 0) or 0) > 0))
+    return dict(fields, block_size=raw["block_size"], mask_token_id=dc.get("mask_token_id"),
+                target_layer_ids=_layer_ids(dc.get("target_layer_ids") or _default_layer_ids(
+                    raw["num_target_layers"], raw["num_hidden_layers"])),
+                **head_fields(rank, dc.get("markov_head_type", "vanilla"), confidence,
+                              bool(dc.get("confidence_head_with_markov", False))))
+
+
+def dflash_config(raw: dict) -> dict:
+    """z-lab DFlash ``DFlashDraftModel`` config.json -> DSparkConfig fields (a head-less draft)."""
+    fields, dc = backbone_fields(raw, "dflash"), raw.get("dflash_config") or {}
+    sizes = {raw.get("block_size"), dc.get("block_size")} - {None}  # top level in older drafts, dflash_config later
+    if len(sizes) != 1:
+        raise ValueError(f"config.json needs one block_size (top level or in dflash_config), found {sorted(sizes)}.")
+    return dict(fields, block_size=sizes.pop() - 1, anchor_predicts=False, mask_token_id=dc.get("mask_token_id"),
+                target_layer_ids=_layer_ids(dc.get("target_layer_ids") or _default_layer_ids(
+                    raw["num_target_layers"], raw["num_hidden_layers"])),
+                head_type="none", markov_rank=0, confidence_head=False)
+
+
+CONFIG_READERS = {"deepspec": deepspec_config, "specforge": specforge_config, "dflash": dflash_config}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# weights
+# ---------------------------------------------------------------------------------------------------------------
+def load_safetensors(src: Path) -> dict[str, torch.Tensor]:
+    """All tensors of a checkpoint folder: model.safetensors, or the shards named by model.safetensors.index.json."""
+    index = src / "model.safetensors.index.json"
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else \
+        ["model.safetensors"] if (src / "model.safetensors").exists() else []
+    if not files:
+        raise FileNotFoundError(f"{src} has no model.safetensors or model.safetensors.index.json; re-save the source "
+                                "with save_pretrained(..., safe_serialization=True).")
+    tensors: dict[str, torch.Tensor] = {}
+    for name in files:
+        shard = load_file(src / name)
+        if tensors.keys() & shard.keys():
+            raise ValueError(f"{name} repeats keys of an earlier shard: {sorted(tensors.keys() & shard.keys())[:5]}")
+        # fresh storage: load_file's tensors can sit at unaligned offsets, which changes CPU matmul rounding
+        tensors.update({k: v.clone() for k, v in shard.items()})
+    return tensors
+
+
+def rename(key: str) -> str:
+    """Source parameter name -> ours (unchanged where the names agree)."""
+    key = key.removeprefix("logit_head.")  # early SpecForge DSpark checkpoints nest the heads there
+    for old, new in _RENAMES.items():
+        if key.startswith(old):
+            return new + key[len(old):]
+    return key
+
+
+def drop_target_copies(tensors: dict[str, torch.Tensor], target: PreTrainedModel | None) -> dict[str, torch.Tensor]:
+    """Remove the source's copies of the target embedding / LM head after checking they equal the target's."""
+    copies = sorted(k for k in tensors if k in _TARGET_COPIES)
+    if copies and target is None:
+        raise ValueError(f"The checkpoint stores copies of the target's {copies}; pass the target (--target) so "
+                         "they can be checked equal to it before they are dropped.")
+    for key in copies:
+        mine, theirs = tensors[key], _TARGET_COPIES[key](target).detach().cpu()
+        if mine.shape != theirs.shape or not torch.equal(mine, theirs.to(mine.dtype)):
+            raise ValueError(f"The checkpoint's {key} {tuple(mine.shape)} differs from the target's "
+                             f"{tuple(theirs.shape)}: this draft was trained for another target.")
+    return {k: v for k, v in tensors.items() if k not in _TARGET_COPIES}
+
+
+def map_state_dict(tensors: dict[str, torch.Tensor], draft: DSparkDraftModel, source: str) -> dict[str, torch.Tensor]:
+    """Rename source tensors onto `draft`'s parameters; every unknown, missing or mis-shaped key in one ValueError."""
+    renamed = {rename(k): (k, v) for k, v in tensors.items()}
+    if len(renamed) < len(tensors):
+        raise ValueError(f"Several keys of the {source} checkpoint map onto one parameter: "
+                         f"{sorted(k for k in tensors if renamed[rename(k)][0] != k)}.")
+    expected = draft.state_dict()
+    unknown = sorted(src for ours, (src, _) in renamed.items() if ours not in expected)
+    missing = sorted(k for k in expected if k not in renamed)
+    shapes = [f"{src} {tuple(v.shape)} -> {ours} {tuple(expected[ours].shape)}"
+              for ours, (src, v) in sorted(renamed.items()) if ours in expected and v.shape != expected[ours].shape]
+    problems = [f"{what}: {', '.join(keys)}" for what, keys in
+                (("unknown keys", unknown), ("missing keys", missing), ("shape mismatches", shapes)) if keys]
+    if problems:
+        raise ValueError(f"Cannot map this {source} checkpoint onto DSparkDraftModel ({draft.config.head_type} head, "
+                         f"{draft.config.num_hidden_layers} layers):\n  " + "\n  ".join(problems))
+    return {ours: v for ours, (_, v) in renamed.items()}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+def convert_checkpoint(src: str | Path, dst: str | Path, source: str,
+                       target: PreTrainedModel | None = None) -> DSparkDraftModel:
+    """Convert the checkpoint folder `src` (config.json + safetensors) of layout `source` ("deepspec", "specforge"
+    or "dflash") into a DSparkDraftModel saved to `dst`. Weights keep their dtype and values exactly.
+
+    `target` (the model the draft was trained for) is needed when the source stores copies of its embedding / LM
+    head; when given, the draft records the target's identity and is returned bound to it.
+    """
+    if source not in SOURCES:
+        raise ValueError(f"source must be one of {SOURCES}, got {source!r}.")
+    src = Path(src)
+    raw = json.loads((src / "config.json").read_text())
+    if target is not None:
+        t = target.config.get_text_config()
+        raw.setdefault("num_target_layers", t.num_hidden_layers)
+        if raw["num_target_layers"] != t.num_hidden_layers:
+            raise ValueError(f"The checkpoint was trained for a target with {raw['num_target_layers']} layers; the "
+                             f"given target has {t.num_hidden_layers}.")
+    fields = CONFIG_READERS[source](raw)
+    if fields["mask_token_id"] is None:
+        raise ValueError(f"{src}/config.json has no mask_token_id.")
+    if target is not None:
+        fields.update(target_model_type=t.model_type,
+                      target_name_or_path=getattr(target.config, "_name_or_path", None) or None)
+    # final_logit_softcapping stays None: these sources take draft logits straight from the LM head
+    config = DSparkConfig(**fields)
+    tensors = drop_target_copies(load_safetensors(src), target)
+    with torch.device("meta"):  # no random init: every parameter is assigned from the checkpoint
+        draft = DSparkDraftModel(config)
+    draft.load_state_dict(map_state_dict(tensors, draft, source), strict=True, assign=True)
+    if target is not None:
+        draft.bind_target(target)  # checks vocabulary, hidden size, layer ids and mask token before anything is written
+    draft.eval().save_pretrained(dst)
+    return draft
+
+__all__ = ["convert_checkpoint", "SOURCES", "deepspec_config", "specforge_config", "dflash_config",
+           "load_safetensors", "map_state_dict", "drop_target_copies"]

