@@ -2,8 +2,9 @@
 
 transformers chooses candidate generators from a hard-coded chain and its assisted loop refuses batch size > 1,
 so DSpark runs as a ``custom_generate`` callable (the public extension point). This module wraps
-``GenerationMixin.generate`` once, at ``import dspark_hf``: when ``assistant_model`` is a DSpark draft the call
-is forwarded with ``custom_generate=dspark_generate``; every other call goes to the original method untouched.
+``GenerationMixin.generate`` once, at ``import dspark_hf``: when ``assistant_model`` is a DSpark draft (or a peft
+wrapper of one) the call is forwarded with ``custom_generate=dspark_generate``; every other call goes to the
+original method untouched.
 The wrapper keeps no state and patches no model instance, so concurrent generate() calls are independent.
 """
 
@@ -16,7 +17,7 @@ from transformers import StoppingCriteriaList, StopStringCriteria
 from transformers.generation.utils import GenerationMixin
 
 from ..model.modeling_dspark import DSparkDraftModel
-from .decoding import dspark_generate
+from .decoding import dspark_generate, unwrap_draft
 
 _original_generate = GenerationMixin.generate
 _signature = inspect.signature(_original_generate)
@@ -25,7 +26,7 @@ _signature = inspect.signature(_original_generate)
 @functools.wraps(_original_generate)
 def _generate(self, *args, **kwargs):
     bound = _signature.bind_partial(self, *args, **kwargs).arguments
-    draft = bound.get("assistant_model")
+    draft = unwrap_draft(bound.get("assistant_model"))  # a DSpark draft, possibly with peft adapters
     if not isinstance(draft, DSparkDraftModel):
         return _original_generate(self, *args, **kwargs)
     if bound.get("custom_generate") is not None:

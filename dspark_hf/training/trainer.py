@@ -2,6 +2,8 @@
 
 Runs plainly on CPU (fp32) or under ``accelerate launch`` on one or many GPUs (data parallel, bf16). The target,
 its embedding and its LM head stay frozen; only the draft's backbone, sequential head and confidence head learn.
+With ``lora=True`` a trained draft is adapted to a domain instead: its weights stay frozen and peft LoRA adapters on
+the backbone's linear layers learn (plus, optionally, the heads in full); the run saves a peft adapter.
 """
 
 from __future__ import annotations
@@ -15,12 +17,17 @@ from pathlib import Path
 
 import torch
 
+from ..generation.decoding import unwrap_draft
 from ..model.modeling_dspark import DSparkDraftModel
 from .data import Example, load_dataset, split_heldout, token_frequencies
 from .features import CachedFeatures, OnlineFeatures
 from .losses import LossWeights, dspark_losses, sample_anchors
 
 _STATE = "trainer_state.pt"
+# the backbone's linear layers (attention and MLP of every draft layer); `fc` (the context projection) may be added
+LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# heads trained in full next to the adapters (peft `modules_to_save`: copies stored in the adapter file)
+LORA_HEADS = {"none": (), "confidence": ("confidence",), "all": ("w1", "w2", "rnn_proj", "confidence")}
 
 
 @dataclass
@@ -50,7 +57,18 @@ class TrainConfig:
                         "{'num_hidden_layers': 2, 'markov_rank': 128, 'head_type': 'markov', 'draft_vocab_size': "
                         "8192}. draft_vocab_size picks the most frequent answer tokens."})
     init_from: str | None = field(default=None, metadata={"help": "Start from this saved draft instead of a fresh "
-                                                                    "one (fine-tuning)."})
+                                                                    "one (fine-tuning); the base draft with lora."})
+    lora: bool = field(default=False, metadata={"help": "Adapt init_from (default: the shipped draft, for the "
+                       "default target) with LoRA: its weights stay frozen and the run saves a peft adapter."})
+    lora_rank: int = field(default=16, metadata={"help": "LoRA rank r."})
+    lora_alpha: float = field(default=32.0, metadata={"help": "LoRA scaling numerator (updates scale by alpha / r)."})
+    lora_dropout: float = field(default=0.0, metadata={"help": "Dropout on the LoRA branch's input."})
+    lora_target_modules: list[str] = field(default_factory=lambda: list(LORA_TARGET_MODULES), metadata={
+        "help": "Names of the draft's linear layers that get adapters (default: attention and MLP of every layer)."})
+    lora_heads: str = field(default="all", metadata={"help": "Heads trained in full and saved in the adapter: "
+                            "'all' (default: the Markov/RNN head, where a domain's token transitions live, and "
+                            "the confidence head; ~2M weights for the shipped draft, and on code the whole of the "
+                            "measured gain); 'confidence' (a few hundred weights); 'none'."})
 
 
 def target_logits(target, hidden: torch.Tensor) -> torch.Tensor:
@@ -77,6 +95,48 @@ def make_draft(target, config: TrainConfig, train: list[Example]) -> DSparkDraft
         overrides["draft_vocab"] = freq.argsort(descending=True)[:vocab].sort().values
     torch.manual_seed(config.seed)
     return DSparkDraftModel.from_target(target, **overrides)
+
+
+def add_lora(draft: DSparkDraftModel, config: TrainConfig, base_name_or_path: str | None = None):
+    """Freeze `draft` and wrap it in a peft ``PeftModel`` with trainable LoRA adapters on
+    ``config.lora_target_modules``; the heads ``config.lora_heads`` names are trained in full and saved with the
+    adapter. The adapter records `base_name_or_path` (default: where `draft` was loaded from) as its base."""
+    from peft import LoraConfig, get_peft_model
+
+    if config.lora_heads not in LORA_HEADS:
+        raise ValueError(f"lora_heads={config.lora_heads!r}: choose one of {sorted(LORA_HEADS)}.")
+    heads = [name for name in LORA_HEADS[config.lora_heads] if getattr(draft, name, None) is not None]
+    lora = LoraConfig(r=config.lora_rank, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
+                      target_modules=list(config.lora_target_modules), modules_to_save=heads or None,
+                      base_model_name_or_path=base_name_or_path or draft.name_or_path or None)
+    return get_peft_model(draft, lora)
+
+
+def _lora_base(config: TrainConfig, default_target: bool) -> str:
+    """The draft a LoRA run adapts: init_from, or the shipped draft when training for the default target."""
+    if config.init_from:
+        return config.init_from
+    if not default_target:
+        raise ValueError("LoRA adapts an existing draft: pass init_from (--init-from DIR) with a draft trained for "
+                         "this target.")
+    from ..defaults import SHIPPED_DRAFT_DIR
+
+    return str(SHIPPED_DRAFT_DIR)
+
+
+def _load_draft(config: TrainConfig, target, resume: Path | None, default_target: bool, train_set):
+    """The model to train: resumed, fine-tuned from init_from, LoRA-wrapped, or fresh (bound to `target`)."""
+    if config.lora:
+        from peft import PeftModel
+
+        base_path = _lora_base(config, default_target)
+        base = DSparkDraftModel.from_pretrained(base_path, dtype=target.dtype).bind_target(target)
+        if resume is not None:
+            return PeftModel.from_pretrained(base, resume, is_trainable=True)
+        return add_lora(base, config, base_path)
+    if resume is not None or config.init_from:
+        return DSparkDraftModel.from_pretrained(resume or config.init_from).bind_target(target)
+    return make_draft(target, config, train_set)
 
 
 def train_step(draft, target, examples, features, anchors_per_sequence, weights, generator, forward=None):
@@ -112,12 +172,14 @@ def train_step(draft, target, examples, features, anchors_per_sequence, weights,
                          vocab, to_draft, weights), block_valid.flatten(0, 1)
 
 
-def train(config: TrainConfig, target=None, progress: bool = True) -> DSparkDraftModel:
-    """Train (or resume) a draft as `config` says; returns the final draft, also saved to config.output_dir."""
+def train(config: TrainConfig, target=None, progress: bool = True):
+    """Train (or resume) a draft as `config` says; returns the final draft, also saved to config.output_dir
+    (with ``config.lora``: the peft ``PeftModel``, saved as an adapter)."""
     from accelerate import Accelerator
     from tqdm.auto import tqdm
 
     accelerator = Accelerator(mixed_precision="bf16" if torch.cuda.is_available() else "no")
+    default_target_used = target is None
     if target is None:
         from ..defaults import default_target
 
@@ -133,17 +195,13 @@ def train(config: TrainConfig, target=None, progress: bool = True) -> DSparkDraf
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "train_config.json").write_text(json.dumps(asdict(config), indent=2))
     resume = _latest_checkpoint(out_dir)
-    if resume is not None:
-        draft = DSparkDraftModel.from_pretrained(resume).bind_target(target)
-    elif config.init_from:
-        draft = DSparkDraftModel.from_pretrained(config.init_from).bind_target(target)
-    else:
-        draft = make_draft(target, config, train_set)
+    draft = _load_draft(config, target, resume, default_target_used, train_set)
     draft.to(accelerator.device).train()
+    layer_ids = unwrap_draft(draft).config.target_layer_ids
 
-    features = (CachedFeatures(config.feature_cache, target, draft.config.target_layer_ids, train_set + heldout,
+    features = (CachedFeatures(config.feature_cache, target, layer_ids, train_set + heldout,
                                progress=progress and accelerator.is_main_process)
-                if config.feature_cache else OnlineFeatures(target, draft.config.target_layer_ids))
+                if config.feature_cache else OnlineFeatures(target, layer_ids))
     steps_per_epoch = math.ceil(len(train_set) / (config.batch_size * accelerator.num_processes))
     total_steps = max(1, int(config.epochs * steps_per_epoch))
     optimizer = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=config.learning_rate,
@@ -159,7 +217,8 @@ def train(config: TrainConfig, target=None, progress: bool = True) -> DSparkDraf
         schedule.load_state_dict(state["schedule"])
         step = state["step"]
     weights = LossWeights(config.loss_ce, config.loss_l1, config.loss_confidence, config.position_decay)
-    model = accelerator.unwrap_model(draft)
+    model = accelerator.unwrap_model(draft)  # what is saved: the draft, or its peft wrapper (an adapter)
+    core = unwrap_draft(model)  # the DSparkDraftModel; with LoRA its layers hold the adapters
 
     bar = tqdm(total=total_steps, initial=step, desc="training", disable=not (progress and
                                                                               accelerator.is_main_process))
@@ -175,7 +234,7 @@ def train(config: TrainConfig, target=None, progress: bool = True) -> DSparkDraf
             if not batch or step >= total_steps:
                 break
             with accelerator.autocast():
-                losses, valid = train_step(model, target, batch, features, config.anchors_per_sequence, weights,
+                losses, valid = train_step(core, target, batch, features, config.anchors_per_sequence, weights,
                                            generator, forward=draft)
             accelerator.backward(losses["total"])
             accelerator.clip_grad_norm_(draft.parameters(), 1.0)
@@ -191,7 +250,7 @@ def train(config: TrainConfig, target=None, progress: bool = True) -> DSparkDraf
     bar.close()
     model.eval()
     if accelerator.is_main_process:
-        report = evaluate_heldout(model, target, heldout, features, config.anchors_per_sequence, weights)
+        report = evaluate_heldout(core, target, heldout, features, config.anchors_per_sequence, weights)
         (out_dir / "heldout.json").write_text(json.dumps(report, indent=2))
         model.save_pretrained(out_dir)
     return model

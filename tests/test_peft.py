@@ -1,0 +1,224 @@
+"""PEFT: LoRA domain adaptation of a trained draft, adapters saved and loaded with peft's own API, and peft-wrapped
+drafts and targets inside generate(), lossless."""
+
+import copy
+import json
+
+import pytest
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+
+from conftest import left_padded_prompts, tiny_draft, tiny_target
+from dspark_hf import DSparkDraftModel, dspark_generate
+from dspark_hf.evaluation import OracleDraft
+from dspark_hf.training import load_dataset
+from dspark_hf.training.features import OnlineFeatures
+from dspark_hf.training.losses import LossWeights
+from dspark_hf.training.trainer import TrainConfig, train, train_step
+from test_training import tiny_dataset
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target("llama")
+
+
+@pytest.fixture
+def base_dir(tmp_path, target):
+    """A saved draft for `target`: the base that LoRA adapts."""
+    path = tmp_path / "base"
+    tiny_draft(target).save_pretrained(path)
+    return path
+
+
+def lora_config(tmp_path, data, base_dir, heads="confidence", **kw):
+    fields = dict(dataset=str(data), output_dir=str(tmp_path / "lora"), epochs=1, batch_size=8,
+                  anchors_per_sequence=8, learning_rate=1e-2, heldout_fraction=0.0, save_every=100,
+                  init_from=str(base_dir), lora=True, lora_rank=4, lora_alpha=8, lora_heads=heads)
+    fields.update(kw)
+    return TrainConfig(**fields)
+
+
+def loss_of(draft, target, examples) -> float:
+    """Total training loss of a fixed batch with fixed anchors."""
+    with torch.no_grad():
+        losses, _ = train_step(draft, target, examples, OnlineFeatures(target, draft.config.target_layer_ids), 8,
+                               LossWeights(), torch.Generator().manual_seed(0))
+    return float(losses["total"])
+
+
+def context_and_anchors(draft, target):
+    """A batch's draft context and anchors, as generate() would build them after a prompt."""
+    ids, mask = left_padded_prompts(3)
+    positions = (mask.cumsum(1) - 1).clamp_min(0)
+    with torch.no_grad():
+        hidden = target(input_ids=ids[:, :-1], attention_mask=mask[:, :-1], position_ids=positions[:, :-1],
+                        output_hidden_states=draft.hidden_states_request).hidden_states
+        context = draft.encode_context(draft.target_features(hidden), positions[:, :-1], mask[:, :-1].bool())
+    return context, ids[:, -1], positions[:, -1]
+
+
+def generate(target, ids, mask, **kw):
+    return target.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=16, **kw)
+
+
+# -- training ------------------------------------------------------------------------------------------------------
+EXPECTED_TRAINABLE = {"none": set(), "confidence": {"confidence"}, "all": {"w1", "w2", "confidence"}}
+
+
+@pytest.mark.parametrize("heads", ["none", "confidence", "all"])
+def test_lora_training_lowers_the_loss_and_changes_only_adapters_and_chosen_heads(tmp_path, target, base_dir, heads):
+    data = tiny_dataset(tmp_path, target, n=16)
+    examples = load_dataset(data)
+    base = DSparkDraftModel.from_pretrained(base_dir).bind_target(target)
+    before = {k: v.clone() for k, v in base.state_dict().items()}
+
+    trained = train(lora_config(tmp_path, data, base_dir, heads), target=target, progress=False)  # 2 steps
+    assert isinstance(trained, PeftModel)
+    assert loss_of(trained.get_base_model(), target, examples) < loss_of(base, target, examples)
+
+    params = dict(trained.named_parameters())
+    trainable = {n for n, p in params.items() if p.requires_grad}
+    adapters = {n for n in trainable if ".lora_" in n}
+    assert len(adapters) == 2 * 7 * base.config.num_hidden_layers, "an (A, B) pair on every attention/MLP linear"
+    assert {base_key(n).split(".")[0] for n in trainable - adapters} == EXPECTED_TRAINABLE[heads]
+    for name, p in params.items():
+        if name not in trainable:
+            assert torch.equal(p, before[base_key(name)]), f"base weight {name} changed"
+        elif ".lora_B." in name:
+            assert p.abs().sum() > 0, f"{name} is still at its zero initialisation"
+        elif name not in adapters:
+            assert not torch.equal(p, before[base_key(name)]), f"trained head {name} did not move"
+
+
+def base_key(peft_name: str) -> str:
+    """The base draft's state-dict key of a weight inside the peft wrapper (frozen original or trained copy)."""
+    key = peft_name.removeprefix("base_model.model.")
+    for wrapper in (".base_layer", ".original_module", ".modules_to_save.default"):
+        key = key.replace(wrapper, "")
+    return key
+
+
+def test_lora_training_resumes_from_its_adapter_checkpoint(tmp_path, target, base_dir):
+    data = tiny_dataset(tmp_path, target, n=8)
+    train(lora_config(tmp_path, data, base_dir, epochs=2, save_every=1), target=target, progress=False)
+    checkpoint = tmp_path / "lora" / "checkpoint-2"
+    assert (checkpoint / "adapter_model.safetensors").exists() and (checkpoint / "trainer_state.pt").exists()
+    resumed = train(lora_config(tmp_path, data, base_dir, epochs=3, save_every=1), target=target, progress=False)
+    assert (tmp_path / "lora" / "checkpoint-3").exists() and isinstance(resumed, PeftModel)
+
+
+def test_lora_needs_a_base_draft_for_a_target_of_its_own(tmp_path, target, base_dir):
+    data = tiny_dataset(tmp_path, target, n=4)
+    with pytest.raises(ValueError, match="init_from"):
+        train(lora_config(tmp_path, data, base_dir, init_from=None), target=target, progress=False)
+    with pytest.raises(ValueError, match="lora_heads"):
+        train(lora_config(tmp_path, data, base_dir, heads="markov"), target=target, progress=False)
+
+
+# -- saving and loading ----------------------------------------------------------------------------------------------
+def test_the_saved_adapter_loads_onto_its_base_with_peft_and_drafts_the_same_blocks(tmp_path, target, base_dir):
+    data = tiny_dataset(tmp_path, target, n=8)
+    trained = train(lora_config(tmp_path, data, base_dir, heads="all"), target=target, progress=False)
+    out = tmp_path / "lora"
+    assert (out / "adapter_model.safetensors").exists() and not (out / "model.safetensors").exists()
+    adapter_config = json.loads((out / "adapter_config.json").read_text())
+    assert adapter_config["base_model_name_or_path"] == str(base_dir)
+
+    loaded = PeftModel.from_pretrained(DSparkDraftModel.from_pretrained(adapter_config["base_model_name_or_path"]),
+                                       out).eval()
+    loaded.bind_target(target)  # reaches the draft through peft's attribute forwarding
+    base = DSparkDraftModel.from_pretrained(base_dir).bind_target(target).eval()
+    context, anchors, positions = context_and_anchors(base, target)
+    blocks = [m.draft_block(anchors, positions, context) for m in (trained.eval(), loaded, base)]
+    torch.testing.assert_close(blocks[1].probs, blocks[0].probs)
+    torch.testing.assert_close(blocks[1].confidences, blocks[0].confidences)
+    assert torch.equal(blocks[1].tokens, blocks[0].tokens)
+    assert not torch.allclose(blocks[1].probs, blocks[2].probs), "the adapter must change the draft"
+
+
+def test_the_cli_trains_an_adapter_and_loads_it_merged_as_a_draft(tmp_path, target, base_dir, monkeypatch):
+    from argparse import Namespace
+
+    from dspark_hf.cli import _load, main
+
+    monkeypatch.setattr("transformers.AutoTokenizer.from_pretrained", lambda *a, **k: None)  # tiny target: none
+    target.save_pretrained(tmp_path / "target")
+    data = tiny_dataset(tmp_path, target, n=8)
+    out = tmp_path / "adapter"
+    assert main(["train", "--lora", "--target", str(tmp_path / "target"), "--init-from", str(base_dir),
+                 "--dataset", str(data), "--output-dir", str(out), "--epochs", "1", "--batch-size", "8",
+                 "--heldout-fraction", "0", "--lora-rank", "2", "--lora-heads", "confidence"]) == 0
+    adapter_config = json.loads((out / "adapter_config.json").read_text())
+    assert adapter_config["r"] == 2 and adapter_config["modules_to_save"] == ["confidence"]
+
+    loaded_target, _, draft = _load(Namespace(target=str(tmp_path / "target"), draft=str(out)))
+    assert type(draft) is DSparkDraftModel, "the CLI merges the adapter into its base draft"
+    wrapped = PeftModel.from_pretrained(DSparkDraftModel.from_pretrained(base_dir), out).eval()
+    wrapped.bind_target(loaded_target)
+    context, anchors, positions = context_and_anchors(draft, loaded_target)
+    torch.testing.assert_close(draft.draft_block(anchors, positions, context).probs,
+                               wrapped.draft_block(anchors, positions, context).probs)
+
+
+# -- generation --------------------------------------------------------------------------------------------------------
+def lora_draft(target) -> PeftModel:
+    """A draft wrapped with a random, non-zero LoRA adapter (peft's init_lora_weights=False)."""
+    config = LoraConfig(r=4, lora_alpha=16, target_modules=["q_proj", "v_proj", "up_proj", "down_proj"],
+                        init_lora_weights=False, modules_to_save=["w2"])
+    torch.manual_seed(3)
+    return get_peft_model(tiny_draft(target), config).eval()
+
+
+def drafted(out) -> list:
+    return [r.drafted for rows in out.rounds for r in rows]
+
+
+def test_a_peft_wrapped_draft_generates_losslessly_with_its_adapter_active(target):
+    ids, mask = left_padded_prompts(3)
+    wrapped = lora_draft(target)
+    out = generate(target, ids, mask, assistant_model=wrapped, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, generate(target, ids, mask))
+
+    merged = generate(target, ids, mask, assistant_model=copy.deepcopy(wrapped).merge_and_unload(),
+                      return_dict_in_generate=True)
+    with wrapped.disable_adapter():
+        base = generate(target, ids, mask, assistant_model=wrapped, return_dict_in_generate=True)
+    assert drafted(out) == drafted(merged), "the wrapped draft proposes what its merged twin proposes"
+    assert drafted(out) != drafted(base), "and something else than the draft without its adapter"
+
+    # the custom_generate route takes the wrapper too
+    custom = target.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=16,
+                             custom_generate=dspark_generate, draft_model=wrapped)
+    assert torch.equal(custom, out.sequences)
+
+
+def test_prompt_learning_adapters_are_refused_for_a_draft(target):
+    from peft import PromptTuningConfig
+
+    wrapped = PeftModel(tiny_draft(target), PromptTuningConfig(num_virtual_tokens=2, token_dim=32,
+                                                               num_transformer_submodules=1, num_attention_heads=4,
+                                                               num_layers=2))
+    ids, mask = left_padded_prompts(1)
+    with pytest.raises(ValueError, match="prompt learning"):
+        generate(target, ids, mask, assistant_model=wrapped)
+
+
+@pytest.mark.parametrize("corruption", [0.0, 0.3])
+def test_a_peft_wrapped_target_is_lossless_with_a_draft(corruption):
+    config = LoraConfig(task_type="CAUSAL_LM", r=4, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"],
+                        init_lora_weights=False)
+    torch.manual_seed(5)
+    peft_target = get_peft_model(tiny_target("llama"), config).eval()
+    ids, mask = left_padded_prompts(4)
+    reference = generate(peft_target, ids, mask)
+    with peft_target.disable_adapter():
+        assert not torch.equal(generate(peft_target, ids, mask), reference), "the adapter must change the target"
+
+    draft = tiny_draft(peft_target)  # from_target reads a peft-wrapped target too
+    oracle = OracleDraft.from_draft(draft).set_references(peft_target, reference, mask, corruption=corruption)
+    out = generate(peft_target, ids, mask, assistant_model=oracle, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, reference)
+    accepted = [r.accepted for rows in out.rounds for r in rows]
+    assert max(accepted) == draft.config.block_size, "the oracle's blocks are accepted whole: same target"
+    assert torch.equal(generate(peft_target, ids, mask, assistant_model=draft), reference)
