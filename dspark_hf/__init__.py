@@ -7,6 +7,7 @@
 from transformers import AutoConfig, AutoModel
 
 from .generation import DSparkGenerateOutput, DSparkRound, dspark_generate
+from .generation.streamers import DSparkRoundStreamer, DSparkStep
 from .generation.integration import install as _install_generate_hook
 from .defaults import default_draft, default_target
 from .model import DSparkConfig, DSparkContext, DSparkDraftModel, DraftBlock
@@ -27,6 +28,8 @@ __all__ = [
     "DraftBlock",
     "DSparkGenerateOutput",
     "DSparkRound",
+    "DSparkRoundStreamer",
+    "DSparkStep",
     "dspark_generate",
     "FullBlock",
     "FixedLength",

@@ -197,6 +197,18 @@ def test_streamer_receives_each_round_as_it_lands():
     assert max(len(c) for c in streamer.chunks[1:]) > 1
 
 
+def test_streamer_stops_where_a_custom_criterion_fires_without_eos():
+    """No EOS criterion: the output ends at the stop, and so must the stream, even mid-chunk."""
+    target = tiny_target("llama")
+    ids, mask = left_padded_prompts(1)
+    free, stop = eos_inside_a_block(target, ids, mask, row=0, index=5)
+    kw = dict(max_new_tokens=30, stopping_criteria=StoppingCriteriaList([StopOnToken(stop)]), eos_token_id=None)
+    streamer = Recorder()
+    out = dspark(target, oracle(target, tiny_draft(target), free, mask, 0.0), ids, mask, streamer=streamer, **kw)
+    assert torch.equal(out.sequences, plain(target, ids, mask, **kw))
+    assert sum(streamer.chunks[1:], []) == out.sequences[0, ids.shape[1]:].tolist()
+
+
 def test_finished_rows_leave_the_batch():
     target = tiny_target("llama")
     ids, mask = left_padded_prompts(3)
