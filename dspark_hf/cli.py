@@ -26,7 +26,15 @@ def _load(args, draft: bool = True):
     if getattr(args, "draft", None):
         from .model import DSparkDraftModel
 
-        draft = DSparkDraftModel.from_pretrained(args.draft, dtype=target.dtype).to(target.device)
+        if (Path(args.draft) / "adapter_config.json").exists():  # a LoRA adapter (`dspark train --lora`)
+            from peft import PeftConfig, PeftModel
+
+            base = PeftConfig.from_pretrained(args.draft).base_model_name_or_path
+            draft = DSparkDraftModel.from_pretrained(base, dtype=target.dtype).to(target.device)
+            # merged, every command sees a plain draft (calibrate and export save a full one); same function
+            draft = PeftModel.from_pretrained(draft, args.draft).merge_and_unload()
+        else:
+            draft = DSparkDraftModel.from_pretrained(args.draft, dtype=target.dtype).to(target.device)
         return target, tokenizer, draft.bind_target(target).eval()
     return target, tokenizer, default_draft(target)
 
@@ -113,13 +121,16 @@ def cmd_train(args) -> int:
                          batch_size=args.batch_size, anchors_per_sequence=args.anchors, learning_rate=args.lr,
                          max_length=args.max_length, heldout_fraction=args.heldout_fraction,
                          feature_cache=args.feature_cache, save_every=args.save_every, seed=args.seed, draft=draft,
-                         init_from=args.init_from)
+                         init_from=args.init_from, lora=args.lora, lora_rank=args.lora_rank,
+                         lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
+                         lora_target_modules=args.lora_target_modules, lora_heads=args.lora_heads)
     target = None
     if args.target:
         target, _, _ = _load(args, draft=False)
     start = time.perf_counter()
     train(config, target=target)
-    print(f"draft saved to {args.output_dir} ({(time.perf_counter() - start) / 60:.1f} min)")
+    what = "LoRA adapter" if args.lora else "draft"
+    print(f"{what} saved to {args.output_dir} ({(time.perf_counter() - start) / 60:.1f} min)")
     return 0
 
 
@@ -170,10 +181,9 @@ def cmd_bench_speed(args) -> int:
     extra = {}
     if args.profile:
         from .scheduling import Scheduled
-        from .scheduling.profile import load_profile
 
-        extra["dspark_scheduled"] = {"assistant_model": draft, "verification_policy": Scheduled(load_profile(
-            args.profile))}
+        extra["dspark_scheduled"] = {"assistant_model": draft,
+                                     "verification_policy": Scheduled.from_profile(args.profile)}
     report = bench_speed(target, tokenizer, draft, prompts, args.batch_size, args.max_new_tokens, args.repeats,
                          args.temperature, extra_methods=extra)
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
@@ -182,6 +192,52 @@ def cmd_bench_speed(args) -> int:
           f"max_new_tokens={args.max_new_tokens}, median of {args.repeats}")
     print(format_speed_table(report))
     print(f"results: {args.output}")
+    return 0
+
+
+def cmd_bench_serve(args) -> int:
+    from .evaluation.machine import describe
+    from .evaluation.serve import bench_serve, format_serve_table, plot_serve
+    from .evaluation.suites import load_prompts
+
+    prompts = load_prompts(args.prompts, args.suite or (None if args.prompts else ["humaneval", "mtbench", "gsm"]),
+                           args.limit)
+    target, tokenizer, draft = _load(args)
+    report = bench_serve(target, tokenizer, draft, prompts, args.batch_sizes, args.max_new_tokens, args.repeats,
+                         args.fixed_lengths, args.threshold, args.profile)
+    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.output).write_text(json.dumps(report, indent=2))
+    print(f"\n{describe(report['machine'])}; greedy, max_new_tokens={args.max_new_tokens}, median of "
+          f"{args.repeats}; total tokens/s by concurrency R")
+    print(format_serve_table(report))
+    if args.plot:
+        for path in plot_serve(report, args.plot):
+            print(f"plot: {path}")
+    print(f"results: {args.output}")
+    return 0
+
+
+def cmd_convert(args) -> int:
+    """A public DSpark / DFlash checkpoint folder -> a dspark-hf draft (see dspark_hf.model.convert)."""
+    from .model.convert import convert_checkpoint
+
+    target = _load(args, draft=False)[0] if args.target else None
+    draft = convert_checkpoint(args.src, args.dst, args.source, target=target)
+    c = draft.config
+    print(f"converted {args.source} checkpoint {args.src} -> {args.dst}: head {c.head_type}, block {c.block_size}, "
+          f"{c.num_hidden_layers} layers, target layers {c.target_layer_ids}"
+          + ("" if target is not None else "; not checked against a target (pass --target to check)"))
+    return 0
+
+
+def cmd_push(args) -> int:
+    """Push a trained (or calibrated) draft folder to the Hub with a generated model card."""
+    from .hub import push_draft
+
+    info = push_draft(args.draft, args.repo_id, base_model=args.base_model, eval_results=args.eval,
+                      calibration=args.calibration, recipe=args.recipe, private=args.private, token=args.token,
+                      revision=args.revision, commit_message=args.commit_message)
+    print(f"pushed {info.commit_url} (load it with revision={info.oid!r})")
     return 0
 
 
@@ -247,12 +303,16 @@ def cmd_calibrate(args) -> int:
 def cmd_profile(args) -> int:
     from .scheduling.profile import profile_sps, save_profile
 
-    target, _, _ = _load(args, draft=False)
-    profile = profile_sps(target, args.rows, args.max_tokens, args.context, args.repeats)
+    target, _, draft = _load(args, draft=not args.no_draft)
+    profile = profile_sps(target, args.rows, args.max_tokens, args.context, args.repeats, draft=draft)
     save_profile(profile, args.output)
     print("| B (tokens) | SPS (steps/s) | tokens/s at full acceptance |\n|---:|---:|---:|")
     for b, v in profile["sps"].items():
         print(f"| {b} | {v:.2f} | {b * v:.1f} |")
+    if profile["draft_seconds"]:
+        print("\n| requests | draft pass (ms) |\n|---:|---:|")
+        for r, t in profile["draft_seconds"].items():
+            print(f"| {r} | {1000 * t:.1f} |")
     print(f"profile: {args.output}")
     return 0
 
@@ -263,7 +323,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     def models(p):
         p.add_argument("--target", help="target model path or hub id (default: embedded SmolLM2-135M-Instruct)")
-        p.add_argument("--draft", help="DSpark draft path or hub id (default: the draft shipped for the target)")
+        p.add_argument("--draft", help="DSpark draft path or hub id, or a LoRA adapter folder from `dspark train "
+                       "--lora` (merged into its base draft) (default: the draft shipped for the target)")
 
     p = sub.add_parser("generate", help="answer prompts with DSpark and compare with plain generate()")
     models(p)
@@ -305,11 +366,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_prepare_data)
 
+    from .training.trainer import LORA_HEADS, LORA_TARGET_MODULES  # one source for the LoRA defaults
+
     p = sub.add_parser("train", help="train a DSpark draft (also under `accelerate launch`)")
     p.add_argument("--target", help="target model path or hub id (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--dataset", required=True, help="JSONL written by `dspark prepare-data`")
     p.add_argument("--output-dir", required=True)
-    p.add_argument("--init-from", help="start from this saved draft (fine-tuning)")
+    p.add_argument("--init-from", help="start from this saved draft (fine-tuning; the base draft with --lora)")
+    p.add_argument("--lora", action="store_true", help="domain adaptation: train LoRA adapters on --init-from "
+                   "(default: the shipped draft) and save a peft adapter; the architecture options are ignored")
+    p.add_argument("--lora-rank", type=int, default=16)
+    p.add_argument("--lora-alpha", type=float, default=32.0, help="updates scale by alpha / rank")
+    p.add_argument("--lora-dropout", type=float, default=0.0)
+    p.add_argument("--lora-target-modules", nargs="+", default=list(LORA_TARGET_MODULES),
+                   help="draft linear layers that get adapters (default: attention and MLP of every layer)")
+    p.add_argument("--lora-heads", default="all", choices=list(LORA_HEADS),
+                   help="heads trained in full and saved in the adapter: all (default: Markov/RNN and "
+                        "confidence), confidence, or none")
     p.add_argument("--head-type", default="markov", choices=["markov", "rnn", "none"])
     p.add_argument("--layers", type=int, default=2, help="draft decoder layers")
     p.add_argument("--intermediate-size", type=int, help="draft MLP width (default: the target's)")
@@ -338,6 +411,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--recipe", help="a markdown file describing the training recipe, for the card")
     p.set_defaults(func=cmd_export)
 
+    p = sub.add_parser("push", help="push a trained draft to the Hub with a generated model card")
+    p.add_argument("draft", help="the --output-dir of `dspark train` or the --output of `dspark calibrate`")
+    p.add_argument("repo_id", help="ORG/NAME on the Hub")
+    p.add_argument("--base-model", help="the target's hub id (default: the one the draft records, if a hub id)")
+    p.add_argument("--eval", help="results.json from `dspark eval`, for the card's results")
+    p.add_argument("--calibration", help="calibration.json from `dspark calibrate` (default: DRAFT/calibration.json)")
+    p.add_argument("--recipe", help="markdown file with the training recipe (default: from DRAFT/train_config.json)")
+    p.add_argument("--private", action="store_true", help="create the repository as private")
+    p.add_argument("--token", help="Hub token (default: the stored login or HF_TOKEN)")
+    p.add_argument("--revision", help="branch to push to (created if missing)")
+    p.add_argument("--commit-message")
+    p.set_defaults(func=cmd_push)
+
+    p = sub.add_parser("convert", help="convert a public DSpark / DFlash draft checkpoint into a dspark-hf draft")
+    p.add_argument("--from", dest="source", required=True, choices=["deepspec", "specforge", "dflash"],
+                   help="layout of SRC: DeepSpec Qwen3DSparkModel, SpecForge DSparkDraftModel, or a z-lab / "
+                        "SpecForge DFlash draft (becomes a draft without a sequential head)")
+    p.add_argument("src", help="local checkpoint folder (config.json + *.safetensors)")
+    p.add_argument("dst", help="output folder")
+    p.add_argument("--target", help="the target the draft was trained for (path or hub id): checks the geometry, "
+                                    "and is required when SRC stores copies of its embedding / LM head")
+    p.set_defaults(func=cmd_convert)
+
     p = sub.add_parser("calibrate", help="Sequential Temperature Scaling of the confidence head on held-out data")
     models(p)
     p.add_argument("--dataset", required=True, help="the training JSONL; its held-out split is used")
@@ -350,9 +446,12 @@ def build_parser() -> argparse.ArgumentParser:
                                                    "reliability.png")
     p.set_defaults(func=cmd_calibrate)
 
-    p = sub.add_parser("profile", help="measure SPS(B) of the target's verification forward for the scheduler")
-    p.add_argument("--target", help="target model path or hub id (default: embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--rows", type=int, default=1, help="requests per verification batch")
+    p = sub.add_parser("profile", help="measure SPS(B) of the target's verification forward (and the draft's cost) "
+                                       "for the scheduler")
+    models(p)
+    p.add_argument("--no-draft", action="store_true", help="skip the draft cost (the scheduler then ignores it)")
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32],
+                   help="requests per verification batch (each is measured)")
     p.add_argument("--max-tokens", type=int, default=8, help="verified tokens per row, 1..this")
     p.add_argument("--context", type=int, default=256, help="cached context length")
     p.add_argument("--repeats", type=int, default=7)
@@ -375,6 +474,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", default="bench.json")
     p.add_argument("--profile", help="a `dspark profile` JSON: adds DSpark with the hardware-aware scheduler")
     p.set_defaults(func=cmd_bench_speed)
+
+    p = bench.add_parser("serve", help="verification policies under load: throughput and per-user speed by "
+                                       "concurrency, Pareto and budget plots")
+    models(p)
+    p.add_argument("--prompts", help="JSONL of prompts (default: HumanEval, MT-Bench and GSM prompts, interleaved)")
+    p.add_argument("--suite", action="append", choices=["humaneval", "mtbench", "gsm"])
+    p.add_argument("--limit", type=int, default=11, help="first K prompts of each source")
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--fixed-lengths", type=int, nargs="+", default=[1, 2, 4], help="fixed verification lengths")
+    p.add_argument("--threshold", type=float, default=0.5, help="static confidence threshold baseline")
+    p.add_argument("--profile", help="a `dspark profile` JSON: adds the hardware-aware scheduler")
+    p.add_argument("--output", default="bench_serve.json")
+    p.add_argument("--plot", metavar="DIR", help="write the Pareto and budget PNGs here")
+    p.set_defaults(func=cmd_bench_serve)
     return parser
 
 

@@ -118,6 +118,27 @@ def test_dspark_bench_speed_reports_every_method(tiny_models, tmp_path):
     assert report["machine"]["torch_threads"] >= 1
 
 
+def test_dspark_bench_serve_compares_every_policy_at_every_concurrency(tiny_models, tmp_path):
+    profile, out = tmp_path / "profile.json", tmp_path / "serve.json"
+    models = ["--target", str(tiny_models / "target"), "--draft", str(tiny_models / "draft")]
+    assert main(["profile", *models, "--rows", "1", "2", "--max-tokens", "5", "--context", "16", "--repeats", "1",
+                 "--output", str(profile)]) == 0
+    assert main(["bench", "serve", *models, "--prompts", str(tiny_models / "prompts.jsonl"), "--batch-sizes", "1",
+                 "3", "--max-new-tokens", "6", "--repeats", "1", "--fixed-lengths", "1", "2", "--profile",
+                 str(profile), "--output", str(out), "--plot", str(tmp_path / "plots")]) == 0
+    report = json.loads(out.read_text())
+    assert list(report["results"]) == ["1", "3"]
+    for by_method in report["results"].values():
+        assert list(by_method) == ["no speculation", "full block", "fixed 1", "fixed 2", "threshold 0.5",
+                                   "scheduled"]
+        assert by_method["fixed 2"]["mean_verified"] <= 2 and by_method["full block"]["mean_verified"] <= 4
+        assert by_method["no speculation"]["rounds"] == 0
+        for m in by_method.values():
+            assert m["per_user"] > 0 and m["throughput"] > 0
+    for png in ("serve_pareto.png", "serve_budget.png"):
+        assert (tmp_path / "plots" / png).stat().st_size > 1000
+
+
 def test_bad_prompt_files_and_suites_fail_clearly(tiny_models, tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"id": 1}\n')

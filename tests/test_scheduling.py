@@ -107,13 +107,82 @@ def test_scheduled_sampling_is_exact():
     assert p_value(samples, probs) > ALPHA
 
 
-def test_profile_measures_every_batch_size_and_loads_as_a_callable(tmp_path):
-    from dspark_hf.scheduling.profile import load_profile, profile_sps, save_profile
+class Alternating:
+    """Drafts every other round and verifies one token: rounds with and without a draft interleave."""
 
-    profile = profile_sps(tiny_target("llama"), rows=2, max_tokens_per_row=3, context=16, repeats=2, warmup=1)
-    assert sorted(profile["sps"]) == [2, 4, 6] and all(v > 0 for v in profile["sps"].values())
+    def __init__(self):
+        self.calls = 0
+
+    def draft_this_round(self, num_rows):
+        self.calls += 1
+        return self.calls % 2 == 0
+
+    def __call__(self, confidences, gamma, num_rows):
+        return torch.ones(num_rows, dtype=torch.long)
+
+
+def test_rounds_without_a_draft_stay_token_identical(family):
+    from test_generation_greedy import dspark, oracle, plain
+
+    target = tiny_target(family)
+    ids, mask = left_padded_prompts(3)
+    reference = plain(target, ids, mask, max_new_tokens=15)
+    out = dspark(target, oracle(target, tiny_draft(target), reference, mask, 0.2), ids, mask, max_new_tokens=15,
+                 verification_policy=Alternating())
+    assert torch.equal(out.sequences, reference)
+    skipped = [r for rows in out.rounds for r in rows if not r.drafted]
+    assert skipped and all(r.verified == r.accepted == 0 and r.committed <= 1 for r in skipped)
+
+
+def test_rounds_without_a_draft_sample_exactly():
+    from test_generation_sampling import ALPHA, SAMPLES, exact_distribution, p_value, sample_continuations
+    from transformers import LogitsProcessorList, TemperatureLogitsWarper
+
+    from conftest import tiny_draft as make_draft
+    from test_generation_sampling import V
+
+    target = tiny_target("llama", vocab=V, initializer_range=0.2)
+    draft = make_draft(target, block_size=2, initializer_range=0.05)
+    with torch.no_grad():
+        draft.norm.weight.fill_(0.05)
+    probs = exact_distribution(target, LogitsProcessorList([TemperatureLogitsWarper(0.7)]))
+    torch.manual_seed(5)
+    samples = sample_continuations(target, draft, SAMPLES // 2, temperature=0.7, verification_policy=Alternating())
+    assert p_value(samples, probs) > ALPHA
+
+
+def test_scheduler_switches_drafting_off_when_plain_decoding_is_faster():
+    sps = lambda b: 100 / (10 + b)  # noqa: E731
+    cheap, costly = Scheduled(sps, draft_seconds=lambda r: 0.001), Scheduled(sps, draft_seconds=lambda r: 1.0,
+                                                                             probe_every=3)
+    conf = torch.full((2, 4), 0.9)
+    assert cheap(conf, 4, 2).sum() > 0 and cheap.draft_this_round(2)
+    costly(conf, 4, 2)  # 1 s of drafting per round: one plain step (0.12 s for 2 tokens) is far ahead
+    assert [costly.draft_this_round(2) for _ in range(4)] == [False, False, False, True]
+    costly(conf, 4, 2)  # the probe confirms it: the next pause is twice as long
+    assert [costly.draft_this_round(2) for _ in range(7)] == [False] * 6 + [True]
+
+
+def test_the_draft_pass_counts_in_the_scheduled_rate():
+    sps = lambda b: 100 / (10 + b)  # noqa: E731
+    step = Scheduled(sps, draft_seconds=lambda r: 0.05).round_sps(2)
+    assert step(4) == pytest.approx(1 / (0.05 + 1 / sps(4)))
+
+
+def test_profile_measures_every_batch_size_and_loads_as_a_callable(tmp_path):
+    from dspark_hf.scheduling.profile import load_draft_cost, load_profile, profile_sps, save_profile
+
+    target = tiny_target("llama")
+    profile = profile_sps(target, rows=[1, 2], max_tokens_per_row=3, context=16, repeats=2, warmup=1,
+                          draft=tiny_draft(target))
+    # 1 x 1..3 and 2 x 1..3 tokens; B = 2 is measured twice (1 x 2, 2 x 1) and takes the median
+    assert sorted(profile["sps"]) == [1, 2, 3, 4, 6] and all(v > 0 for v in profile["sps"].values())
+    assert sorted(profile["draft_seconds"]) == [1, 2]
     save_profile(profile, tmp_path / "p.json")
-    sps = load_profile(tmp_path / "p.json")
+    sps, draft_cost = load_profile(tmp_path / "p.json"), load_draft_cost(tmp_path / "p.json")
     assert sps(4) == pytest.approx(profile["sps"][4])
-    assert min(profile["sps"][2], profile["sps"][4]) <= sps(3) <= max(profile["sps"][2], profile["sps"][4])
+    assert min(profile["sps"][4], profile["sps"][6]) <= sps(5) <= max(profile["sps"][4], profile["sps"][6])
     assert sps(12) == pytest.approx(profile["sps"][6] * 6 / 12)
+    assert draft_cost(4) == pytest.approx(profile["draft_seconds"][2] * 2)
+    policy = Scheduled.from_profile(tmp_path / "p.json")
+    assert policy.draft_seconds is not None and policy(torch.full((2, 4), 0.5), 4, 2).shape == (2,)

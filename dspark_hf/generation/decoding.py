@@ -8,6 +8,7 @@ become new draft context. Rows live flush right in every buffer (see `ragged`), 
 
 from __future__ import annotations
 
+import sys
 import time
 
 import torch
@@ -44,17 +45,37 @@ def dspark_generate(
     """Decoding method for ``target.generate(custom_generate=dspark_generate, draft_model=draft, ...)``.
 
     `target.generate(**inputs, assistant_model=draft)` routes here after ``import dspark_hf``. Extra arguments:
-    draft_model (a [`DSparkDraftModel`] built for `model`), token_streamer (a transformers streamer; batch size 1),
+    draft_model (a [`DSparkDraftModel`] built for `model`, or a peft wrapper of one), token_streamer (a
+    transformers streamer; batch size 1;
+    one with a `put_round(DSparkRound)` method also gets each round's record, see `DSparkRoundStreamer`),
     verification_policy (callable(confidences (R, gamma) or None, gamma, R) -> verify lengths (R,); default:
     the full block, see `dspark_hf.scheduling`). On this route generate() drops `tokenizer`, so pass stop
-    strings as a `StopStringCriteria` in stopping_criteria (the assistant_model route does that for you). Returns what `generate()` returns; with ``return_dict_in_generate=True`` a [`DSparkGenerateOutput`].
+    strings as a `StopStringCriteria` in stopping_criteria (the assistant_model route does that for you). Returns
+    what `generate()` returns; with ``return_dict_in_generate=True`` a [`DSparkGenerateOutput`].
     """
+    draft_model = unwrap_draft(draft_model)
     _check_request(model, draft_model, generation_config, synced_gpus, model_kwargs, input_ids, token_streamer)
     if not draft_model.is_bound_to(model):
         draft_model.bind_target(model)
     decoder = _Decoder(model, draft_model, input_ids, model_kwargs.get("attention_mask"), logits_processor,
                        stopping_criteria, generation_config, verification_policy or FullBlock(), token_streamer)
     return decoder.run()
+
+
+def unwrap_draft(model):
+    """The model inside a peft ``PeftModel`` (e.g. a DSpark draft with LoRA adapters), else `model` itself.
+
+    The unwrapped draft still runs its adapters: peft's LoRA layers replace the draft's own linear layers and
+    follow the wrapper's active adapter (``set_adapter``, ``disable_adapter()``).
+    """
+    peft = sys.modules.get("peft")  # nothing can be a PeftModel unless peft was imported
+    if peft is None or not isinstance(model, peft.PeftModel):
+        return model
+    base = model.get_base_model()
+    if isinstance(base, DSparkDraftModel) and model.active_peft_config.is_prompt_learning:
+        raise ValueError(f"A {model.active_peft_config.peft_type} adapter (prompt learning) cannot adapt a DSpark "
+                         "draft, which reads no prompt of its own: use an adapter that changes its layers (LoRA).")
+    return base
 
 
 def _check_request(model, draft, cfg, synced_gpus, model_kwargs, input_ids, streamer):
@@ -157,15 +178,15 @@ class _Decoder:
                 stop_at[s] = k
         return stop_at
 
-    def _emit(self, rows, chunk, counts):
+    def _emit(self, rows, chunk, counts, stop_at):
         """Append chunk[:, :counts] to the rows' outputs; return which rows are finished by length."""
         k = torch.arange(chunk.shape[1], device=chunk.device)
         take = k < counts[:, None]
         slots = self.n_gen[rows][:, None] + k
         self.gen[rows[:, None].expand_as(chunk)[take], slots[take]] = chunk[take]
         self.n_gen[rows] += counts
-        if self.streamer is not None:
-            self.streamer.put(chunk[0, : int(counts[0])].cpu())
+        if self.streamer is not None:  # batch size 1: the output ends where a criterion fired, even without EOS
+            self.streamer.put(chunk[0, : int(stop_at[0]) or int(counts[0])].cpu())
         return self.n_gen[rows] >= self.max_new
 
     def _forward(self, input_ids, mask, positions, cache, logits_to_keep, timing: str | None = "target"):
@@ -219,7 +240,7 @@ class _Decoder:
         """Commit the chunk; return which rows are done (length limit, or stopped)."""
         first = (stop_at > 0) & (self.stopped_at[rows] == 0)
         self.stopped_at[rows[first]] = self.n_gen[rows[first]] + stop_at[first]
-        done = self._emit(rows, chunk, counts)
+        done = self._emit(rows, chunk, counts, stop_at)
         if self.pads_finished:
             return done | (stop_at > 0)
         if bool((self.stopped_at > 0).all()):
@@ -236,23 +257,29 @@ class _Decoder:
         R, gamma = rows.numel(), self.draft.config.block_size
         anchor_pos = mask.sum(1) - 1
 
-        start = time.perf_counter()
-        block = self.draft.draft_block(anchor, anchor_pos, self.context, self.do_sample,
-                                       process_logits=lambda prefix, logits: self._process(rows, prefix, logits))
-        self.timings["draft"] += time.perf_counter() - start
-
-        # how much of the block each row verifies: the policy's choice, never past the length limit
-        remaining = self.max_new - self.n_gen[rows]
-        verify_len = torch.minimum(self.policy(block.confidences, gamma, R).to(rows.device), remaining - 1)
+        # a policy may switch drafting off for a round when, under the current load, plain decoding is faster;
+        # it decides before this round's block exists, so the choice cannot depend on it (lossless)
+        if getattr(self.policy, "draft_this_round", lambda num_rows: True)(R):
+            start = time.perf_counter()
+            block = self.draft.draft_block(anchor, anchor_pos, self.context, self.do_sample,
+                                           process_logits=lambda prefix, logits: self._process(rows, prefix, logits))
+            self.timings["draft"] += time.perf_counter() - start
+            # how much of the block each row verifies: the policy's choice, never past the length limit
+            remaining = self.max_new - self.n_gen[rows]
+            verify_len = torch.minimum(self.policy(block.confidences, gamma, R).to(rows.device), remaining - 1)
+        else:
+            block, verify_len = None, torch.zeros_like(rows)
         L = int(verify_len.max())
-        x = block.tokens[:, :L]
+        x = block.tokens[:, :L] if block is not None else anchor.new_zeros(R, 0)
 
         inputs = torch.cat([anchor[:, None], x], 1)
         positions = anchor_pos[:, None] + torch.arange(L + 1, device=rows.device)
         out = self._forward(inputs, torch.cat([mask, mask.new_ones(R, L + 1)], 1), positions, self.cache, 0)
         scores = torch.stack([self._process(rows, x[:, :j], out.logits[:, j]) for j in range(L + 1)], 1)
 
-        if self.do_sample:
+        if block is None:
+            n, nxt = torch.zeros_like(rows), self._pick(scores[:, 0])
+        elif self.do_sample:
             n, nxt = verify.verify_sampling(torch.softmax(scores, -1), block.probs[:, :L], x, verify_len)
         else:
             n, nxt = verify.verify_greedy(scores, x, verify_len)
@@ -263,6 +290,8 @@ class _Decoder:
         if self.pads_finished:
             counts = torch.where(stop_at > 0, stop_at, counts)
         self._record(block, verify_len, n, nxt, counts)
+        if hasattr(self.streamer, "put_round"):  # a round streamer (batch size 1) gets the record before the tokens
+            self.streamer.put_round(self.rounds[0][-1])
         done = self._finish(rows, chunk, counts, stop_at)
 
         # keep the target's and the draft's state of [anchor, accepted drafts]; the next token is the new anchor
@@ -279,11 +308,15 @@ class _Decoder:
         self._keep(~done)
 
     def _record(self, block, verify_len, n, nxt, counts):
-        q_x = block.probs.gather(-1, block.tokens[..., None]).squeeze(-1)
-        conf = block.confidences.tolist() if block.confidences is not None else None
+        R = n.shape[0]
+        if block is None:  # drafting was switched off this round
+            tokens, q_x, conf = [[]] * R, [[]] * R, None
+        else:
+            tokens = block.tokens.tolist()
+            q_x = block.probs.gather(-1, block.tokens[..., None]).squeeze(-1).tolist()
+            conf = block.confidences.tolist() if block.confidences is not None else None
         for i, (r, drafted, q, v, a, t, c) in enumerate(zip(
-                self.rows.tolist(), block.tokens.tolist(), q_x.tolist(), verify_len.tolist(), n.tolist(),
-                nxt.tolist(), counts.tolist())):
+                self.rows.tolist(), tokens, q_x, verify_len.tolist(), n.tolist(), nxt.tolist(), counts.tolist())):
             self.rounds[r].append(DSparkRound(drafted, q, conf[i] if conf else None, v, a, t, c))
 
     def _keep(self, alive: torch.Tensor):

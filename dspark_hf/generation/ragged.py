@@ -15,10 +15,11 @@ import torch
 def shift_right(x: torch.Tensor, shifts: torch.Tensor, dim: int) -> torch.Tensor:
     """Shift row b of `x` (batch on dim 0) right by shifts[b] along `dim`, zero-filling on the left and dropping
     what falls off the right end."""
+    moves = [s for s in shifts.unique().tolist() if s != 0]
+    if not moves:  # every row accepted as much as the best one (always at batch size 1): nothing to copy
+        return x
     out = x.clone()
-    for s in shifts.unique().tolist():
-        if s == 0:
-            continue
+    for s in moves:
         rows = (shifts == s).nonzero().squeeze(1)
         moved = x.index_select(0, rows)
         moved = torch.cat([torch.zeros_like(moved.narrow(dim, 0, s)), moved.narrow(dim, 0, x.shape[dim] - s)], dim)

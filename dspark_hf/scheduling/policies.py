@@ -2,7 +2,12 @@
 
     policy(confidences: Tensor (R, gamma) | None, gamma: int, num_rows: int) -> LongTensor (R,) in [0, gamma]
 
-confidences is None for a draft without a confidence head.
+confidences is None for a draft without a confidence head. A policy may also define
+
+    draft_this_round(num_rows: int) -> bool
+
+asked before each round's draft: False skips drafting and decodes one plain token per row (the policy must decide
+from past rounds only, so the choice cannot depend on the block it skips).
 
 Drafting always uses the full trained block; only verification is trimmed, which never changes the output
 distribution as long as a row's length is decided before its tokens are revealed to the decision (see the

@@ -106,13 +106,54 @@ class ThresholdPolicy:
 
 
 class Scheduled:
-    """Algorithm 1 every round, against a profiled SPS curve (see `dspark profile`)."""
+    """Algorithm 1 every round, against a profiled engine (see `dspark profile` and [`Scheduled.from_profile`]).
 
-    def __init__(self, sps: SPS):
-        self.sps = sps
+    sps: SPS(B) of the verification forward. draft_seconds: optional R -> seconds of one draft pass for R requests;
+    with it a round's rate counts the draft too, 1 / (t_draft(R) + 1 / SPS(B)), and when even the best schedule is
+    slower than plain decoding at this load (R * SPS(R), no draft), drafting is switched off for `probe_every`
+    rounds and then tried again; each probe that confirms it doubles the pause, up to `max_pause` rounds (a probe
+    costs a draft pass and a longer verification). That decision uses past rounds only, so it stays lossless.
+    Keeps state across rounds: use one instance per generate() call.
+    """
+
+    def __init__(self, sps: SPS, draft_seconds: Callable[[int], float] | None = None, probe_every: int = 8,
+                 max_pause: int = 64):
+        self.sps, self.draft_seconds, self.probe_every, self.max_pause = sps, draft_seconds, probe_every, max_pause
+        self._skip, self._pause = 0, probe_every
+
+    @classmethod
+    def from_profile(cls, path, **kwargs) -> "Scheduled":
+        """The scheduler for the engine a `dspark profile` JSON describes (with its draft cost, if measured)."""
+        from .profile import load_draft_cost, load_profile
+
+        return cls(load_profile(path), load_draft_cost(path), **kwargs)
+
+    def round_sps(self, num_rows: int) -> Callable[[int], float]:
+        """Speculative steps per second at B verified tokens for `num_rows` requests, draft pass included."""
+        sps = _sps_fn(self.sps)
+        if self.draft_seconds is None:
+            return sps
+        t_draft = self.draft_seconds(num_rows)
+        return lambda b: 1.0 / (t_draft + 1.0 / sps(b))
 
     def __call__(self, confidences, gamma: int, num_rows: int) -> torch.Tensor:
-        return torch.tensor(prefix_schedule(_require(confidences, "Scheduled").cpu(), self.sps), dtype=torch.long)
+        c = _require(confidences, "Scheduled").cpu()
+        step = self.round_sps(num_rows)
+        lengths = prefix_schedule(c, step)
+        if self.draft_seconds is not None:
+            a = survival(c)
+            tau = num_rows + sum(float(a[r, :n].sum()) for r, n in enumerate(lengths))
+            if tau * step(num_rows + sum(lengths)) < num_rows * _sps_fn(self.sps)(num_rows):
+                self._skip, self._pause = self._pause, min(2 * self._pause, self.max_pause)
+            else:
+                self._pause = self.probe_every
+        return torch.tensor(lengths, dtype=torch.long)
+
+    def draft_this_round(self, num_rows: int) -> bool:
+        if self._skip > 0:
+            self._skip -= 1
+            return False
+        return True
 
 
 class AsyncScheduled:

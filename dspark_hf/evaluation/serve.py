@@ -1,0 +1,157 @@
+"""`dspark bench serve`: verification policies under load (paper Fig. 7 and 8).
+
+At each concurrency R, R requests decode together in one batch with every policy in turn: no speculation (plain
+generate()), the full block, fixed verification lengths, a static confidence threshold and the hardware-aware
+scheduler. Policies are interleaved in one run and repeated; the median run counts. Total throughput is user
+tokens (up to each row's EOS) per second of the batch; per-user speed is that divided by R.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Callable
+
+from ..scheduling import FixedLength, FullBlock, Scheduled, ThresholdPolicy
+from .evaluate import _inputs, _user_tokens
+from .machine import machine_info
+
+
+def serve_policies(draft, fixed_lengths=(1, 2, 4), threshold: float = 0.5, profile: str | None = None) -> dict:
+    """name -> factory of generate() kwargs (a fresh policy per call: schedulers keep per-call state)."""
+    methods: dict[str, Callable[[], dict]] = {
+        "no speculation": lambda: {},
+        "full block": lambda: {"assistant_model": draft, "verification_policy": FullBlock()},
+    }
+    for n in fixed_lengths:
+        if n < draft.config.block_size:
+            methods[f"fixed {n}"] = lambda n=n: {"assistant_model": draft, "verification_policy": FixedLength(n)}
+    methods[f"threshold {threshold:g}"] = lambda: {"assistant_model": draft,
+                                                   "verification_policy": ThresholdPolicy(threshold)}
+    if profile is not None:
+        methods["scheduled"] = lambda: {"assistant_model": draft, "verification_policy": Scheduled.from_profile(profile)}
+    return methods
+
+
+def bench_serve(target, tokenizer, draft, prompts: list[dict], batch_sizes=(1, 2, 4, 8, 16, 32),
+                max_new_tokens: int = 32, repeats: int = 2, fixed_lengths=(1, 2, 4), threshold: float = 0.5,
+                profile: str | None = None, progress: bool = True) -> dict:
+    """Throughput and per-user speed of every policy at every concurrency (greedy); see the module docstring."""
+    from tqdm.auto import tqdm
+
+    eos = target.generation_config.eos_token_id
+    eos_ids = set(eos if isinstance(eos, list) else [eos]) if eos is not None else set()
+    methods = serve_policies(draft, fixed_lengths, threshold, profile)
+    gamma = draft.config.block_size
+    bar = tqdm(total=len(batch_sizes) * repeats * len(methods), desc="bench serve", disable=not progress)
+    results = {}
+    prompts = _round_robin(prompts)
+    for R in batch_sizes:
+        batch = [prompts[i % len(prompts)] for i in range(R)]
+        inputs = _inputs(tokenizer, batch)
+        prompt_len = inputs["input_ids"].shape[1]
+        for make in methods.values():  # warm-up
+            target.generate(**inputs, max_new_tokens=4, do_sample=False, **make())
+        runs = defaultdict(list)
+        for _ in range(repeats):
+            for name, make in methods.items():
+                kwargs = make()
+                start = time.perf_counter()
+                out = target.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False,
+                                      return_dict_in_generate=True, **kwargs)
+                seconds = time.perf_counter() - start
+                tokens = _user_tokens(out.sequences[:, prompt_len:], eos_ids)
+                rounds = [r for rows in getattr(out, "rounds", None) or [] for r in rows]
+                runs[name].append((tokens / seconds, rounds))
+                bar.update(1)
+                bar.set_postfix(R=R, method=name)
+        results[R] = {name: _summary(rs, R, gamma) for name, rs in runs.items()}
+    bar.close()
+    return {"settings": {"batch_sizes": list(batch_sizes), "max_new_tokens": max_new_tokens, "repeats": repeats,
+                         "block_size": gamma, "threshold": threshold, "fixed_lengths": list(fixed_lengths),
+                         "profile": profile, "prompts": len(prompts), "greedy": True},
+            "machine": machine_info(target), "results": results}
+
+
+def _round_robin(prompts: list[dict]) -> list[dict]:
+    """Interleave domains so that every concurrency mixes them (code, chat, math, code, ...)."""
+    by_domain = defaultdict(list)
+    for p in prompts:
+        by_domain[p.get("domain", "default")].append(p)
+    queues = list(by_domain.values())
+    return [q[i] for i in range(max(map(len, queues))) for q in queues if i < len(q)]
+
+
+def _summary(runs: list[tuple[float, list]], R: int, gamma: int) -> dict:
+    throughput = statistics.median(t for t, _ in runs)
+    rounds = [r for _, rs in runs for r in rs]
+    drafted = [r for r in rounds if r.drafted]
+    return {"throughput": throughput, "per_user": throughput / R, "runs": [t for t, _ in runs],
+            "rounds": len(rounds) // len(runs),
+            "mean_verified": statistics.mean(r.verified for r in rounds) if rounds else None,
+            "tau": statistics.mean(r.tau for r in rounds) if rounds else None,
+            "drafting_off": (1 - len(drafted) / len(rounds)) if rounds else None}
+
+
+def best_fixed(by_method: dict) -> str:
+    """The fixed policy (full block included) with the highest throughput at one concurrency."""
+    fixed = {m: v for m, v in by_method.items() if m == "full block" or m.startswith("fixed")}
+    return max(fixed, key=lambda m: fixed[m]["throughput"])
+
+
+def format_serve_table(report: dict) -> str:
+    methods = list(next(iter(report["results"].values())))
+    lines = ["| R | " + " | ".join(methods) + " | best fixed |", "|---:|" + "---:|" * (len(methods) + 1)]
+    for R, by_method in report["results"].items():
+        cells = [f"{by_method[m]['throughput']:.1f}" for m in methods]
+        lines.append(f"| {R} | " + " | ".join(cells) + f" | {best_fixed(by_method)} |")
+    return "\n".join(lines)
+
+
+def plot_serve(report: dict, out_dir: str | Path) -> list[Path]:
+    """Pareto plot (total throughput vs per-user speed, paper Fig. 7) and the verification budget by concurrency
+    (mean verified draft tokens per request per round, Fig. 8)."""
+    from .plots import _pyplot
+
+    plt = _pyplot()
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    results = {int(R): v for R, v in report["results"].items()}
+    Rs = sorted(results)
+    methods = list(results[Rs[0]])
+    fig, ax = plt.subplots(figsize=(6.4, 4.4))
+    for m in methods:
+        xs, ys = [results[R][m]["per_user"] for R in Rs], [results[R][m]["throughput"] for R in Rs]
+        ax.plot(xs, ys, marker="o", label=m, linewidth=2.5 if m == "scheduled" else 1.2)
+        if m == "no speculation":
+            for R, x, y in zip(Rs, xs, ys):
+                ax.annotate(f"R={R}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+    ax.set_xlabel("per-user tokens/s")
+    ax.set_ylabel("total tokens/s")
+    ax.set_xscale("log")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title("Throughput vs per-user speed by concurrency R")
+    fig.tight_layout()
+    paths = [out_dir / "serve_pareto.png"]
+    fig.savefig(paths[-1], dpi=120)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6.4, 3.8))
+    for m in methods:
+        if m != "no speculation":
+            ax.plot(Rs, [results[R][m]["mean_verified"] for R in Rs], marker="o", label=m)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(Rs, [str(R) for R in Rs])
+    ax.set_xlabel("concurrent requests R")
+    ax.set_ylabel("mean verified draft tokens / request / round")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title("Verification budget under load")
+    fig.tight_layout()
+    paths.append(out_dir / "serve_budget.png")
+    fig.savefig(paths[-1], dpi=120)
+    plt.close(fig)
+    return paths
