@@ -39,6 +39,11 @@ def _load(args, draft: bool = True):
     return target, tokenizer, default_draft(target)
 
 
+def _write_json(path: str, data: dict) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(data, indent=2))
+
+
 def cmd_generate(args) -> int:
     """The main job: answer prompts with DSpark, check the output against plain generate(), report speed."""
     from .evaluation.bench_oracle import DEFAULT_PROMPTS, chat_inputs
@@ -155,8 +160,7 @@ def cmd_eval(args) -> int:
                        seed=args.seed)
     if args.threshold_sweep:
         results["threshold_sweep"] = threshold_sweep(results["prompts"], [i / 10 for i in range(10)])
-    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.output).write_text(json.dumps(results, indent=2))
+    _write_json(args.output, results)
     print(f"\n{describe(results['machine'])}; {len(prompts)} prompts, max_new_tokens={args.max_new_tokens}, "
           f"temperature={args.temperature}")
     print(_summary_table(results))
@@ -186,8 +190,7 @@ def cmd_bench_speed(args) -> int:
                                      "verification_policy": Scheduled.from_profile(args.profile)}
     report = bench_speed(target, tokenizer, draft, prompts, args.batch_size, args.max_new_tokens, args.repeats,
                          args.temperature, extra_methods=extra)
-    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.output).write_text(json.dumps(report, indent=2))
+    _write_json(args.output, report)
     print(f"\n{describe(report['machine'])}; {len(prompts)} prompts, batch {args.batch_size}, "
           f"max_new_tokens={args.max_new_tokens}, median of {args.repeats}")
     print(format_speed_table(report))
@@ -205,8 +208,7 @@ def cmd_bench_serve(args) -> int:
     target, tokenizer, draft = _load(args)
     report = bench_serve(target, tokenizer, draft, prompts, args.batch_sizes, args.max_new_tokens, args.repeats,
                          args.fixed_lengths, args.threshold, args.profile)
-    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.output).write_text(json.dumps(report, indent=2))
+    _write_json(args.output, report)
     print(f"\n{describe(report['machine'])}; greedy, max_new_tokens={args.max_new_tokens}, median of "
           f"{args.repeats}; total tokens/s by concurrency R")
     print(format_serve_table(report))
