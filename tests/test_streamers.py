@@ -40,14 +40,19 @@ def generate_in_thread(target, ids, mask, streamer, **kw):
     return join
 
 
-def test_rounds_arrive_in_order_and_equal_the_returned_records():
+def stream_oracle_decode():
+    """(prompt ids, streamer, the steps it yielded, generate()'s output) for 24 tokens with a corrupted oracle."""
     target = tiny_target("llama")
     ids, mask = left_padded_prompts(1)
     streamer = DSparkRoundStreamer(timeout=60)
     join = generate_in_thread(target, ids, mask, streamer, assistant_model=oracle_draft(target, ids, mask),
                               max_new_tokens=24)
     steps = list(streamer)
-    out = join()
+    return ids, streamer, steps, join()
+
+
+def test_rounds_arrive_in_order_and_equal_the_returned_records():
+    ids, streamer, steps, out = stream_oracle_decode()
 
     assert [s.round for s in steps[1:]] == out.rounds[0]
     accepted = [r.accepted for r in out.rounds[0]]
@@ -56,13 +61,7 @@ def test_rounds_arrive_in_order_and_equal_the_returned_records():
 
 
 def test_steps_rebuild_the_output_token_by_token():
-    target = tiny_target("llama")
-    ids, mask = left_padded_prompts(1)
-    streamer = DSparkRoundStreamer(timeout=60)
-    join = generate_in_thread(target, ids, mask, streamer, assistant_model=oracle_draft(target, ids, mask),
-                              max_new_tokens=24)
-    steps = list(streamer)
-    out = join()
+    ids, streamer, steps, out = stream_oracle_decode()
 
     first, *rounds = steps
     assert first.round is None and len(first.tokens) == 1, "the prefill's token comes before any round"

@@ -131,13 +131,7 @@ def plot_serve(report: dict, out_dir: str | Path) -> list[Path]:
     ax.set_xlabel("per-user tokens/s")
     ax.set_ylabel("total tokens/s")
     ax.set_xscale("log")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    ax.set_title("Throughput vs per-user speed by concurrency R")
-    fig.tight_layout()
-    paths = [out_dir / "serve_pareto.png"]
-    fig.savefig(paths[-1], dpi=120)
-    plt.close(fig)
+    paths = [_save(plt, fig, ax, "Throughput vs per-user speed by concurrency R", out_dir / "serve_pareto.png")]
 
     fig, ax = plt.subplots(figsize=(6.4, 3.8))
     for m in methods:
@@ -147,11 +141,15 @@ def plot_serve(report: dict, out_dir: str | Path) -> list[Path]:
     ax.set_xticks(Rs, [str(R) for R in Rs])
     ax.set_xlabel("concurrent requests R")
     ax.set_ylabel("mean verified draft tokens / request / round")
+    paths.append(_save(plt, fig, ax, "Verification budget under load", out_dir / "serve_budget.png"))
+    return paths
+
+
+def _save(plt, fig, ax, title: str, path: Path) -> Path:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    ax.set_title("Verification budget under load")
+    ax.set_title(title)
     fig.tight_layout()
-    paths.append(out_dir / "serve_budget.png")
-    fig.savefig(paths[-1], dpi=120)
+    fig.savefig(path, dpi=120)
     plt.close(fig)
-    return paths
+    return path
