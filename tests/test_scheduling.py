@@ -5,7 +5,7 @@ import torch
 
 from conftest import left_padded_prompts, tiny_draft, tiny_target
 from dspark_hf.scheduling.scheduler import AsyncScheduled, Scheduled, ThresholdPolicy, prefix_schedule, \
-    topk_schedule
+    topk_schedule, verified_tokens
 
 APPENDIX_A_SPS = [None, 1.0, 0.5, 0.45]
 
@@ -30,6 +30,17 @@ def test_budgets_shrink_with_load(requests, mean_budget):
 
 def test_zero_confidences_give_zero_budgets():
     assert prefix_schedule(torch.zeros(3, 5), lambda b: 1.0) == [0, 0, 0]
+
+
+def test_a_padded_engine_pays_for_the_longest_row_only():
+    """Batched generate() verifies a rectangle: one row's extra token costs a column, the others' ride along."""
+    sps = lambda b: 100 / (10 + b)  # noqa: E731
+    assert prefix_schedule([[0.9], [0.1]], sps) == [1, 0]  # packed: B = 3 gains, B = 4 does not
+    assert prefix_schedule([[0.9], [0.1]], sps, padded=True) == [1, 1]  # padded: B = 4 either way
+    steep = [None, 1.0, 0.9, 0.8, 0.5]
+    assert prefix_schedule([[0.9], [0.0]], steep) == [1, 0]  # 2.9 tokens at SPS(3) beat 2 at SPS(2)
+    assert prefix_schedule([[0.9], [0.0]], steep, padded=True) == [0, 0]  # but not at SPS(4)
+    assert verified_tokens([3, 0, 1]) == 7 and verified_tokens([3, 0, 1], padded=True) == 12
 
 
 def test_admission_respects_prefixes_and_top_k():
@@ -132,6 +143,45 @@ def test_rounds_without_a_draft_stay_token_identical(family):
     assert torch.equal(out.sequences, reference)
     skipped = [r for rows in out.rounds for r in rows if not r.drafted]
     assert skipped and all(r.verified == r.accepted == 0 and r.committed <= 1 for r in skipped)
+
+
+class DraftingEveryRound(Alternating):
+    """Drafts every round but verifies only where `Alternating` drafts: the same tokens land in the same rounds."""
+
+    def draft_this_round(self, num_rows):
+        self.drafting = super().draft_this_round(num_rows)
+        return True
+
+    def __call__(self, confidences, gamma, num_rows):
+        return torch.full((num_rows,), int(self.drafting), dtype=torch.long)
+
+
+def contexts_seen_by_the_draft(target, policy):
+    draft = tiny_draft(target)
+    seen, draft_block = [], draft.draft_block
+
+    def recording(anchor, anchor_positions, context, *args, **kwargs):
+        seen.append((anchor_positions, context))
+        return draft_block(anchor, anchor_positions, context, *args, **kwargs)
+
+    draft.draft_block = recording
+    ids, mask = left_padded_prompts(3)
+    target.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=12, assistant_model=draft,
+                    verification_policy=policy)
+    return seen
+
+
+def test_rounds_without_a_draft_leave_the_draft_the_context_it_would_have_had(family):
+    """Tokens committed without a draft reach the draft's context (encoded lazily, when drafting resumes)."""
+    target = tiny_target(family)
+    lazy = contexts_seen_by_the_draft(target, Alternating())
+    eager = contexts_seen_by_the_draft(target, DraftingEveryRound())[1::2]
+    assert len(lazy) == len(eager) > 2
+    for (pos, ctx), (pos_ref, ref) in zip(lazy, eager):
+        assert torch.equal(pos, pos_ref) and torch.equal(ctx.positions, ref.positions)
+        assert torch.equal(ctx.valid, ref.valid)
+        for k, k_ref in zip(ctx.keys + ctx.values, ref.keys + ref.values):
+            torch.testing.assert_close(k, k_ref, atol=1e-5, rtol=1e-4)
 
 
 def test_rounds_without_a_draft_sample_exactly():

@@ -20,7 +20,7 @@ from transformers.generation.stopping_criteria import MaxLengthCriteria
 from ..model.modeling_dspark import DSparkDraftModel
 from ..scheduling.policies import FullBlock
 from . import verify
-from .ragged import commit, leading_padding
+from .ragged import Commit, leading_padding
 from .records import DSparkGenerateOutput, DSparkRound
 
 _UNSUPPORTED_OUTPUTS = ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
@@ -111,7 +111,9 @@ def _check_request(model, draft, cfg, synced_gpus, model_kwargs, input_ids, stre
 
 class _Decoder:
     """State of one batched DSpark decode. Active rows are right-aligned in `mask`, `cache` and `context`; `mask`
-    covers every committed token (anchor last), the target cache and the draft context every token but the anchor.
+    covers every committed token (anchor last), the target cache every token but the anchor, and the draft context
+    followed by `pending` (target features of tokens committed in rounds without a draft, encoded when drafting
+    resumes) every token but the anchor too.
     """
 
     def __init__(self, target, draft, prompt, prompt_mask, processors, criteria, cfg, policy, streamer):
@@ -227,13 +229,15 @@ class _Decoder:
         out = self._forward(self.prompt, mask, positions, cache, logits_to_keep=1, timing=None)  # in "prefill"
         scores = self._process(rows, self.prompt.new_zeros(B, 0), out.logits[:, -1])
         token = self._pick(scores)
-        context = self.draft.encode_context(self.draft.target_features(out.hidden_states), positions, mask.bool())
+        features = self.draft.target_features(out.hidden_states)
+        context = self.draft.encode_context(features, positions, mask.bool())
 
         ones = torch.ones_like(token)
         stop_at = self._stop_index(rows, token[:, None], ones, scores[:, None])
         done = self._finish(rows, token[:, None], ones, stop_at)
         self.rows, self.mask, self.cache, self.context, self.anchor = rows, torch.cat(
             [mask, ones[:, None].to(mask.dtype)], 1), cache, context, token
+        self.pending, self.pending_positions = features[:, :0], positions[:, :0]
         self._keep(~done)
 
     def _finish(self, rows, chunk, counts, stop_at):
@@ -261,6 +265,7 @@ class _Decoder:
         # it decides before this round's block exists, so the choice cannot depend on it (lossless)
         if getattr(self.policy, "draft_this_round", lambda num_rows: True)(R):
             start = time.perf_counter()
+            self._encode_pending()
             block = self.draft.draft_block(anchor, anchor_pos, self.context, self.do_sample,
                                            process_logits=lambda prefix, logits: self._process(rows, prefix, logits))
             self.timings["draft"] += time.perf_counter() - start
@@ -295,17 +300,27 @@ class _Decoder:
         done = self._finish(rows, chunk, counts, stop_at)
 
         # keep the target's and the draft's state of [anchor, accepted drafts]; the next token is the new anchor
-        keep = n + 1
-        keep_max = int(keep.max())
+        commit = Commit(L + 1, keep=n + 1)
         for layer in self.cache.layers:
-            layer.keys = commit(layer.keys, 2, L + 1, keep, keep_max)
-            layer.values = commit(layer.values, 2, L + 1, keep, keep_max)
-        self.mask = commit(torch.cat([mask, mask.new_ones(R, L + 1)], 1), 1, L + 1, keep, keep_max)
-        new_context = self.draft.encode_context(self.draft.target_features(out.hidden_states), positions,
-                                                torch.ones_like(positions, dtype=torch.bool))
-        self.context = self.context.cat(new_context).map(lambda t, dim: commit(t, dim, L + 1, keep, keep_max))
+            layer.keys, layer.values = commit(layer.keys, 2), commit(layer.values, 2)
+        self.mask = commit(torch.cat([mask, mask.new_ones(R, L + 1)], 1), 1)
+        features = self.draft.target_features(out.hidden_states)
+        if block is None:  # every row keeps its one token; nothing reads the draft context before the next draft
+            self.pending = torch.cat([self.pending, features], 1)
+            self.pending_positions = torch.cat([self.pending_positions, positions], 1)
+        else:
+            new_context = self.draft.encode_context(features, positions, torch.ones_like(positions, dtype=torch.bool))
+            self.context = self.context.cat(new_context).map(commit)
         self.anchor = nxt
         self._keep(~done)
+
+    def _encode_pending(self):
+        """Turn the features kept by rounds without a draft into draft context, all in one pass."""
+        if self.pending_positions.shape[1] == 0:
+            return
+        self.context = self.context.cat(self.draft.encode_context(
+            self.pending, self.pending_positions, torch.ones_like(self.pending_positions, dtype=torch.bool)))
+        self.pending, self.pending_positions = self.pending[:, :0], self.pending_positions[:, :0]
 
     def _record(self, block, verify_len, n, nxt, counts):
         R = n.shape[0]
@@ -326,6 +341,7 @@ class _Decoder:
             self.rows, self.mask, self.anchor = self.rows[idx], self.mask[idx], self.anchor[idx]
             self.cache.batch_select_indices(idx)
             self.context = self.context.map(lambda t, dim: t[idx])
+            self.pending, self.pending_positions = self.pending[idx], self.pending_positions[idx]
         if self.rows.numel() == 0:
             return
         drop = leading_padding(self.mask)

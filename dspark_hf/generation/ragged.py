@@ -12,26 +12,31 @@ from __future__ import annotations
 import torch
 
 
-def shift_right(x: torch.Tensor, shifts: torch.Tensor, dim: int) -> torch.Tensor:
-    """Shift row b of `x` (batch on dim 0) right by shifts[b] along `dim`, zero-filling on the left and dropping
-    what falls off the right end."""
-    moves = [s for s in shifts.unique().tolist() if s != 0]
-    if not moves:  # every row accepted as much as the best one (always at batch size 1): nothing to copy
-        return x
-    out = x.clone()
-    for s in moves:
-        rows = (shifts == s).nonzero().squeeze(1)
-        moved = x.index_select(0, rows)
-        moved = torch.cat([torch.zeros_like(moved.narrow(dim, 0, s)), moved.narrow(dim, 0, x.shape[dim] - s)], dim)
-        out.index_copy_(0, rows, moved)
-    return out
+class Commit:
+    """One round's commit: every buffer ends with `appended` new entries per row along its sequence dim; keep the
+    first keep[b] of them in row b and re-align rows flush right (row b moves right by keep.max() - keep[b]).
 
+    Built once per round and applied to every buffer (mask, each cache layer, the draft context), so the rows to
+    move are found once, with one device sync, not once per tensor.
+    """
 
-def commit(x: torch.Tensor, dim: int, appended: int, keep: torch.Tensor, keep_max: int) -> torch.Tensor:
-    """`x` ends with `appended` new entries per row along `dim`; keep the first keep[b] of them in row b and
-    re-align rows flush right. keep_max = keep.max() (passed in to avoid a device sync per tensor)."""
-    x = x.narrow(dim, 0, x.shape[dim] - (appended - keep_max))
-    return shift_right(x, keep_max - keep, dim)
+    def __init__(self, appended: int, keep: torch.Tensor):
+        keep_max = int(keep.max())
+        self.surplus = appended - keep_max  # entries no row keeps, cut from the right end
+        shifts = keep_max - keep
+        self.moves = [(s, (shifts == s).nonzero().squeeze(1)) for s in shifts.unique().tolist() if s != 0]
+
+    def __call__(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        x = x.narrow(dim, 0, x.shape[dim] - self.surplus)
+        if not self.moves:  # every row kept as much as the best one (always at batch size 1): nothing to copy
+            return x
+        out = x.clone()
+        for s, rows in self.moves:
+            moved = x.index_select(0, rows)
+            moved = torch.cat([torch.zeros_like(moved.narrow(dim, 0, s)), moved.narrow(dim, 0, x.shape[dim] - s)],
+                              dim)
+            out.index_copy_(0, rows, moved)
+        return out
 
 
 def leading_padding(mask: torch.Tensor) -> int:

@@ -3,6 +3,7 @@
 For R requests with conditional confidences c_{r,1..gamma}, the survival probability of draft position j is
 a_{r,j} = prod_{i<=j} c_{r,i}. Verifying lengths l_r sends B = sum(1 + l_r) tokens to the target and is expected
 to commit tau = sum(1 + sum_{j<=l_r} a_{r,j}) tokens, at SPS(B) steps per second: throughput Theta = tau * SPS(B).
+(A padded engine, like batched `generate()` here, runs every request at the longest length: B = R * (1 + max l_r).)
 Because a_{r,j} falls with j, admitting candidates in descending order of a respects every request's prefix.
 
 Lossless scheduling needs admission to be non-anticipating: whether position k of a request is verified must not
@@ -60,26 +61,33 @@ def _candidates(a: torch.Tensor) -> list[tuple[float, int, int]]:
     return sorted(rows, key=lambda x: (-x[0], x[1], x[2]))
 
 
-def prefix_schedule(confidences, sps: SPS, early_stop: bool = True) -> list[int]:
+def prefix_schedule(confidences, sps: SPS, early_stop: bool = True, padded: bool = False) -> list[int]:
     """Algorithm 1: per-request verification lengths in [0, gamma] maximising tau * SPS(B).
 
     confidences: R rows of conditional confidences (nested lists or an (R, gamma) tensor); sps: steps per second
     by verification batch size in tokens, sps[B] or a callable. Keep early_stop=True for lossless decoding.
+    padded: the engine verifies a rectangle, every request padded to the longest length, B = R * (1 + max l_r)
+    (this library's batched `generate()`); default: a packed engine, B = sum(1 + l_r) (the paper's setting).
     """
     a = survival(confidences)
     R = a.shape[0]
     sps = _sps_fn(sps)
     lengths, best_lengths = [0] * R, [0] * R
-    B, tau = R, float(R)
-    best = tau * sps(B)
+    tau = float(R)
+    best = tau * sps(R)
     for a_rj, r, j in _candidates(a):
-        lengths[r], B, tau = j, B + 1, tau + a_rj
-        theta = tau * sps(B)
+        lengths[r], tau = j, tau + a_rj
+        theta = tau * sps(verified_tokens(lengths, padded))
         if theta > best:
             best, best_lengths = theta, list(lengths)
         elif early_stop:
             break
     return best_lengths
+
+
+def verified_tokens(lengths: Sequence[int], padded: bool = False) -> int:
+    """Tokens in the verification forward (anchors included): sum(1 + l_r), or R * (1 + max l_r) when padded."""
+    return len(lengths) * (1 + max(lengths, default=0)) if padded else len(lengths) + sum(lengths)
 
 
 def topk_schedule(confidences, capacity: int) -> list[int]:
@@ -108,7 +116,9 @@ class ThresholdPolicy:
 class Scheduled:
     """Algorithm 1 every round, against a profiled engine (see `dspark profile` and [`Scheduled.from_profile`]).
 
-    sps: SPS(B) of the verification forward. draft_seconds: optional R -> seconds of one draft pass for R requests;
+    sps: SPS(B) of the verification forward (measured on rectangular R x T batches by `dspark profile`); padded:
+    this library's verification forward pads every request to the longest verified length, so B = R * (1 + max
+    l_r) (`prefix_schedule(padded=True)`). draft_seconds: optional R -> seconds of one draft pass for R requests;
     with it a round's rate counts the draft too, 1 / (t_draft(R) + 1 / SPS(B)), and when even the best schedule is
     slower than plain decoding at this load (R * SPS(R), no draft), drafting is switched off for `probe_every`
     rounds and then tried again; each probe that confirms it doubles the pause, up to `max_pause` rounds (a probe
@@ -117,8 +127,9 @@ class Scheduled:
     """
 
     def __init__(self, sps: SPS, draft_seconds: Callable[[int], float] | None = None, probe_every: int = 8,
-                 max_pause: int = 64):
+                 max_pause: int = 64, padded: bool = True):
         self.sps, self.draft_seconds, self.probe_every, self.max_pause = sps, draft_seconds, probe_every, max_pause
+        self.padded = padded
         self._skip, self._pause = 0, probe_every
 
     @classmethod
@@ -139,11 +150,11 @@ class Scheduled:
     def __call__(self, confidences, gamma: int, num_rows: int) -> torch.Tensor:
         c = _require(confidences, "Scheduled").cpu()
         step = self.round_sps(num_rows)
-        lengths = prefix_schedule(c, step)
+        lengths = prefix_schedule(c, step, padded=self.padded)
         if self.draft_seconds is not None:
             a = survival(c)
             tau = num_rows + sum(float(a[r, :n].sum()) for r, n in enumerate(lengths))
-            if tau * step(num_rows + sum(lengths)) < num_rows * _sps_fn(self.sps)(num_rows):
+            if tau * step(verified_tokens(lengths, self.padded)) < num_rows * _sps_fn(self.sps)(num_rows):
                 self._skip, self._pause = self._pause, min(2 * self._pause, self.max_pause)
             else:
                 self._pause = self.probe_every
