@@ -124,7 +124,7 @@ def test_dspark_bench_serve_compares_every_policy_at_every_concurrency(tiny_mode
     assert main(["profile", *models, "--rows", "1", "2", "--max-tokens", "5", "--context", "16", "--repeats", "1",
                  "--output", str(profile)]) == 0
     assert main(["bench", "serve", *models, "--prompts", str(tiny_models / "prompts.jsonl"), "--batch-sizes", "1",
-                 "3", "--max-new-tokens", "6", "--repeats", "1", "--fixed-lengths", "1", "2", "--profile",
+                 "3", "--max-new-tokens", "6", "--repeats", "2", "--fixed-lengths", "1", "2", "--profile",
                  str(profile), "--output", str(out), "--plot", str(tmp_path / "plots")]) == 0
     report = json.loads(out.read_text())
     assert list(report["results"]) == ["1", "3"]
@@ -133,8 +133,9 @@ def test_dspark_bench_serve_compares_every_policy_at_every_concurrency(tiny_mode
                                    "scheduled"]
         assert by_method["fixed 2"]["mean_verified"] <= 2 and by_method["full block"]["mean_verified"] <= 4
         assert by_method["no speculation"]["rounds"] == 0
+        assert by_method["no speculation"]["vs_no_speculation"] == 1.0
         for m in by_method.values():
-            assert m["per_user"] > 0 and m["throughput"] > 0
+            assert m["per_user"] > 0 and m["throughput"] > 0 and m["spread"] >= 0
     for png in ("serve_pareto.png", "serve_budget.png"):
         assert (tmp_path / "plots" / png).stat().st_size > 1000
 

@@ -2,8 +2,10 @@
 
 At each concurrency R, R requests decode together in one batch with every policy in turn: no speculation (plain
 generate()), the full block, fixed verification lengths, a static confidence threshold and the hardware-aware
-scheduler. Policies are interleaved in one run and repeated; the median run counts. Total throughput is user
-tokens (up to each row's EOS) per second of the batch; per-user speed is that divided by R.
+scheduler. Policies are interleaved in one run and repeated, in a rotated order each repeat; the median run counts.
+Total throughput is user tokens (up to each row's EOS) per second of the batch; per-user speed is that divided by R.
+Shared machines drift by tens of percent within minutes, so each policy's speedup over no speculation is the median
+of ratios taken within the same repeat, and the spread of no speculation's own runs is reported as the noise.
 """
 
 from __future__ import annotations
@@ -55,9 +57,10 @@ def bench_serve(target, tokenizer, draft, prompts: list[dict], batch_sizes=(1, 2
         for make in methods.values():  # warm-up
             target.generate(**inputs, max_new_tokens=4, do_sample=False, **make())
         runs = defaultdict(list)
-        for _ in range(repeats):
-            for name, make in methods.items():
-                kwargs = make()
+        names = list(methods)
+        for i in range(repeats):
+            for name in names[i % len(names):] + names[: i % len(names)]:
+                kwargs = methods[name]()
                 start = time.perf_counter()
                 out = target.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False,
                                       return_dict_in_generate=True, **kwargs)
@@ -67,7 +70,8 @@ def bench_serve(target, tokenizer, draft, prompts: list[dict], batch_sizes=(1, 2
                 runs[name].append((tokens / seconds, rounds))
                 bar.update(1)
                 bar.set_postfix(R=R, method=name)
-        results[R] = {name: _summary(rs, R, gamma) for name, rs in runs.items()}
+        plain = [t for t, _ in runs["no speculation"]]
+        results[R] = {name: _summary(runs[name], plain, R, gamma) for name in names}
     bar.close()
     return {"settings": {"batch_sizes": list(batch_sizes), "max_new_tokens": max_new_tokens, "repeats": repeats,
                          "block_size": gamma, "threshold": threshold, "fixed_lengths": list(fixed_lengths),
@@ -84,11 +88,15 @@ def _round_robin(prompts: list[dict]) -> list[dict]:
     return [q[i] for i in range(max(map(len, queues))) for q in queues if i < len(q)]
 
 
-def _summary(runs: list[tuple[float, list]], R: int, gamma: int) -> dict:
-    throughput = statistics.median(t for t, _ in runs)
+def _summary(runs: list[tuple[float, list]], plain: list[float], R: int, gamma: int) -> dict:
+    """One policy at one concurrency; `plain`: no speculation's throughput in the same repeats."""
+    throughputs = [t for t, _ in runs]
+    throughput = statistics.median(throughputs)
     rounds = [r for _, rs in runs for r in rs]
     drafted = [r for r in rounds if r.drafted]
-    return {"throughput": throughput, "per_user": throughput / R, "runs": [t for t, _ in runs],
+    return {"throughput": throughput, "per_user": throughput / R, "runs": throughputs,
+            "vs_no_speculation": statistics.median(t / t0 for t, t0 in zip(throughputs, plain)),
+            "spread": (max(throughputs) - min(throughputs)) / throughput,
             "rounds": len(rounds) // len(runs),
             "mean_verified": statistics.mean(r.verified for r in rounds) if rounds else None,
             "tau": statistics.mean(r.tau for r in rounds) if rounds else None,
@@ -102,11 +110,17 @@ def best_fixed(by_method: dict) -> str:
 
 
 def format_serve_table(report: dict) -> str:
+    """Markdown: total tokens/s by policy and concurrency, the best fixed policy, and each speculative policy's
+    paired speedup over no speculation next to the run-to-run spread of no speculation (the noise)."""
     methods = list(next(iter(report["results"].values())))
-    lines = ["| R | " + " | ".join(methods) + " | best fixed |", "|---:|" + "---:|" * (len(methods) + 1)]
+    lines = ["| R | " + " | ".join(methods) + " | best fixed | scheduled / no spec | noise |",
+             "|---:|" + "---:|" * len(methods) + "---|---:|---:|"]
     for R, by_method in report["results"].items():
         cells = [f"{by_method[m]['throughput']:.1f}" for m in methods]
-        lines.append(f"| {R} | " + " | ".join(cells) + f" | {best_fixed(by_method)} |")
+        ratio = by_method.get("scheduled", {}).get("vs_no_speculation")
+        ratio = f"{ratio:.2f}x" if ratio is not None else "-"
+        noise = f"±{by_method['no speculation']['spread'] / 2:.0%}"
+        lines.append(f"| {R} | " + " | ".join(cells) + f" | {best_fixed(by_method)} | {ratio} | {noise} |")
     return "\n".join(lines)
 
 
