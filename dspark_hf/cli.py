@@ -207,7 +207,7 @@ def cmd_bench_serve(args) -> int:
                            args.limit)
     target, tokenizer, draft = _load(args)
     report = bench_serve(target, tokenizer, draft, prompts, args.batch_sizes, args.max_new_tokens, args.repeats,
-                         args.fixed_lengths, args.threshold, args.profile)
+                         args.fixed_lengths, args.threshold, args.profile, only=args.policies)
     _write_json(args.output, report)
     print(f"\n{describe(report['machine'])}; greedy, max_new_tokens={args.max_new_tokens}, median of "
           f"{args.repeats}; total tokens/s by concurrency R")
@@ -489,6 +489,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fixed-lengths", type=int, nargs="+", default=[1, 2, 4], help="fixed verification lengths")
     p.add_argument("--threshold", type=float, default=0.5, help="static confidence threshold baseline")
     p.add_argument("--profile", help="a `dspark profile` JSON: adds the hardware-aware scheduler")
+    p.add_argument("--policies", nargs="+", metavar="NAME",
+                   help='run only these policies, e.g. --policies scheduled "fixed 1" (no speculation always runs)')
     p.add_argument("--output", default="bench_serve.json")
     p.add_argument("--plot", metavar="DIR", help="write the Pareto and budget PNGs here")
     p.set_defaults(func=cmd_bench_serve)

@@ -140,6 +140,17 @@ def test_dspark_bench_serve_compares_every_policy_at_every_concurrency(tiny_mode
         assert (tmp_path / "plots" / png).stat().st_size > 1000
 
 
+def test_bench_serve_can_run_a_few_policies_against_no_speculation(tiny_models, tmp_path):
+    out = tmp_path / "serve.json"
+    args = ["bench", "serve", "--target", str(tiny_models / "target"), "--draft", str(tiny_models / "draft"),
+            "--prompts", str(tiny_models / "prompts.jsonl"), "--batch-sizes", "2", "--max-new-tokens", "4",
+            "--repeats", "1", "--output", str(out)]
+    assert main([*args, "--policies", "fixed 1"]) == 0
+    assert list(json.loads(out.read_text())["results"]["2"]) == ["no speculation", "fixed 1"]
+    with pytest.raises(ValueError, match="no policy \\['scheduled'\\].*needs a profile"):
+        main([*args, "--policies", "scheduled"])
+
+
 def test_bad_prompt_files_and_suites_fail_clearly(tiny_models, tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"id": 1}\n')

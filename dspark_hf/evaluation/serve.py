@@ -39,13 +39,20 @@ def serve_policies(draft, fixed_lengths=(1, 2, 4), threshold: float = 0.5, profi
 
 def bench_serve(target, tokenizer, draft, prompts: list[dict], batch_sizes=(1, 2, 4, 8, 16, 32),
                 max_new_tokens: int = 32, repeats: int = 2, fixed_lengths=(1, 2, 4), threshold: float = 0.5,
-                profile: str | None = None, progress: bool = True) -> dict:
-    """Throughput and per-user speed of every policy at every concurrency (greedy); see the module docstring."""
+                profile: str | None = None, progress: bool = True, only: list[str] | None = None) -> dict:
+    """Throughput and per-user speed of every policy at every concurrency (greedy); see the module docstring.
+    only: names of the policies to run (default all); no speculation always runs, it is the baseline."""
     from tqdm.auto import tqdm
 
     eos = target.generation_config.eos_token_id
     eos_ids = set(eos if isinstance(eos, list) else [eos]) if eos is not None else set()
     methods = serve_policies(draft, fixed_lengths, threshold, profile)
+    if only:
+        unknown = set(only) - set(methods)
+        if unknown:
+            raise ValueError(f"bench serve has no policy {sorted(unknown)}; the policies are {list(methods)} "
+                             "(scheduled needs a profile).")
+        methods = {name: make for name, make in methods.items() if name == "no speculation" or name in only}
     gamma = draft.config.block_size
     bar = tqdm(total=len(batch_sizes) * repeats * len(methods), desc="bench serve", disable=not progress)
     results = {}
@@ -104,9 +111,9 @@ def _summary(runs: list[tuple[float, list]], plain: list[float], R: int, gamma: 
 
 
 def best_fixed(by_method: dict) -> str:
-    """The fixed policy (full block included) with the highest throughput at one concurrency."""
+    """The fixed policy (full block included) with the highest throughput at one concurrency ("-" if none ran)."""
     fixed = {m: v for m, v in by_method.items() if m == "full block" or m.startswith("fixed")}
-    return max(fixed, key=lambda m: fixed[m]["throughput"])
+    return max(fixed, key=lambda m: fixed[m]["throughput"]) if fixed else "-"
 
 
 def format_serve_table(report: dict) -> str:
