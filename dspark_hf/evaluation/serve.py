@@ -143,21 +143,25 @@ def plot_serve(report: dict, out_dir: str | Path) -> list[Path]:
     Rs = sorted(results)
     methods = list(results[Rs[0]])
     fig, ax = plt.subplots(figsize=(6.4, 4.4))
-    for m in methods:
+    for i, m in enumerate(methods):
         xs, ys = [results[R][m]["per_user"] for R in Rs], [results[R][m]["throughput"] for R in Rs]
-        ax.plot(xs, ys, marker="o", label=m, linewidth=2.5 if m == "scheduled" else 1.2)
+        ax.plot(xs, ys, marker="o", label=m, color=f"C{i}", linewidth=2.5 if m == "scheduled" else 1.2)
         if m == "no speculation":
             for R, x, y in zip(Rs, xs, ys):
                 ax.annotate(f"R={R}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
     ax.set_xlabel("per-user tokens/s")
     ax.set_ylabel("total tokens/s")
     ax.set_xscale("log")
+    from matplotlib.ticker import FuncFormatter  # plain numbers on the log axis (2, 5, 10, 20), not 2x10^0
+
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.xaxis.set_minor_formatter(FuncFormatter(lambda v, _: f"{v:g}" if f"{v:g}"[0] in "25" else ""))
     paths = [_save(plt, fig, ax, "Throughput vs per-user speed by concurrency R", out_dir / "serve_pareto.png")]
 
     fig, ax = plt.subplots(figsize=(6.4, 3.8))
-    for m in methods:
-        if m != "no speculation":
-            ax.plot(Rs, [results[R][m]["mean_verified"] for R in Rs], marker="o", label=m)
+    for i, m in enumerate(methods):
+        if m != "no speculation":  # colours as in the Pareto plot
+            ax.plot(Rs, [results[R][m]["mean_verified"] for R in Rs], marker="o", label=m, color=f"C{i}")
     ax.set_xscale("log", base=2)
     ax.set_xticks(Rs, [str(R) for R in Rs])
     ax.set_xlabel("concurrent requests R")
