@@ -73,11 +73,11 @@ def prefix_schedule(confidences, sps: SPS, early_stop: bool = True, padded: bool
     R = a.shape[0]
     sps = _sps_fn(sps)
     lengths, best_lengths = [0] * R, [0] * R
-    tau = float(R)
+    tau, admitted, longest = float(R), 0, 0
     best = tau * sps(R)
     for a_rj, r, j in _candidates(a):
-        lengths[r], tau = j, tau + a_rj
-        theta = tau * sps(verified_tokens(lengths, padded))
+        lengths[r], tau, admitted, longest = j, tau + a_rj, admitted + 1, max(longest, j)
+        theta = tau * sps(R * (1 + longest) if padded else R + admitted)
         if theta > best:
             best, best_lengths = theta, list(lengths)
         elif early_stop:
