@@ -126,8 +126,8 @@ def cmd_train(args) -> int:
                          batch_size=args.batch_size, anchors_per_sequence=args.anchors, learning_rate=args.lr,
                          max_length=args.max_length, heldout_fraction=args.heldout_fraction,
                          feature_cache=args.feature_cache, save_every=args.save_every, seed=args.seed, draft=draft,
-                         init_from=args.init_from, lora=args.lora, lora_rank=args.lora_rank,
-                         lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
+                         copy_target_layers=args.copy_target_layers, init_from=args.init_from, lora=args.lora,
+                         lora_rank=args.lora_rank, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
                          lora_target_modules=args.lora_target_modules, lora_heads=args.lora_heads)
     target = None
     if args.target:
@@ -375,6 +375,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dataset", required=True, help="JSONL written by `dspark prepare-data`")
     p.add_argument("--output-dir", required=True)
     p.add_argument("--init-from", help="start from this saved draft (fine-tuning; the base draft with --lora)")
+    p.add_argument("--copy-target-layers", action="store_true", help="start the draft's layers from the target's "
+                   "last ones instead of random weights (Llama / Qwen3-style targets)")
     p.add_argument("--lora", action="store_true", help="domain adaptation: train LoRA adapters on --init-from "
                    "(default: the shipped draft) and save a peft adapter; the architecture options are ignored")
     p.add_argument("--lora-rank", type=int, default=16)

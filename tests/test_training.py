@@ -10,8 +10,10 @@ from conftest import VOCAB, tiny_target
 from dspark_hf import DSparkDraftModel
 from dspark_hf.training import DataFileError, GenerationSettings, load_dataset, prepare_data, read_prompts
 from dspark_hf.training.features import CachedFeatures, OnlineFeatures
-from dspark_hf.training.losses import LossWeights, dspark_losses, position_weights, sample_anchors
-from dspark_hf.training.trainer import TrainConfig, gather_blocks, train
+from dspark_hf.training.losses import (LossWeights, dspark_losses, position_weights, sample_anchors,
+                                      target_distribution_on)
+from dspark_hf.training.trainer import (TrainConfig, gather_blocks, make_draft, target_distribution_at, target_logits,
+                                       train)
 
 
 def test_position_weights_follow_the_reference_decay():
@@ -71,6 +73,44 @@ def test_anchors_stay_inside_the_answer_and_leave_room_for_the_next_token():
 def test_gather_blocks_takes_anchor_plus_k():
     x = torch.arange(10)[None]
     assert gather_blocks(x, torch.tensor([[2, 7]]), 3).tolist() == [[[2, 3, 4], [7, 8, 9]]]
+
+
+@pytest.mark.parametrize("draft_vocab", [None, torch.tensor([0, 3, 5, 17, 40])])
+def test_the_target_distribution_computed_once_per_position_is_the_one_of_each_block(draft_vocab):
+    target = tiny_target("llama")
+    last = torch.randn(2, 12, target.config.hidden_size)
+    anchors = torch.tensor([[0, 3, 4, 9], [2, 5, 6, 10]])  # overlapping blocks, and blocks running past the end
+    per_block = target_distribution_on(draft_vocab, target_logits(target, gather_blocks(last, anchors, 4)))
+    for once, expected in zip(target_distribution_at(target, last, anchors, 4, draft_vocab), per_block):
+        torch.testing.assert_close(once, expected)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_a_draft_started_from_the_target_reads_the_context_as_the_copied_layer_does(family):
+    target = tiny_target(family)  # 4 layers: the draft copies layers 2 and 3; layer 1's output is what 2 reads
+    with torch.no_grad():
+        for name, weight in target.named_parameters():
+            if name.endswith("norm.weight"):
+                weight.uniform_(0.5, 1.5)  # norms start at 1: make copying them observable
+    config = TrainConfig(dataset="", output_dir="", copy_target_layers=True,
+                         draft=dict(num_hidden_layers=2, target_layer_ids=[0, 1], markov_rank=4, block_size=3))
+    draft = make_draft(target, config, [])
+    for own, theirs in zip(draft.layers, target.model.layers[2:]):
+        for name, weight in theirs.state_dict().items():
+            torch.testing.assert_close(own.state_dict()[name], weight)
+    hidden = target.model(torch.randint(1, VOCAB, (1, 6)), output_hidden_states=True).hidden_states
+    features = torch.cat([hidden[1], hidden[2]], dim=-1)
+    torch.testing.assert_close(draft.context_norm(draft.fc(features)), target.model.layers[2].input_layernorm(hidden[2]))
+
+
+def test_starting_from_the_target_needs_layers_shaped_like_the_drafts():
+    config = TrainConfig(dataset="", output_dir="", copy_target_layers=True, draft=dict(num_hidden_layers=2))
+    with pytest.raises(ValueError, match="do not match the draft's.*pre_feedforward_layernorm"):
+        make_draft(tiny_target("gemma3"), config, [])  # Gemma layers carry two more norms
+    narrow = TrainConfig(dataset="", output_dir="", copy_target_layers=True,
+                         draft=dict(num_hidden_layers=2, intermediate_size=16))
+    with pytest.raises(ValueError, match="mlp.down_proj.weight"):
+        make_draft(tiny_target("llama"), narrow, [])
 
 
 def test_prompt_files_with_errors_name_the_line(tmp_path):

@@ -65,13 +65,21 @@ def dspark_losses(draft_logits, target_logits, labels, valid, confidence_logits=
     The L1 term is the full |p_d - p_t|_1 (target mass the draft cannot propose counts fully); the confidence label
     is c* = 1 - L1 / 2, detached. Returns the weighted total and every term, plus c* (N, gamma) for monitoring.
     """
+    p_t, outside = target_distribution_on(draft_vocab, target_logits)
+    return losses_against(draft_logits, p_t, outside, labels, valid, confidence_logits, target_to_draft, weights)
+
+
+def losses_against(draft_logits, p_t, outside, labels, valid, confidence_logits=None, target_to_draft=None,
+                   weights: LossWeights | None = None) -> dict:
+    """[`dspark_losses`] given the target distribution already restricted to the draft vocabulary, p_t (N, gamma,
+    K), and the target mass outside it (N, gamma) (see [`target_distribution_on`]); the trainer computes them once
+    per sequence position, since overlapping blocks share positions."""
     weights = weights or LossWeights()
     gamma = draft_logits.shape[1]
     w = position_weights(gamma, weights.decay, draft_logits.device) * valid.float()
     norm = w.sum().clamp_min(1e-8)
 
     logp_d = torch.log_softmax(draft_logits.float(), -1)
-    p_t, outside = target_distribution_on(draft_vocab, target_logits)
     l1 = (logp_d.exp() - p_t).abs().sum(-1) + outside
     accept = (1 - 0.5 * l1).detach().clamp(0, 1)
 

@@ -21,7 +21,7 @@ from ..generation.decoding import unwrap_draft
 from ..model.modeling_dspark import DSparkDraftModel
 from .data import Example, load_dataset, split_heldout, token_frequencies
 from .features import CachedFeatures, OnlineFeatures
-from .losses import LossWeights, dspark_losses, sample_anchors
+from .losses import LossWeights, losses_against, sample_anchors, target_distribution_on
 
 _STATE = "trainer_state.pt"
 # the backbone's linear layers (attention and MLP of every draft layer); `fc` (the context projection) may be added
@@ -56,6 +56,9 @@ class TrainConfig:
     draft: dict = field(default_factory=dict, metadata={"help": "DSparkDraftModel.from_target overrides, e.g. "
                         "{'num_hidden_layers': 2, 'markov_rank': 128, 'head_type': 'markov', 'draft_vocab_size': "
                         "8192}. draft_vocab_size picks the most frequent answer tokens."})
+    copy_target_layers: bool = field(default=False, metadata={"help": "Start a fresh draft from the target's last "
+                                     "decoder layers instead of random weights (see copy_target_layers); needs "
+                                     "draft layers with the target's shapes and parameter names (Llama, Qwen3)."})
     init_from: str | None = field(default=None, metadata={"help": "Start from this saved draft instead of a fresh "
                                                                     "one (fine-tuning); the base draft with lora."})
     lora: bool = field(default=False, metadata={"help": "Adapt init_from (default: the shipped draft, for the "
@@ -87,6 +90,20 @@ def gather_blocks(x: torch.Tensor, anchors: torch.Tensor, gamma: int) -> torch.T
     return out.view(B, *idx.shape[1:], *x.shape[2:])
 
 
+@torch.no_grad()
+def target_distribution_at(target, last: torch.Tensor, anchors: torch.Tensor, gamma: int, draft_vocab=None):
+    """The target's distribution at positions anchor + k over the draft vocabulary, p_t (B, A, gamma, K), and its
+    mass outside that vocabulary (B, A, gamma). last (B, L, d): the target's last hidden state. Overlapping blocks
+    share positions, so each distinct position goes through the LM head and the softmax once."""
+    B, L = last.shape[:2]
+    idx = (anchors[..., None] + torch.arange(gamma, device=anchors.device)).clamp_max(L - 1)
+    flat = idx + L * torch.arange(B, device=anchors.device)[:, None, None]
+    rows, where = flat.flatten().unique(return_inverse=True)
+    p_t, outside = target_distribution_on(draft_vocab, target_logits(target, last.flatten(0, 1)[rows].to(
+        target.dtype)))
+    return p_t[where].view(*idx.shape, -1), outside[where].view(idx.shape)
+
+
 def make_draft(target, config: TrainConfig, train: list[Example]) -> DSparkDraftModel:
     overrides = dict(config.draft)
     vocab = overrides.pop("draft_vocab_size", None)
@@ -94,7 +111,37 @@ def make_draft(target, config: TrainConfig, train: list[Example]) -> DSparkDraft
         freq = token_frequencies(train, target.get_output_embeddings().weight.shape[0])
         overrides["draft_vocab"] = freq.argsort(descending=True)[:vocab].sort().values
     torch.manual_seed(config.seed)
-    return DSparkDraftModel.from_target(target, **overrides)
+    draft = DSparkDraftModel.from_target(target, **overrides)
+    return copy_target_layers(draft, target) if config.copy_target_layers else draft
+
+
+@torch.no_grad()
+def copy_target_layers(draft: DSparkDraftModel, target) -> DSparkDraftModel:
+    """Initialise a fresh draft's n decoder layers from the target's last n, so training starts from attention and
+    MLP weights that already read the target's hidden states; the context projection starts as the identity on
+    the deepest feature layer (the hidden state those layers read in the target), the context norm as the first
+    copied layer's input norm, and the final norm as the target's. Raises ValueError where the target's decoder
+    layers do not have the draft's parameter names and shapes (e.g. Gemma's extra norms)."""
+    decoder = target.get_decoder()
+    layers = list(getattr(decoder, "layers", []))
+    n, d = len(draft.layers), draft.config.hidden_size
+    if len(layers) < n:
+        raise ValueError(f"copy_target_layers needs at least {n} target decoder layers, found {len(layers)}.")
+    for own, theirs in zip(draft.layers, layers[-n:]):
+        mine, source = own.state_dict(), theirs.state_dict()
+        wrong = sorted(set(mine) ^ set(source)) + [k for k in mine if k in source and mine[k].shape != source[k].shape]
+        if wrong:
+            raise ValueError(f"copy_target_layers: the target's decoder layers ({type(theirs).__name__}) do not "
+                             f"match the draft's ({', '.join(wrong[:6])}{' ...' if len(wrong) > 6 else ''}); "
+                             "train without --copy-target-layers, or keep the draft's sizes equal to the target's.")
+        own.load_state_dict(source)
+    draft.fc.weight.zero_()
+    draft.fc.weight[:, -d:] = torch.eye(d, dtype=draft.fc.weight.dtype)
+    draft.context_norm.weight.copy_(draft.layers[0].input_layernorm.weight)
+    norm = getattr(decoder, "norm", None)
+    if norm is not None and norm.weight.shape == draft.norm.weight.shape:
+        draft.norm.weight.copy_(norm.weight)
+    return draft
 
 
 def add_lora(draft: DSparkDraftModel, config: TrainConfig, base_name_or_path: str | None = None):
@@ -126,6 +173,8 @@ def _lora_base(config: TrainConfig, default_target: bool) -> str:
 
 def _load_draft(config: TrainConfig, target, resume: Path | None, default_target: bool, train_set):
     """The model to train: resumed, fine-tuned from init_from, LoRA-wrapped, or fresh (bound to `target`)."""
+    if config.copy_target_layers and (config.lora or config.init_from):
+        raise ValueError("copy_target_layers initialises a fresh draft: drop it, or drop init_from / lora.")
     if config.lora:
         from peft import PeftModel
 
@@ -162,14 +211,13 @@ def train_step(draft, target, examples, features, anchors_per_sequence, weights,
                                       < lengths[:, None, None])
     out = forward(ids.gather(1, anchors), anchors, block_tokens=labels, context_features=feats,
                   context_positions=positions, context_valid=context_valid)
-    with torch.no_grad():
-        t_logits = target_logits(target, gather_blocks(last, anchors, gamma).to(target.dtype))
     vocab = draft.draft_vocab if draft.config.draft_vocab_size is not None else None
+    p_t, outside = target_distribution_at(target, last, anchors, gamma, vocab)
     to_draft = draft.target_to_draft if vocab is not None else None
-    return dspark_losses(out.logits.flatten(0, 1), t_logits.flatten(0, 1), labels.flatten(0, 1),
-                         block_valid.flatten(0, 1),
-                         out.confidence_logits.flatten(0, 1) if out.confidence_logits is not None else None,
-                         vocab, to_draft, weights), block_valid.flatten(0, 1)
+    return losses_against(out.logits.flatten(0, 1), p_t.flatten(0, 1), outside.flatten(0, 1), labels.flatten(0, 1),
+                          block_valid.flatten(0, 1),
+                          out.confidence_logits.flatten(0, 1) if out.confidence_logits is not None else None,
+                          to_draft, weights), block_valid.flatten(0, 1)
 
 
 def train(config: TrainConfig, target=None, progress: bool = True):
