@@ -100,7 +100,8 @@ def test_a_draft_started_from_the_target_reads_the_context_as_the_copied_layer_d
             torch.testing.assert_close(own.state_dict()[name], weight)
     hidden = target.model(torch.randint(1, VOCAB, (1, 6)), output_hidden_states=True).hidden_states
     features = torch.cat([hidden[1], hidden[2]], dim=-1)
-    torch.testing.assert_close(draft.context_norm(draft.fc(features)), target.model.layers[2].input_layernorm(hidden[2]))
+    read_by_the_copied_layer = target.model.layers[2].input_layernorm(hidden[2])
+    torch.testing.assert_close(draft.context_norm(draft.fc(features)), read_by_the_copied_layer)
 
 
 def test_starting_from_the_target_needs_layers_shaped_like_the_drafts():

@@ -138,9 +138,8 @@ def copy_target_layers(draft: DSparkDraftModel, target) -> DSparkDraftModel:
     draft.fc.weight.zero_()
     draft.fc.weight[:, -d:] = torch.eye(d, dtype=draft.fc.weight.dtype)
     draft.context_norm.weight.copy_(draft.layers[0].input_layernorm.weight)
-    norm = getattr(decoder, "norm", None)
-    if norm is not None and norm.weight.shape == draft.norm.weight.shape:
-        draft.norm.weight.copy_(norm.weight)
+    if getattr(decoder, "norm", None) is not None:
+        draft.norm.weight.copy_(decoder.norm.weight)
     return draft
 
 
