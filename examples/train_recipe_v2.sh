@@ -17,3 +17,5 @@ cp $RUNS/v2/dflash/heldout.json examples/results/heldout_v2_dflash.json
 EVAL="--suite humaneval --suite mtbench --suite gsm --limit 20 --max-new-tokens 128 --batch-size 8"
 dspark eval $EVAL --draft $RUNS/v2/dspark --output examples/results/eval_v2_dspark.json
 dspark eval $EVAL --draft $RUNS/v2/dflash --output examples/results/eval_v2_dflash.json
+dspark bench speed --suite humaneval --suite mtbench --suite gsm --limit 2 --max-new-tokens 128 --batch-size 1 \
+  --repeats 3 --draft $RUNS/v2/dspark --output examples/results/bench_speed_b1_v2.json
