@@ -81,10 +81,15 @@ def target_logits(target, hidden: torch.Tensor) -> torch.Tensor:
     return logits if cap is None else torch.tanh(logits / cap) * cap
 
 
+def block_positions(anchors: torch.Tensor, gamma: int, length: int) -> torch.Tensor:
+    """anchors (B, A) -> positions anchor + k (B, A, gamma), clamped to length - 1 (mask the overflow)."""
+    return (anchors[..., None] + torch.arange(gamma, device=anchors.device)).clamp_max(length - 1)
+
+
 def gather_blocks(x: torch.Tensor, anchors: torch.Tensor, gamma: int) -> torch.Tensor:
     """x (B, L, ...) -> (B, A, gamma, ...) at positions anchor + k (clamped to L - 1; mask the overflow)."""
     B, L = x.shape[:2]
-    idx = (anchors[..., None] + torch.arange(gamma, device=anchors.device)).clamp_max(L - 1)
+    idx = block_positions(anchors, gamma, L)
     flat = idx.reshape(B, -1)
     out = x.gather(1, flat.view(B, -1, *([1] * (x.dim() - 2))).expand(-1, -1, *x.shape[2:]))
     return out.view(B, *idx.shape[1:], *x.shape[2:])
@@ -96,7 +101,7 @@ def target_distribution_at(target, last: torch.Tensor, anchors: torch.Tensor, ga
     mass outside that vocabulary (B, A, gamma). last (B, L, d): the target's last hidden state. Overlapping blocks
     share positions, so each distinct position goes through the LM head and the softmax once."""
     B, L = last.shape[:2]
-    idx = (anchors[..., None] + torch.arange(gamma, device=anchors.device)).clamp_max(L - 1)
+    idx = block_positions(anchors, gamma, L)
     flat = idx + L * torch.arange(B, device=anchors.device)[:, None, None]
     rows, where = flat.flatten().unique(return_inverse=True)
     p_t, outside = target_distribution_on(draft_vocab, target_logits(target, last.flatten(0, 1)[rows].to(
