@@ -187,6 +187,28 @@ def test_cached_features_equal_online_features(tmp_path):
         CachedFeatures(tmp_path / "cache", target, [1], examples, progress=False)
 
 
+def test_a_cache_run_killed_mid_write_resumes_without_reading_a_torn_file(tmp_path, monkeypatch):
+    import dspark_hf.training.features as features_module
+
+    target = tiny_target("llama")
+    examples = load_dataset(tiny_dataset(tmp_path, target))
+    real_save = features_module.save_file
+
+    def killed_after_half_a_file(tensors, path):
+        real_save(tensors, path)
+        with open(path, "r+b") as f:
+            f.truncate(f.seek(0, 2) // 2)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(features_module, "save_file", killed_after_half_a_file)
+    with pytest.raises(KeyboardInterrupt):
+        CachedFeatures(tmp_path / "cache", target, [1, 2], examples, progress=False)
+    monkeypatch.setattr(features_module, "save_file", real_save)
+    resumed = CachedFeatures(tmp_path / "cache", target, [1, 2], examples, progress=False)
+    for x, y in zip(OnlineFeatures(target, [1, 2])(examples[:1]), resumed(examples[:1])):
+        torch.testing.assert_close(x, y, atol=2e-2, rtol=1e-2)
+
+
 @pytest.mark.parametrize("head_type", ["markov", "none"])
 def test_a_short_training_run_lowers_the_loss_and_saves_a_loadable_draft(tmp_path, head_type):
     target = tiny_target("llama")

@@ -9,6 +9,7 @@ norm, from which the frozen LM head gives the target distribution at any positio
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -65,8 +66,11 @@ class CachedFeatures:
             features, last = online(chunk)
             for j, e in enumerate(chunk):
                 n = len(e.input_ids)
+                # written aside, then renamed: a run killed mid-write must not leave a file that looks cached
+                partial = self._path(e).with_suffix(".partial")
                 save_file({"features": features[j, :n].half().contiguous().cpu(),
-                           "last": last[j, :n].half().contiguous().cpu()}, self._path(e))
+                           "last": last[j, :n].half().contiguous().cpu()}, partial)
+                os.replace(partial, self._path(e))
 
     def _path(self, example) -> Path:
         safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in example.id)
