@@ -31,3 +31,7 @@ for path in sys.argv[1:]:
         print(f"STS on {data['rounds']} held-out rounds ({data['prompts']} prompts): ECE {b['ece']:.2%} -> "
               f"{a['ece']:.2%}, ROC-AUC {b['roc_auc']:.3f} -> {a['roc_auc']:.3f}; temperatures "
               f"{[round(t, 2) for t in data['temperatures']]}")
+    elif "acceptance_per_position" in data:
+        print(f"{data['sequences']} held-out sequences: acceptance (1 - TV) by position "
+              f"{' '.join(f'{a:.2f}' for a in data['acceptance_per_position'])}, "
+              f"expected tau {data['expected_tau_from_acceptance']:.2f}")
