@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The v2 recipe (examples/train_recipe_v2.sh) on three times the data at about the same training compute: 1,920
 # ShareGPT prompts instead of 640 (the first 640 plus 1,280 more, none shared with them), 3 epochs instead of 8.
-# Measures whether data, not model size or steps, is what holds the draft back (README, "A better recipe").
+# Measures whether data is what holds the draft back, then (step 4) whether depth is (README, "A better recipe").
 # Resumable step by step; on a 2-core CPU: 26 min of new data, 8 min of feature cache, then the two trainings run
 # side by side on one thread each (two 1-thread processes get more out of 2 cores than one after the other).
 set -euo pipefail
@@ -40,3 +40,18 @@ for draft in dspark dflash; do
   python -c 'import json, sys; d = json.load(open(sys.argv[1])); [p.pop("rounds_detail", None) for p in d["prompts"]]
 json.dump(d, open(sys.argv[2], "w"), indent=2)' $RUNS/v3/eval_$draft.json examples/results/eval_v3_$draft.json
 done
+
+# 4. steps or depth? One epoch with 2 and with 4 layers (side by side, one thread each; held-out acceptance only),
+#    then 3 layers (the deepest full-width draft under the 32 MB shipping limit) for 2 epochs, about the compute of
+#    step 2's 3 epochs of 2 layers (alone on both threads). A later --layers overrides the one in COMMON.
+C1="${COMMON/--epochs 3/--epochs 1} --head-type markov"
+OMP_NUM_THREADS=1 dspark train $C1 --layers 2 --output-dir $RUNS/v3/1epoch-2layers &
+OMP_NUM_THREADS=1 dspark train $C1 --layers 4 --output-dir $RUNS/v3/1epoch-4layers &
+wait
+cp $RUNS/v3/1epoch-2layers/heldout.json examples/results/heldout_v3_1epoch_2layers.json
+cp $RUNS/v3/1epoch-4layers/heldout.json examples/results/heldout_v3_1epoch_4layers.json
+dspark train ${COMMON/--epochs 3/--epochs 2} --head-type markov --layers 3 --output-dir $RUNS/v3/dspark-3layers
+cp $RUNS/v3/dspark-3layers/heldout.json examples/results/heldout_v3_3layers.json
+dspark eval $EVAL --draft $RUNS/v3/dspark-3layers --output $RUNS/v3/eval_dspark_3layers.json
+python -c 'import json, sys; d = json.load(open(sys.argv[1])); [p.pop("rounds_detail", None) for p in d["prompts"]]
+json.dump(d, open(sys.argv[2], "w"), indent=2)' $RUNS/v3/eval_dspark_3layers.json examples/results/eval_v3_3layers.json
