@@ -17,9 +17,7 @@ cp $RUNS/v2/dflash/heldout.json examples/results/heldout_v2_dflash.json
 EVAL="--suite humaneval --suite mtbench --suite gsm --limit 20 --max-new-tokens 128 --batch-size 8"
 for draft in dspark dflash; do
   dspark eval $EVAL --draft $RUNS/v2/$draft --output $RUNS/v2/eval_$draft.json
-  # the repo keeps the per-prompt figures, not every round (as for the shipped draft's results)
-  python -c 'import json, sys; d = json.load(open(sys.argv[1])); [p.pop("rounds_detail", None) for p in d["prompts"]]
-json.dump(d, open(sys.argv[2], "w"), indent=2)' $RUNS/v2/eval_$draft.json examples/results/eval_v2_$draft.json
+  python examples/strip_rounds.py $RUNS/v2/eval_$draft.json examples/results/eval_v2_$draft.json
 done
 dspark bench speed --suite humaneval --suite mtbench --suite gsm --limit 2 --max-new-tokens 128 --batch-size 1 \
   --repeats 3 --draft $RUNS/v2/dspark --output examples/results/bench_speed_b1_v2.json

@@ -37,8 +37,7 @@ cp $RUNS/v3/dflash/heldout.json examples/results/heldout_v3_dflash.json
 EVAL="--suite humaneval --suite mtbench --suite gsm --limit 20 --max-new-tokens 128 --batch-size 8"
 for draft in dspark dflash; do
   dspark eval $EVAL --draft $RUNS/v3/$draft --output $RUNS/v3/eval_$draft.json
-  python -c 'import json, sys; d = json.load(open(sys.argv[1])); [p.pop("rounds_detail", None) for p in d["prompts"]]
-json.dump(d, open(sys.argv[2], "w"), indent=2)' $RUNS/v3/eval_$draft.json examples/results/eval_v3_$draft.json
+  python examples/strip_rounds.py $RUNS/v3/eval_$draft.json examples/results/eval_v3_$draft.json
 done
 
 # 4. steps or depth? One epoch with 2 and with 4 layers (side by side, one thread each; held-out acceptance only),
@@ -53,5 +52,4 @@ cp $RUNS/v3/1epoch-4layers/heldout.json examples/results/heldout_v3_1epoch_4laye
 dspark train ${COMMON/--epochs 3/--epochs 2} --head-type markov --layers 3 --output-dir $RUNS/v3/dspark-3layers
 cp $RUNS/v3/dspark-3layers/heldout.json examples/results/heldout_v3_3layers.json
 dspark eval $EVAL --draft $RUNS/v3/dspark-3layers --output $RUNS/v3/eval_dspark_3layers.json
-python -c 'import json, sys; d = json.load(open(sys.argv[1])); [p.pop("rounds_detail", None) for p in d["prompts"]]
-json.dump(d, open(sys.argv[2], "w"), indent=2)' $RUNS/v3/eval_dspark_3layers.json examples/results/eval_v3_3layers.json
+python examples/strip_rounds.py $RUNS/v3/eval_dspark_3layers.json examples/results/eval_v3_3layers.json
