@@ -53,3 +53,5 @@ dspark train ${COMMON/--epochs 3/--epochs 2} --head-type markov --layers 3 --out
 cp $RUNS/v3/dspark-3layers/heldout.json examples/results/heldout_v3_3layers.json
 dspark eval $EVAL --draft $RUNS/v3/dspark-3layers --output $RUNS/v3/eval_dspark_3layers.json
 python examples/strip_rounds.py $RUNS/v3/eval_dspark_3layers.json examples/results/eval_v3_3layers.json
+dspark bench speed --suite humaneval --suite mtbench --suite gsm --limit 2 --max-new-tokens 128 --batch-size 1 \
+  --repeats 3 --draft $RUNS/v3/dspark-3layers --output examples/results/bench_speed_b1_v3_3layers.json
