@@ -6,7 +6,7 @@
 
 from transformers import AutoConfig, AutoModel
 
-from .generation import DSparkGenerateOutput, DSparkRound, dspark_generate
+from .generation import DSparkGenerateOutput, DSparkRound, HalfPrecisionGreedyWarning, dspark_generate
 from .generation.streamers import DSparkRoundStreamer, DSparkStep
 from .generation.integration import install as _install_generate_hook
 from .defaults import default_draft, default_target
@@ -31,6 +31,7 @@ __all__ = [
     "DSparkRoundStreamer",
     "DSparkStep",
     "dspark_generate",
+    "HalfPrecisionGreedyWarning",
     "FullBlock",
     "FixedLength",
     "ThresholdPolicy",

@@ -106,12 +106,14 @@ def test_dspark_eval_writes_the_documented_json_and_plots(tiny_models, tmp_path,
     assert "| overall |" in capsys.readouterr().out
 
 
-def test_dspark_bench_speed_reports_every_method(tiny_models, tmp_path):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_dspark_bench_speed_reports_every_method(tiny_models, tmp_path, dtype):
     out = tmp_path / "bench.json"
     assert main(["bench", "speed", "--target", str(tiny_models / "target"), "--draft", str(tiny_models / "draft"),
                  "--prompts", str(tiny_models / "prompts.jsonl"), "--limit", "2", "--max-new-tokens", "8",
-                 "--repeats", "2", "--output", str(out)]) == 0
+                 "--repeats", "2", "--output", str(out), "--dtype", dtype]) == 0
     report = json.loads(out.read_text())
+    assert report["machine"]["dtype"] == dtype  # the target's, and the draft follows it
     assert set(report["methods"]) == {"plain", "prompt_lookup", "dspark"}
     assert report["methods"]["plain"]["ratio_to_plain"] == 1.0
     assert report["methods"]["dspark"]["acceptance_length"] >= 1

@@ -1,6 +1,7 @@
 """Greedy DSpark decoding returns exactly what plain `generate()` returns, whatever the batch looks like."""
 
 import threading
+import warnings
 
 import pytest
 import torch
@@ -8,7 +9,7 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
 from conftest import PAD, left_padded_prompts, tiny_draft, tiny_target
-from dspark_hf import FixedLength, dspark_generate
+from dspark_hf import FixedLength, HalfPrecisionGreedyWarning, dspark_generate
 from dspark_hf.evaluation import OracleDraft
 
 
@@ -282,6 +283,24 @@ def test_a_draft_for_another_target_is_refused():
     ids, mask = left_padded_prompts(1)
     with pytest.raises(ValueError, match="vocabulary size"):
         target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, assistant_model=draft)
+
+
+@pytest.mark.parametrize("dtype, do_sample, warns", [
+    (torch.bfloat16, False, True), (torch.float16, False, True),
+    (torch.float32, False, False), (torch.bfloat16, True, False),
+])
+def test_greedy_on_a_half_precision_target_says_identity_holds_up_to_rounding(dtype, do_sample, warns):
+    target = tiny_target("llama").to(dtype)
+    draft = tiny_draft(target).to(dtype)
+    ids, mask = left_padded_prompts(2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=do_sample,
+                        assistant_model=draft)
+    said = [w for w in caught if issubclass(w.category, HalfPrecisionGreedyWarning)]
+    assert bool(said) == warns
+    if warns:
+        assert "float32 for token-identical output" in str(said[0].message)
 
 
 def test_streamers_need_batch_size_one():

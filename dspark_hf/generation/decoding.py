@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import sys
 import time
+import warnings
 
 import torch
 from transformers import DynamicCache, LogitsProcessorList, StoppingCriteriaList
@@ -107,6 +108,23 @@ def _check_request(model, draft, cfg, synced_gpus, model_kwargs, input_ids, stre
         raise ValueError(f"DSpark decoding does not accept these generate() arguments: {sorted(unknown)}.")
     if streamer is not None and input_ids.shape[0] > 1:
         raise ValueError("Streamers support batch size 1, as in transformers.")
+    if mode == GenerationMode.GREEDY_SEARCH and model.dtype in (torch.bfloat16, torch.float16):
+        warnings.warn(HalfPrecisionGreedyWarning.message(model.dtype), HalfPrecisionGreedyWarning, stacklevel=2)
+
+
+class HalfPrecisionGreedyWarning(UserWarning):
+    """Greedy decoding of a bf16/fp16 target: identity with plain generate() holds up to rounding only."""
+
+    @staticmethod
+    def message(dtype) -> str:
+        name = str(dtype).replace("torch.", "")
+        # Logits of a half-precision target are rounded to a few significant digits, so the top two often tie
+        # or differ by one step; the verification forward (many tokens per row) and plain generate()'s one-token
+        # forwards run different kernels, whose rounding breaks such near-ties differently.
+        return (f"Greedy DSpark decoding of a {name} target: the output follows {name} greedy decoding but can "
+                f"differ from plain generate() where the target's top logits tie within {name} rounding (the "
+                "block verification forward rounds differently from one-token steps, as in transformers' own prompt "
+                "lookup decoding). Load the target in float32 for token-identical output.")
 
 
 class _Decoder:
