@@ -130,7 +130,8 @@ def cmd_train(args) -> int:
     config = TrainConfig(dataset=args.dataset, output_dir=args.output_dir, epochs=args.epochs,
                          batch_size=args.batch_size, anchors_per_sequence=args.anchors, learning_rate=args.lr,
                          max_length=args.max_length, heldout_fraction=args.heldout_fraction,
-                         feature_cache=args.feature_cache, save_every=args.save_every, seed=args.seed, draft=draft,
+                         feature_cache=args.feature_cache, mixed_precision=args.mixed_precision,
+                         save_every=args.save_every, seed=args.seed, draft=draft,
                          copy_target_layers=args.copy_target_layers, init_from=args.init_from, lora=args.lora,
                          lora_rank=args.lora_rank, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
                          lora_target_modules=args.lora_target_modules, lora_heads=args.lora_heads)
@@ -410,6 +411,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-length", type=int, default=640)
     p.add_argument("--heldout-fraction", type=float, default=0.05)
     p.add_argument("--feature-cache", help="directory for an on-disk cache of target features (default: online)")
+    p.add_argument("--mixed-precision", default="auto", choices=["auto", "bf16", "fp16", "no"],
+                   help="auto: bf16 on GPU, fp32 on CPU; bf16 also pays on CPUs with AVX512-BF16 or AMX")
     p.add_argument("--save-every", type=int, default=200)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_train)

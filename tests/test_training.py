@@ -247,3 +247,36 @@ def test_training_resumes_from_the_last_checkpoint(tmp_path):
     assert (tmp_path / "run" / "checkpoint-4" / "trainer_state.pt").exists()
     resumed = train(TrainConfig(epochs=3, **kw), target=target, progress=False)  # continues at step 4
     assert (tmp_path / "run" / "checkpoint-6").exists() and resumed is not None
+
+
+@pytest.fixture
+def fresh_accelerate_state():
+    """accelerate keeps one mixed-precision setting per process; let a test choose its own, then restore."""
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(True)
+    yield
+    AcceleratorState._reset_state(True)
+
+
+def test_bf16_autocast_trains_on_cpu_and_keeps_fp32_weights(tmp_path, fresh_accelerate_state, monkeypatch):
+    from dspark_hf.training import trainer
+
+    seen, real_step = [], trainer.train_step
+
+    def recording_step(*args, **kwargs):
+        seen.append(torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu"))
+        return real_step(*args, **kwargs)
+
+    monkeypatch.setattr(trainer, "train_step", recording_step)
+    target = tiny_target("llama")
+    data = tiny_dataset(tmp_path, target, n=8)
+    kw = dict(dataset=str(data), batch_size=4, anchors_per_sequence=4, heldout_fraction=0.0, save_every=100,
+              draft=dict(num_hidden_layers=1, markov_rank=4, block_size=3))
+    draft = train(TrainConfig(output_dir=str(tmp_path / "bf16"), epochs=2, mixed_precision="bf16", **kw),
+                  target=target, progress=False)
+    assert seen[0] == torch.bfloat16  # training steps run under bf16 autocast (held-out evaluation does not)
+    assert {p.dtype for p in draft.parameters()} == {torch.float32}
+    assert DSparkDraftModel.from_pretrained(tmp_path / "bf16").dtype == torch.float32
+    with pytest.raises(ValueError, match="mixed_precision='fp8'"):
+        train(TrainConfig(output_dir=str(tmp_path / "bad"), mixed_precision="fp8", **kw), target=target)
