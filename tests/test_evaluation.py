@@ -114,6 +114,8 @@ def test_dspark_bench_speed_reports_every_method(tiny_models, tmp_path, dtype):
                  "--repeats", "2", "--output", str(out), "--dtype", dtype]) == 0
     report = json.loads(out.read_text())
     assert report["machine"]["dtype"] == dtype  # the target's, and the draft follows it
+    if dtype == "float32":
+        assert report["methods"]["dspark"]["identical_rows"] == 2  # both greedy outputs equal plain generate()'s
     assert set(report["methods"]) == {"plain", "prompt_lookup", "dspark"}
     assert report["methods"]["plain"]["ratio_to_plain"] == 1.0
     assert report["methods"]["dspark"]["acceptance_length"] >= 1

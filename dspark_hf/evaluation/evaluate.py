@@ -111,24 +111,25 @@ def bench_speed(target, tokenizer, draft, prompts: list[dict], batch_size: int =
     sampling = _sampling(temperature)
 
     def run(kw, collect=None):
-        tokens, start = 0, time.perf_counter()
+        tokens, outputs, start = 0, [], time.perf_counter()
         for inputs in batches:
             out = target.generate(**inputs, max_new_tokens=max_new_tokens, **sampling, **kw,
                                   **({"return_dict_in_generate": True} if "assistant_model" in kw else {}))
             seqs = out.sequences if hasattr(out, "sequences") else out
             tokens += _user_tokens(seqs[:, inputs["input_ids"].shape[1]:], eos_ids)
+            outputs.append(seqs)
             if collect is not None and hasattr(out, "rounds"):
                 collect.extend(r for rows in out.rounds for r in rows)
-        return tokens, time.perf_counter() - start
+        return tokens, time.perf_counter() - start, outputs
 
     for kw in methods.values():  # warm-up on the first batch
         target.generate(**batches[0], max_new_tokens=8, **sampling, **kw)
-    seconds, tokens, rounds = defaultdict(list), defaultdict(list), defaultdict(list)
+    seconds, tokens, rounds, last = defaultdict(list), defaultdict(list), defaultdict(list), {}
     bar = tqdm(total=repeats * len(methods), desc="bench speed", disable=not progress)
     for _ in range(repeats):
         for name, kw in methods.items():
             collected = []
-            n, s = run(kw, collected)
+            n, s, last[name] = run(kw, collected)
             tokens[name].append(n)
             seconds[name].append(s)
             rounds[name].extend(collected)
@@ -141,15 +142,26 @@ def bench_speed(target, tokenizer, draft, prompts: list[dict], batch_size: int =
         "machine": machine_info(target),
         "methods": {m: {"tokens_per_s": rates[m], "ratio_to_plain": rates[m] / rates["plain"],
                         "acceptance_length": (sum(r.tau for r in rounds[m]) / len(rounds[m])) if rounds[m] else None,
-                        "seconds": seconds[m], "tokens": tokens[m]} for m in methods},
+                        "seconds": seconds[m], "tokens": tokens[m],
+                        # greedy only: rows whose output equals plain generate()'s (the last repeat)
+                        "identical_rows": None if temperature > 0 else _identical_rows(last[m], last["plain"])}
+                    for m in methods},
     }
 
 
+def _identical_rows(outputs: list[torch.Tensor], reference: list[torch.Tensor]) -> int:
+    return sum(torch.equal(a, b) for x, y in zip(outputs, reference) for a, b in zip(x, y))
+
+
 def format_speed_table(report: dict) -> str:
-    lines = ["| method | tokens/s | vs plain | tau |", "|---|---:|---:|---:|"]
+    greedy = report["settings"]["temperature"] == 0
+    lines = ["| method | tokens/s | vs plain | tau |" + (" identical to plain |" if greedy else ""),
+             "|---|---:|---:|---:|" + ("---:|" if greedy else "")]
     for name, m in report["methods"].items():
         tau = "" if m["acceptance_length"] is None else f"{m['acceptance_length']:.2f}"
-        lines.append(f"| {name} | {m['tokens_per_s']:.1f} | {m['ratio_to_plain']:.2f}x | {tau} |")
+        same = f" {m['identical_rows']}/{report['settings']['prompts']} |" if m.get("identical_rows") is not None \
+            else (" |" if greedy else "")  # reports written before rows were compared
+        lines.append(f"| {name} | {m['tokens_per_s']:.1f} | {m['ratio_to_plain']:.2f}x | {tau} |{same}")
     return "\n".join(lines)
 
 
