@@ -7,6 +7,7 @@ import torch
 from transformers import PreTrainedTokenizerFast
 
 from conftest import VOCAB, tiny_draft, tiny_target
+from dspark_hf import DSparkDraftModel
 from dspark_hf.cli import main
 from dspark_hf.evaluation.evaluate import threshold_sweep
 from dspark_hf.evaluation.metrics import acceptance_length, conditional_acceptance, prefix_survival, summarize
@@ -120,6 +121,45 @@ def test_dspark_bench_speed_reports_every_method(tiny_models, tmp_path, dtype):
     assert report["methods"]["plain"]["ratio_to_plain"] == 1.0
     assert report["methods"]["dspark"]["acceptance_length"] >= 1
     assert report["machine"]["torch_threads"] >= 1
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_dspark_bench_oracle_checks_identity_in_float32_and_counts_it_in_bfloat16(tiny_models, tmp_path, dtype):
+    out = tmp_path / "oracle.json"
+    assert main(["bench", "oracle", "--target", str(tiny_models / "target"), "--draft", str(tiny_models / "draft"),
+                 "--batch-sizes", "1", "3", "--max-new-tokens", "8", "--repeats", "1", "--output", str(out),
+                 "--dtype", dtype]) == 0
+    results = json.loads(out.read_text())["results"]
+    assert [r["batch_size"] for r in results] == [1, 3]
+    if dtype == "float32":  # a differing row would have raised
+        assert [r["identical_rows"] for r in results] == [1, 3]
+
+
+@pytest.mark.parametrize("draft", ["draft", "adapter"])
+def test_the_dtype_option_loads_target_and_draft_in_that_dtype(tiny_models, tmp_path, draft):
+    from argparse import Namespace
+
+    from dspark_hf.cli import _load
+
+    if draft == "adapter":  # a LoRA adapter folder: its base draft is loaded, then the adapter merged
+        from dspark_hf.training.trainer import TrainConfig, add_lora
+
+        base = DSparkDraftModel.from_pretrained(tiny_models / "draft")
+        add_lora(base, TrainConfig(dataset="", output_dir=""), str(tiny_models / "draft")).save_pretrained(
+            tmp_path / "adapter")
+    path = tiny_models / "draft" if draft == "draft" else tmp_path / "adapter"
+    target, _, loaded = _load(Namespace(target=str(tiny_models / "target"), draft=str(path), dtype="bfloat16"))
+    assert target.dtype == loaded.dtype == torch.bfloat16
+
+
+def test_identical_rows_compare_new_tokens_up_to_the_first_eos():
+    from dspark_hf.evaluation.evaluate import identical_rows
+
+    EOS = 2
+    reference = [torch.tensor([[5, 6, EOS, 0], [5, 6, 7, 8]])]
+    assert identical_rows([torch.tensor([[5, 6, EOS], [5, 6, 7]])], reference, {EOS}) == 1  # narrower batch
+    assert identical_rows([torch.tensor([[5, 6, EOS, 9], [5, 6, 7, 9]])], reference, {EOS}) == 1
+    assert identical_rows(reference, reference, {EOS}) == 2
 
 
 def test_dspark_bench_serve_compares_every_policy_at_every_concurrency(tiny_models, tmp_path):

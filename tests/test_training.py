@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from conftest import VOCAB, tiny_target
+from conftest import VOCAB, tiny_draft, tiny_target
 from dspark_hf import DSparkDraftModel
 from dspark_hf.training import DataFileError, GenerationSettings, load_dataset, prepare_data, read_prompts
 from dspark_hf.training.features import CachedFeatures, OnlineFeatures
@@ -259,24 +259,42 @@ def fresh_accelerate_state():
     AcceleratorState._reset_state(True)
 
 
-def test_bf16_autocast_trains_on_cpu_and_keeps_fp32_weights(tmp_path, fresh_accelerate_state, monkeypatch):
-    from dspark_hf.training import trainer
+@pytest.mark.parametrize("mixed_precision, autocast", [("auto", None), ("no", None), ("bf16", torch.bfloat16)])
+def test_training_on_cpu_autocasts_only_when_asked(tmp_path, fresh_accelerate_state, monkeypatch, mixed_precision,
+                                                   autocast):
+    seen, real_forward = [], DSparkDraftModel.forward
 
-    seen, real_step = [], trainer.train_step
+    def recording_forward(self, *args, **kwargs):  # what the draft's layers run under, whoever wraps forward
+        seen.append(torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None)
+        return real_forward(self, *args, **kwargs)
 
-    def recording_step(*args, **kwargs):
-        seen.append(torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu"))
-        return real_step(*args, **kwargs)
+    monkeypatch.setattr(DSparkDraftModel, "forward", recording_forward)
+    target = tiny_target("llama")
+    data = tiny_dataset(tmp_path, target, n=12)
+    draft = train(TrainConfig(dataset=str(data), output_dir=str(tmp_path / "run"), epochs=2, batch_size=4,
+                              anchors_per_sequence=4, heldout_fraction=0.3, save_every=100,
+                              mixed_precision=mixed_precision,
+                              draft=dict(num_hidden_layers=1, markov_rank=4, block_size=3)),
+                  target=target, progress=False)
+    steps = len(seen) - 1  # the last call is the held-out evaluation, in the draft's own dtype
+    assert steps >= 2 and seen[:steps] == [autocast] * steps and seen[-1] is None
+    assert {p.dtype for p in draft.parameters()} == {torch.float32}  # autocast keeps fp32 master weights
 
-    monkeypatch.setattr(trainer, "train_step", recording_step)
+
+def test_unusable_mixed_precision_settings_are_refused(tmp_path):
+    kw = dict(dataset=str(tmp_path / "unused.jsonl"), output_dir=str(tmp_path / "run"))
+    with pytest.raises(ValueError, match="mixed_precision='fp8'"):
+        train(TrainConfig(mixed_precision="fp8", **kw), target=tiny_target("llama"))
+    if not torch.cuda.is_available():  # accelerate would train in fp32 and say nothing
+        with pytest.raises(ValueError, match="fp16.*needs a GPU"):
+            train(TrainConfig(mixed_precision="fp16", **kw), target=tiny_target("llama"))
+
+
+def test_fine_tuning_a_bf16_checkpoint_trains_fp32_weights(tmp_path):
     target = tiny_target("llama")
     data = tiny_dataset(tmp_path, target, n=8)
-    kw = dict(dataset=str(data), batch_size=4, anchors_per_sequence=4, heldout_fraction=0.0, save_every=100,
-              draft=dict(num_hidden_layers=1, markov_rank=4, block_size=3))
-    draft = train(TrainConfig(output_dir=str(tmp_path / "bf16"), epochs=2, mixed_precision="bf16", **kw),
+    tiny_draft(target).to(torch.bfloat16).save_pretrained(tmp_path / "exported")  # as `dspark export` saves
+    draft = train(TrainConfig(dataset=str(data), output_dir=str(tmp_path / "run"), epochs=1, batch_size=4,
+                              anchors_per_sequence=4, heldout_fraction=0.0, init_from=str(tmp_path / "exported")),
                   target=target, progress=False)
-    assert seen[0] == torch.bfloat16  # training steps run under bf16 autocast (held-out evaluation does not)
     assert {p.dtype for p in draft.parameters()} == {torch.float32}
-    assert DSparkDraftModel.from_pretrained(tmp_path / "bf16").dtype == torch.float32
-    with pytest.raises(ValueError, match="mixed_precision='fp8'"):
-        train(TrainConfig(output_dir=str(tmp_path / "bad"), mixed_precision="fp8", **kw), target=target)

@@ -13,6 +13,7 @@ import time
 import torch
 
 from ..model.modeling_dspark import DSparkDraftModel
+from .evaluate import eos_token_ids, identical_rows
 from .machine import machine_info
 from .oracle import OracleDraft
 
@@ -51,8 +52,7 @@ def bench_oracle(target, tokenizer, draft: DSparkDraftModel, batch_sizes=(1, 8),
                  repeats: int = 3, prompts: list[str] | None = None, progress=None) -> dict:
     """Run the benchmark; returns a JSON-ready dict with one entry per batch size."""
     prompts = prompts or DEFAULT_PROMPTS
-    eos = target.generation_config.eos_token_id
-    eos_ids = set(eos if isinstance(eos, list) else [eos]) if eos is not None else set()
+    eos_ids = eos_token_ids(target)
     pad_id = target.generation_config.pad_token_id
     results = []
     for batch in batch_sizes:
@@ -78,7 +78,8 @@ def bench_oracle(target, tokenizer, draft: DSparkDraftModel, batch_sizes=(1, 8),
             start = time.perf_counter()
             out = dspark()
             dspark_s.append(time.perf_counter() - start)
-            if not torch.equal(out.sequences, reference):
+            same = identical_rows([out.sequences[:, P:]], [reference[:, P:]], eos_ids)
+            if target.dtype == torch.float32 and same < batch:  # in bf16/fp16 near-ties may round either way
                 raise AssertionError("DSpark output differs from plain generate(): lossless decoding is broken.")
             t = out.timings
             rounds_s = t["total"] - t["prefill"]
@@ -95,6 +96,7 @@ def bench_oracle(target, tokenizer, draft: DSparkDraftModel, batch_sizes=(1, 8),
             "dspark_tokens_per_s": tokens / dspark_med,
             "speedup": plain_med / dspark_med,
             "tokens_per_round": statistics.mean(taus),
+            "identical_rows": same,
             "round_split": {k: statistics.mean(s[k] for s in splits) for k in ("draft", "target", "other")},
             "plain_seconds": plain_s,
             "dspark_seconds": dspark_s,

@@ -101,8 +101,7 @@ def bench_speed(target, tokenizer, draft, prompts: list[dict], batch_size: int =
     interleaved in one run after a warm-up; median over repeats; ratios to plain."""
     from tqdm.auto import tqdm
 
-    eos = target.generation_config.eos_token_id
-    eos_ids = set(eos if isinstance(eos, list) else [eos]) if eos is not None else set()
+    eos_ids = eos_token_ids(target)
     methods = {"plain": {}, "dspark": {"assistant_model": draft}}
     if batch_size == 1:  # transformers' prompt lookup decoding refuses batch size > 1
         methods["prompt_lookup"] = {"prompt_lookup_num_tokens": 10}
@@ -117,7 +116,7 @@ def bench_speed(target, tokenizer, draft, prompts: list[dict], batch_size: int =
                                   **({"return_dict_in_generate": True} if "assistant_model" in kw else {}))
             seqs = out.sequences if hasattr(out, "sequences") else out
             tokens += _user_tokens(seqs[:, inputs["input_ids"].shape[1]:], eos_ids)
-            outputs.append(seqs)
+            outputs.append(seqs[:, inputs["input_ids"].shape[1]:])
             if collect is not None and hasattr(out, "rounds"):
                 collect.extend(r for rows in out.rounds for r in rows)
         return tokens, time.perf_counter() - start, outputs
@@ -144,13 +143,25 @@ def bench_speed(target, tokenizer, draft, prompts: list[dict], batch_size: int =
                         "acceptance_length": (sum(r.tau for r in rounds[m]) / len(rounds[m])) if rounds[m] else None,
                         "seconds": seconds[m], "tokens": tokens[m],
                         # greedy only: rows whose output equals plain generate()'s (the last repeat)
-                        "identical_rows": None if temperature > 0 else _identical_rows(last[m], last["plain"])}
+                        "identical_rows": None if temperature > 0 or m == "plain" else identical_rows(
+                            last[m], last["plain"], eos_ids)}
                     for m in methods},
     }
 
 
-def _identical_rows(outputs: list[torch.Tensor], reference: list[torch.Tensor]) -> int:
-    return sum(torch.equal(a, b) for x, y in zip(outputs, reference) for a, b in zip(x, y))
+def eos_token_ids(model) -> set[int]:
+    eos = model.generation_config.eos_token_id
+    return set(eos if isinstance(eos, list) else [eos]) if eos is not None else set()
+
+
+def identical_rows(outputs: list[torch.Tensor], reference: list[torch.Tensor], eos_ids: set[int]) -> int:
+    """How many rows of the batches of new tokens `outputs` (each (B, new)) equal those of `reference` up to their
+    first EOS; batches padded to different widths still compare row by row."""
+    def text(row):
+        row = row.tolist()
+        return row[: next((i + 1 for i, t in enumerate(row) if t in eos_ids), len(row))]
+
+    return sum(text(a) == text(b) for x, y in zip(outputs, reference) for a, b in zip(x, y))
 
 
 def format_speed_table(report: dict) -> str:

@@ -1,6 +1,7 @@
 """Train a DSpark draft for a frozen target (paper sec. 3.3).
 
-Runs plainly on CPU (fp32) or under ``accelerate launch`` on one or many GPUs (data parallel, bf16). The target,
+Runs plainly on CPU (fp32, or bf16 autocast where the CPU has bf16 matrix units) or under ``accelerate launch`` on
+one or many GPUs (data parallel, bf16). The target,
 its embedding and its LM head stay frozen; only the draft's backbone, sequential head and confidence head learn.
 With ``lora=True`` a trained draft is adapted to a domain instead: its weights stay frozen and peft LoRA adapters on
 the backbone's linear layers learn (plus, optionally, the heads in full); the run saves a peft adapter.
@@ -53,7 +54,8 @@ class TrainConfig:
                                                                         "features; None computes them online."})
     mixed_precision: str = field(default="auto", metadata={"help": "'auto': bf16 on GPU, fp32 on CPU; 'bf16' also "
                                  "on a CPU with bf16 matrix units (AVX512-BF16, AMX: several times the fp32 "
-                                 "throughput); 'no': fp32. Weights and optimizer state stay fp32 (autocast)."})
+                                 "throughput); 'fp16': GPU only; 'no': fp32. Autocast: weights and optimizer "
+                                 "state stay fp32. accelerate keeps one setting per process."})
     save_every: int = field(default=200, metadata={"help": "Checkpoint every this many steps (resumable)."})
     seed: int = field(default=0, metadata={"help": "Seeds initialisation, shuffling and anchors."})
     draft: dict = field(default_factory=dict, metadata={"help": "DSparkDraftModel.from_target overrides, e.g. "
@@ -191,7 +193,8 @@ def _load_draft(config: TrainConfig, target, resume: Path | None, default_target
             return PeftModel.from_pretrained(base, resume, is_trainable=True)
         return add_lora(base, config, base_path)
     if resume is not None or config.init_from:
-        return DSparkDraftModel.from_pretrained(resume or config.init_from).bind_target(target)
+        # fp32 master weights whatever the checkpoint's dtype (the shipped and exported drafts are bf16)
+        return DSparkDraftModel.from_pretrained(resume or config.init_from, dtype=torch.float32).bind_target(target)
     return make_draft(target, config, train_set)
 
 
@@ -303,6 +306,9 @@ def train(config: TrainConfig, target=None, progress: bool = True):
             if step % config.save_every == 0 and accelerator.is_main_process:
                 _save_checkpoint(model, optimizer, schedule, step, out_dir)
     bar.close()
+    # drop accelerate's autocast wrapper of forward: held-out figures and the returned draft run in the draft's dtype
+    model = accelerator.unwrap_model(draft, keep_fp32_wrapper=False)
+    core = unwrap_draft(model)
     model.eval()
     if accelerator.is_main_process:
         report = evaluate_heldout(core, target, heldout, features, config.anchors_per_sequence, weights)
@@ -316,6 +322,8 @@ def _mixed_precision(choice: str) -> str:
         raise ValueError(f"mixed_precision={choice!r}: choose 'auto', 'bf16', 'fp16' or 'no'.")
     if choice == "auto":
         return "bf16" if torch.cuda.is_available() else "no"
+    if choice == "fp16" and not torch.cuda.is_available():  # accelerate would silently train in fp32
+        raise ValueError("mixed_precision='fp16' needs a GPU; on CPU use 'bf16' (CPUs with bf16 units) or 'no'.")
     return choice
 
 
