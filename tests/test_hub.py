@@ -102,7 +102,7 @@ def test_push_sends_weights_config_code_and_card_to_a_private_repo_with_the_toke
     assert meta["pipeline_tag"] == "text-generation" and meta["license"] == "apache-2.0"
     assert {"speculative-decoding", "dspark"} <= set(meta["tags"])
     assert 'DSparkDraftModel.from_pretrained("alice/tiny-draft")' in card
-    assert f'AutoModelForCausalLM.from_pretrained("{TARGET}")' in card
+    assert f'AutoModelForCausalLM.from_pretrained("{TARGET}", dtype=torch.float32)' in card
     assert f"| macro | {EVAL['macro_acceptance_length']:.2f} |" in card
     for domain, d in EVAL["domains"].items():
         assert f"| {domain} | {d['acceptance_length']:.2f} |" in card
@@ -203,7 +203,7 @@ def test_save_pretrained_writes_the_card_and_keeps_a_user_readme(tmp_path):
     assert "base_model" not in front_matter((tmp_path / "c" / "README.md").read_text())
     make_draft(target_name_or_path=str(tmp_path)).save_pretrained(tmp_path / "d")
     card = (tmp_path / "d" / "README.md").read_text()
-    assert "base_model" not in front_matter(card) and f'from_pretrained("{tmp_path}")' in card
+    assert "base_model" not in front_matter(card) and f'from_pretrained("{tmp_path}", dtype=torch.float32)' in card
 
 
 def trained_folder(root: Path) -> tuple[Path, DSparkDraftModel, dict]:
