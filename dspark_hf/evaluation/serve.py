@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Callable
 
 from ..scheduling import FixedLength, FullBlock, Scheduled, ThresholdPolicy
-from .evaluate import _inputs, _user_tokens
+from .evaluate import _inputs, _user_tokens, eos_token_ids
 from .machine import machine_info
 
 
@@ -44,8 +44,7 @@ def bench_serve(target, tokenizer, draft, prompts: list[dict], batch_sizes=(1, 2
     only: names of the policies to run (default all); no speculation always runs, it is the baseline."""
     from tqdm.auto import tqdm
 
-    eos = target.generation_config.eos_token_id
-    eos_ids = set(eos if isinstance(eos, list) else [eos]) if eos is not None else set()
+    eos_ids = eos_token_ids(target)
     methods = serve_policies(draft, fixed_lengths, threshold, profile)
     if only:
         unknown = set(only) - set(methods)
