@@ -170,9 +170,9 @@ def format_speed_table(report: dict) -> str:
              "|---|---:|---:|---:|" + ("---:|" if greedy else "")]
     for name, m in report["methods"].items():
         tau = "" if m["acceptance_length"] is None else f"{m['acceptance_length']:.2f}"
-        same = f" {m['identical_rows']}/{report['settings']['prompts']} |" if m.get("identical_rows") is not None \
-            else (" |" if greedy else "")  # reports written before rows were compared
-        lines.append(f"| {name} | {m['tokens_per_s']:.1f} | {m['ratio_to_plain']:.2f}x | {tau} |{same}")
+        same = m.get("identical_rows")  # None for plain, sampling, and reports written before rows were compared
+        cell = ("" if same is None else f" {same}/{report['settings']['prompts']}") + " |" if greedy else ""
+        lines.append(f"| {name} | {m['tokens_per_s']:.1f} | {m['ratio_to_plain']:.2f}x | {tau} |{cell}")
     return "\n".join(lines)
 
 

@@ -1,8 +1,8 @@
 """Train a DSpark draft for a frozen target (paper sec. 3.3).
 
 Runs plainly on CPU (fp32, or bf16 autocast where the CPU has bf16 matrix units) or under ``accelerate launch`` on
-one or many GPUs (data parallel, bf16). The target,
-its embedding and its LM head stay frozen; only the draft's backbone, sequential head and confidence head learn.
+one or many GPUs (data parallel, bf16). The target, its embedding and its LM head stay frozen; only the draft's
+backbone, sequential head and confidence head learn.
 With ``lora=True`` a trained draft is adapted to a domain instead: its weights stay frozen and peft LoRA adapters on
 the backbone's linear layers learn (plus, optionally, the heads in full); the run saves a peft adapter.
 """
