@@ -11,6 +11,10 @@ from pathlib import Path
 import torch
 
 
+# `dspark train`'s draft shape when no flag says otherwise (the Python API's are DSparkDraftModel.from_target's)
+FRESH_DRAFT_DEFAULTS = {"head_type": "markov", "num_hidden_layers": 2, "markov_rank": 128, "block_size": 7,
+                        "draft_vocab_size": 8192}
+
 def _load(args, draft: bool = True):
     from .defaults import default_draft, default_target
 
@@ -120,14 +124,14 @@ def cmd_prepare_data(args) -> int:
 def cmd_train(args) -> int:
     from .training.trainer import TrainConfig, train
 
-    draft = {"num_hidden_layers": args.layers, "markov_rank": args.markov_rank, "head_type": args.head_type,
-             "block_size": args.block_size}
-    if args.draft_vocab_size:
-        draft["draft_vocab_size"] = args.draft_vocab_size
-    if args.target_layer_ids:
-        draft["target_layer_ids"] = args.target_layer_ids
-    if args.intermediate_size:
-        draft["intermediate_size"] = args.intermediate_size
+    flags = {"head_type": args.head_type, "num_hidden_layers": args.layers, "markov_rank": args.markov_rank,
+             "block_size": args.block_size, "draft_vocab_size": args.draft_vocab_size,
+             "target_layer_ids": args.target_layer_ids, "intermediate_size": args.intermediate_size}
+    draft = {k: v for k, v in flags.items() if v is not None}
+    if not (args.init_from or args.lora):  # a fresh draft; fine-tuning keeps init_from's shape (TrainConfig checks)
+        draft = {**FRESH_DRAFT_DEFAULTS, **draft}
+    if draft.get("draft_vocab_size") == 0:
+        del draft["draft_vocab_size"]  # the full target vocabulary
     config = TrainConfig(dataset=args.dataset, output_dir=args.output_dir, epochs=args.epochs,
                          batch_size=args.batch_size, anchors_per_sequence=args.anchors, learning_rate=args.lr,
                          max_length=args.max_length, heldout_fraction=args.heldout_fraction,
@@ -398,12 +402,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lora-heads", default="all", choices=list(LORA_HEADS),
                    help="heads trained in full and saved in the adapter: all (default: Markov/RNN and "
                         "confidence), confidence, or none")
-    p.add_argument("--head-type", default="markov", choices=["markov", "rnn", "none"])
-    p.add_argument("--layers", type=int, default=2, help="draft decoder layers")
+    fresh = "a fresh draft's; fine-tuning (--init-from, --lora) keeps the saved draft's"
+    p.add_argument("--head-type", choices=["markov", "rnn", "none"], help=f"{fresh} (default: markov)")
+    p.add_argument("--layers", type=int, help=f"draft decoder layers: {fresh} (default: 2)")
     p.add_argument("--intermediate-size", type=int, help="draft MLP width (default: the target's)")
-    p.add_argument("--markov-rank", type=int, default=128)
-    p.add_argument("--block-size", type=int, default=7)
-    p.add_argument("--draft-vocab-size", type=int, default=8192, help="0 = the full target vocabulary")
+    p.add_argument("--markov-rank", type=int, help="default: 128")
+    p.add_argument("--block-size", type=int, help="default: 7")
+    p.add_argument("--draft-vocab-size", type=int, help="0 = the full target vocabulary (default: 8192)")
     p.add_argument("--target-layer-ids", type=int, nargs="+", help="default: the reference rule")
     p.add_argument("--epochs", type=float, default=4.0)
     p.add_argument("--batch-size", type=int, default=4)

@@ -290,6 +290,36 @@ def test_unusable_mixed_precision_settings_are_refused(tmp_path):
             train(TrainConfig(mixed_precision="fp16", **kw), target=tiny_target("llama"))
 
 
+def test_fine_tuning_refuses_a_draft_shape_it_would_ignore(tmp_path):
+    target = tiny_target("llama")
+    data = tiny_dataset(tmp_path, target, n=8)
+    tiny_draft(target).save_pretrained(tmp_path / "saved")
+    config = TrainConfig(dataset=str(data), output_dir=str(tmp_path / "run"), epochs=1, batch_size=4,
+                         anchors_per_sequence=4, heldout_fraction=0.0, init_from=str(tmp_path / "saved"),
+                         draft={"num_hidden_layers": 3})
+    with pytest.raises(ValueError, match="fine-tuning .* keeps the saved draft's shape"):
+        train(config, target=target, progress=False)
+
+
+def test_dspark_train_flags_shape_a_fresh_draft_and_are_refused_when_fine_tuning(tmp_path, monkeypatch):
+    from dspark_hf.cli import main
+
+    monkeypatch.setattr("transformers.AutoTokenizer.from_pretrained", lambda *a, **k: None)  # tiny target: none
+    target = tiny_target("llama")
+    target.save_pretrained(tmp_path / "target")
+    data = tiny_dataset(tmp_path, target, n=8)
+    run = ["train", "--target", str(tmp_path / "target"), "--dataset", str(data), "--epochs", "1",
+           "--batch-size", "8", "--heldout-fraction", "0", "--anchors", "2"]
+    assert main(run + ["--output-dir", str(tmp_path / "fresh"), "--layers", "1", "--draft-vocab-size", "16"]) == 0
+    config = json.loads((tmp_path / "fresh" / "config.json").read_text())
+    assert (config["num_hidden_layers"], config["draft_vocab_size"]) == (1, 16)
+    assert (config["head_type"], config["markov_rank"], config["block_size"]) == ("markov", 128, 7)  # defaults
+
+    assert main(run + ["--output-dir", str(tmp_path / "tuned"), "--init-from", str(tmp_path / "fresh")]) == 0
+    with pytest.raises(ValueError, match="num_hidden_layers"):
+        main(run + ["--output-dir", str(tmp_path / "bad"), "--init-from", str(tmp_path / "fresh"), "--layers", "2"])
+
+
 def test_fine_tuning_a_bf16_checkpoint_trains_fp32_weights(tmp_path):
     target = tiny_target("llama")
     data = tiny_dataset(tmp_path, target, n=8)

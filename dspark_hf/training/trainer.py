@@ -184,6 +184,10 @@ def _load_draft(config: TrainConfig, target, resume: Path | None, default_target
     """The model to train: resumed, fine-tuned from init_from, LoRA-wrapped, or fresh (bound to `target`)."""
     if config.copy_target_layers and (config.lora or config.init_from):
         raise ValueError("copy_target_layers initialises a fresh draft: drop it, or drop init_from / lora.")
+    if config.draft and (config.lora or config.init_from):
+        raise ValueError(f"The draft shape {config.draft} (--layers, --head-type, ...) applies to a fresh draft; "
+                         "fine-tuning (init_from / lora) keeps the saved draft's shape. Drop those settings, or "
+                         "train a fresh draft without init_from.")
     if config.lora:
         from peft import PeftModel
 
