@@ -107,6 +107,21 @@ def test_dspark_eval_writes_the_documented_json_and_plots(tiny_models, tmp_path,
     assert "| overall |" in capsys.readouterr().out
 
 
+def test_acceptance_plots_compare_drafts_side_by_side(tmp_path):
+    from dspark_hf.evaluation.plots import plot_eval, plot_heldout_acceptance
+
+    def eval_result(ca):
+        section = {"acceptance_length": 1 + sum(a or 0 for a in ca), "conditional_acceptance": ca}
+        return {"overall": section, "domains": {"code": section, "chat": section}}
+
+    heldout = {"sequences": 5, "acceptance_per_position": [0.4, 0.3, 0.3], "expected_tau_from_acceptance": 1.6}
+    paths = plot_eval([("markov", eval_result([0.4, 0.3, 0.3])), ("none", eval_result([0.4, 0.1, None]))], tmp_path)
+    paths.append(plot_heldout_acceptance([("markov", heldout), ("none", heldout)], tmp_path))
+    assert [p.name for p in paths] == ["conditional_acceptance.png", "acceptance_length.png",
+                                       "heldout_acceptance.png"]
+    assert all(p.stat().st_size > 1000 for p in paths)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_dspark_bench_speed_reports_every_method(tiny_models, tmp_path, dtype):
     out = tmp_path / "bench.json"

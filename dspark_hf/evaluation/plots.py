@@ -56,6 +56,29 @@ def plot_eval(results: dict | list[tuple[str, dict]], out_dir: str | Path) -> li
     return paths
 
 
+def plot_heldout_acceptance(reports: list[tuple[str, dict]], out_dir: str | Path) -> Path:
+    """Held-out acceptance 1 - TV by draft position for each (label, heldout.json report) from `dspark train`:
+    the suffix decay a sequential head removes, without the few-sample noise of greedy acceptance at late positions."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(5, 3.4))
+    for label, r in reports:
+        acc = r["acceptance_per_position"]
+        ax.plot(range(1, len(acc) + 1), acc, marker="o",
+                label=f"{label} (expected tau {r['expected_tau_from_acceptance']:.2f})")
+    ax.set_xlabel("draft position k")
+    ax.set_ylabel("acceptance 1 - TV")
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.suptitle(f"Held-out acceptance by position ({reports[0][1]['sequences']} sequences)")
+    fig.tight_layout()
+    path = Path(out_dir) / "heldout_acceptance.png"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def plot_threshold_sweep(sweep: dict, out_dir: str | Path) -> Path:
     """Paper Fig. 5: accepted and rejected tokens per step (bars) and acceptance rate (line) per threshold."""
     plt = _pyplot()

@@ -1,0 +1,21 @@
+"""Position-wise acceptance of drafts side by side, from the files `dspark eval` and `dspark train` wrote.
+
+    python examples/plot_acceptance.py OUT_DIR "DSpark (Markov)=eval_dspark.json" "DFlash-style=eval_dflash.json"
+
+Each LABEL=FILE is an eval result (greedy conditional acceptance per domain, tau per domain:
+conditional_acceptance.png, acceptance_length.png) or a held-out report from training (heldout.json: acceptance
+1 - TV per position, heldout_acceptance.png).
+"""
+
+import json
+import sys
+from pathlib import Path
+
+from dspark_hf.evaluation.plots import plot_eval, plot_heldout_acceptance
+
+out_dir = sys.argv[1]
+runs = [(label, json.loads(Path(path).read_text())) for label, path in (a.split("=", 1) for a in sys.argv[2:])]
+evals = [(label, r) for label, r in runs if "overall" in r]
+heldout = [(label, r) for label, r in runs if "acceptance_per_position" in r]
+paths = (plot_eval(evals, out_dir) if evals else []) + ([plot_heldout_acceptance(heldout, out_dir)] if heldout else [])
+print("plots: " + ", ".join(map(str, paths)))
