@@ -263,7 +263,10 @@ def cmd_export(args) -> int:
     draft.save_pretrained(args.output)
     eval_results = json.loads(Path(args.eval).read_text()) if args.eval else None
     recipe = Path(args.recipe).read_text() if args.recipe else None
-    card = render_model_card(draft.config, args.base_model, args.repo_id, eval_results, recipe)
+    calibration = Path(args.calibration or Path(args.draft) / "calibration.json")
+    calibration = json.loads(calibration.read_text()) if args.calibration or calibration.is_file() else None
+    card = render_model_card(draft.config, args.base_model, args.repo_id, eval_results, recipe,
+                             calibration=calibration)
     (Path(args.output) / "README.md").write_text(card)
     size = sum(f.stat().st_size for f in Path(args.output).glob("*.safetensors")) / 1e6
     print(f"exported to {args.output} ({size:.1f} MB of weights)")
@@ -430,6 +433,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--base-model", required=True, help="hub id of the target, for the card")
     p.add_argument("--repo-id", default="<your-repo/draft>", help="where the draft will live, for the card")
     p.add_argument("--eval", help="results.json from `dspark eval`, for the card's results")
+    p.add_argument("--calibration", help="calibration.json from `dspark calibrate`, for the card "
+                                         "(default: DRAFT/calibration.json if present)")
     p.add_argument("--recipe", help="a markdown file describing the training recipe, for the card")
     p.set_defaults(func=cmd_export)
 

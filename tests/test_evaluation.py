@@ -253,3 +253,7 @@ def test_dspark_calibrate_saves_temperatures_a_report_and_a_diagram(tiny_models,
     from dspark_hf import DSparkDraftModel
 
     assert DSparkDraftModel.from_pretrained(out).config.confidence_temperatures == report["temperatures"]
+
+    card = tmp_path / "exported" / "README.md"
+    assert main(["export", str(out), "--output", str(card.parent), "--base-model", "org/tiny-target"]) == 0
+    assert "| after STS |" in card.read_text(), "export finds the calibration report next to the draft"
