@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # Domain adaptation with LoRA: the shipped SmolLM2-135M-Instruct draft, tuned on code prompts, evaluated on
 # HumanEval against the draft without the adapter. Every step is resumable; on a 2-core CPU the whole script
-# takes about 45 minutes (README, "Adapting a draft to a domain with LoRA", has the times).
+# takes about 50 minutes (README, "Adapting a draft to a domain with LoRA", has the times).
 set -euo pipefail
 RUNS=${RUNS:-runs/lora}
 mkdir -p $RUNS
 
-# 1. code prompts from ShareGPT that the shipped draft never saw: its 640 training prompts are the first 640 of
-#    at most 256 tokens, all among the first 864 conversations, so those are skipped. A prompt counts as code when
-#    it holds a code fence or names a language / code term in its first 200 characters.
+# 1. code prompts from ShareGPT that the shipped draft never saw: its 1,920 training prompts all come from the
+#    first 2,463 conversations (examples/train_default_draft.sh), so those are skipped. A prompt counts as code
+#    when it holds a code fence or names a language / code term in its first 200 characters.
 python - "$RUNS/code_prompts.jsonl" <<'EOF'
 import itertools, json, re, sys
 from dspark_hf.training.data import read_sharegpt
@@ -17,7 +17,7 @@ CODE = re.compile(r"\bdef \w+\(|\bfunction\b|\bpython\b|javascript|typescript|\b
                   r"\bregex|\bbash\b|\breact(\.js)?\b|\bnode\.?js\b|\bdjango\b|\bflask\b|\bpandas\b|\bdataframe\b|"
                   r"\bgolang\b|\bc#|\bhtml\b|\bcss\b|\bkotlin\b|\bswift\b|\bphp\b|\bscript in\b", re.I)
 with open(sys.argv[1], "w") as out:
-    for p in itertools.islice(read_sharegpt(), 864, None):
+    for p in itertools.islice(read_sharegpt(), 2463, None):
         text = p["messages"][0]["content"]
         if "```" in text or CODE.search(text[:200]):
             out.write(json.dumps({"id": p["id"], "domain": "code", "messages": p["messages"]}) + "\n")
@@ -27,7 +27,7 @@ EOF
 dspark prepare-data --prompts $RUNS/code_prompts.jsonl --output $RUNS/code-192.jsonl --num-examples 192 \
   --max-new-tokens 192
 
-# 3. LoRA on the shipped draft: rank 64 on every attention/MLP linear of its 2 layers; the Markov and confidence
+# 3. LoRA on the shipped draft: rank 64 on every attention/MLP linear of its 3 layers; the Markov and confidence
 #    heads are trained in full (--lora-heads all, the default: with --lora-heads confidence tau did not move)
 dspark train --lora --dataset $RUNS/code-192.jsonl --output-dir $RUNS/adapter --lora-rank 64 --lora-alpha 64 \
   --lora-heads all --epochs 6 --batch-size 4 --anchors 48 --lr 5e-3 --feature-cache $RUNS/features

@@ -3,7 +3,7 @@
 # the target's own greedy answers to 8 evaluation prompts (4 HumanEval, 4 GSM), then measure acceptance and batch-1
 # speed on those same prompts. If anchors, features, positions or verification were misaligned, tau would stay
 # near 1 however long it trains; a draft that has seen the answers shows what the loop does with a right draft.
-# About 10 minutes on a 2-core CPU.
+# About 15 minutes on a 2-core CPU.
 set -euo pipefail
 RUNS=${RUNS:-runs}/memorize
 mkdir -p $RUNS
@@ -17,8 +17,7 @@ PY
 dspark prepare-data --prompts $RUNS/prompts.jsonl --num-examples 8 --top-k 1 --max-new-tokens 128 --batch-size 8 \
   --output $RUNS/data.jsonl                                          # top-k 1: the target's greedy answers
 dspark train --dataset $RUNS/data.jsonl --init-from dspark_hf/assets/dspark-smollm2-135m-instruct \
-  --output-dir $RUNS/draft --heldout-fraction 0 --epochs 60 --batch-size 4 --anchors 48 --lr 1e-3 --layers 2 \
-  --target-layer-ids 1 14 27 --markov-rank 128 --draft-vocab-size 8192 --block-size 7
+  --output-dir $RUNS/draft --heldout-fraction 0 --epochs 60 --batch-size 4 --anchors 48 --lr 1e-3
 dspark eval --suite humaneval --suite gsm --limit 4 --max-new-tokens 128 --batch-size 8 --draft $RUNS/draft \
   --output examples/results/memorize_eval.json
 dspark bench speed --suite humaneval --suite gsm --limit 4 --max-new-tokens 128 --batch-size 1 --repeats 1 \

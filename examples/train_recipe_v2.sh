@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# The shipped draft's recipe (examples/train_default_draft.sh) with two changes, same data and about the same
+# The v1 recipe (examples/train_recipe_v1.sh, the first shipped draft) with two changes, same data and about the same
 # training wall-clock on a 2-core CPU (26 + 27 min): the draft's layers start from the target's last two layers
 # (--copy-target-layers) at a higher learning rate, and a step costs about 1.25 s instead of 2.3 s because the
-# target distribution is computed once per position (blocks overlap), so 8 epochs fit where 5 did. Not shipped yet:
-# README ("A better recipe, not shipped yet") has the results. Reuses the data and feature cache of the recipe.
+# target distribution is computed once per position (blocks overlap), so 8 epochs fit where 5 did. README ("Earlier
+# recipes") has the results. Reuses the data and feature cache of the v1 recipe.
 set -euo pipefail
 RUNS=${RUNS:-runs}
 COMMON="--dataset $RUNS/data/sharegpt-640.jsonl --layers 2 --target-layer-ids 1 14 27 --markov-rank 128

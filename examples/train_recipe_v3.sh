@@ -1,20 +1,20 @@
 #!/usr/bin/env bash
 # The v2 recipe (examples/train_recipe_v2.sh) on three times the data at about the same training compute: 1,920
 # ShareGPT prompts instead of 640 (the first 640 plus 1,280 more, none shared with them), 3 epochs instead of 8.
-# Measures whether data is what holds the draft back, then (step 4) whether depth is (README, "A better recipe").
+# Measures whether data is what holds the draft back, then (step 4) whether depth is (README, "Earlier recipes").
 # Resumable step by step; on a 2-core CPU: 26 min of new data, 8 min of feature cache, then the two trainings run
 # side by side on one thread each (two 1-thread processes get more out of 2 cores than one after the other).
 set -euo pipefail
 RUNS=${RUNS:-runs}
 
-# 1. data: the 640 prompts of the shipped recipe, plus 1,280 more from the ShareGPT conversations after them
+# 1. data: the 640 prompts of the v1 recipe, plus 1,280 more from the ShareGPT conversations after them
 #    (the 640 come from the first 864 conversations; prepare-data skips the ones it cannot use)
 dspark prepare-data --output $RUNS/data/sharegpt-640.jsonl --num-examples 640 --max-new-tokens 192
 dspark prepare-data --output $RUNS/data/sharegpt-more-1280.jsonl --num-examples 1280 --skip 864 --max-new-tokens 192
 cat $RUNS/data/sharegpt-640.jsonl $RUNS/data/sharegpt-more-1280.jsonl > $RUNS/data/sharegpt-1920.jsonl
 
 # 2. DSpark and the DFlash-style ablation, same data and budget; the feature cache is keyed by example id, so it
-#    grows from the 640 examples cached by the shipped recipe (filled once here, before the two runs share it)
+#    grows from the 640 examples cached by the v1 recipe (filled once here, before the two runs share it)
 COMMON="--dataset $RUNS/data/sharegpt-1920.jsonl --layers 2 --target-layer-ids 1 14 27 --markov-rank 128
         --draft-vocab-size 8192 --block-size 7 --epochs 3 --batch-size 4 --anchors 48 --lr 3e-3
         --feature-cache $RUNS/features --copy-target-layers"
