@@ -15,6 +15,7 @@ import torch
 FRESH_DRAFT_DEFAULTS = {"head_type": "markov", "num_hidden_layers": 2, "markov_rank": 128, "block_size": 7,
                         "draft_vocab_size": 8192}
 
+
 def _load(args, draft: bool = True):
     from .defaults import default_draft, default_target
 
@@ -128,10 +129,10 @@ def cmd_train(args) -> int:
              "block_size": args.block_size, "draft_vocab_size": args.draft_vocab_size,
              "target_layer_ids": args.target_layer_ids, "intermediate_size": args.intermediate_size}
     draft = {k: v for k, v in flags.items() if v is not None}
-    if not (args.init_from or args.lora):  # a fresh draft; fine-tuning keeps init_from's shape (TrainConfig checks)
+    if not (args.init_from or args.lora):  # fine-tuning keeps the saved draft's shape; TrainConfig refuses flags
         draft = {**FRESH_DRAFT_DEFAULTS, **draft}
-    if draft.get("draft_vocab_size") == 0:
-        del draft["draft_vocab_size"]  # the full target vocabulary
+        if draft["draft_vocab_size"] == 0:
+            del draft["draft_vocab_size"]  # the full target vocabulary
     config = TrainConfig(dataset=args.dataset, output_dir=args.output_dir, epochs=args.epochs,
                          batch_size=args.batch_size, anchors_per_sequence=args.anchors, learning_rate=args.lr,
                          max_length=args.max_length, heldout_fraction=args.heldout_fraction,
@@ -260,13 +261,14 @@ def cmd_export(args) -> int:
     from .model import DSparkDraftModel
 
     draft = DSparkDraftModel.from_pretrained(args.draft).to(getattr(torch, args.dtype))
-    draft.save_pretrained(args.output)
     eval_results = json.loads(Path(args.eval).read_text()) if args.eval else None
     recipe = Path(args.recipe).read_text() if args.recipe else None
     calibration = Path(args.calibration or Path(args.draft) / "calibration.json")
     calibration = json.loads(calibration.read_text()) if args.calibration or calibration.is_file() else None
+    # the card checks the result files against the draft: render it before anything is written
     card = render_model_card(draft.config, args.base_model, args.repo_id, eval_results, recipe,
                              calibration=calibration)
+    draft.save_pretrained(args.output)
     (Path(args.output) / "README.md").write_text(card)
     size = sum(f.stat().st_size for f in Path(args.output).glob("*.safetensors")) / 1e6
     print(f"exported to {args.output} ({size:.1f} MB of weights)")
@@ -396,7 +398,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--copy-target-layers", action="store_true", help="start the draft's layers from the target's "
                    "last ones instead of random weights (Llama / Qwen3-style targets)")
     p.add_argument("--lora", action="store_true", help="domain adaptation: train LoRA adapters on --init-from "
-                   "(default: the shipped draft) and save a peft adapter; the architecture options are ignored")
+                   "(default: the shipped draft) and save a peft adapter; draft-shape options are refused")
     p.add_argument("--lora-rank", type=int, default=16)
     p.add_argument("--lora-alpha", type=float, default=32.0, help="updates scale by alpha / rank")
     p.add_argument("--lora-dropout", type=float, default=0.0)
@@ -405,13 +407,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lora-heads", default="all", choices=list(LORA_HEADS),
                    help="heads trained in full and saved in the adapter: all (default: Markov/RNN and "
                         "confidence), confidence, or none")
-    fresh = "a fresh draft's; fine-tuning (--init-from, --lora) keeps the saved draft's"
-    p.add_argument("--head-type", choices=["markov", "rnn", "none"], help=f"{fresh} (default: markov)")
-    p.add_argument("--layers", type=int, help=f"draft decoder layers: {fresh} (default: 2)")
+    # draft shape: a fresh draft's only (refused with --init-from / --lora, which keep the saved draft's)
+    d = FRESH_DRAFT_DEFAULTS
+    p.add_argument("--head-type", choices=["markov", "rnn", "none"], help=f"default: {d['head_type']}")
+    p.add_argument("--layers", type=int, help=f"draft decoder layers (default: {d['num_hidden_layers']})")
     p.add_argument("--intermediate-size", type=int, help="draft MLP width (default: the target's)")
-    p.add_argument("--markov-rank", type=int, help="default: 128")
-    p.add_argument("--block-size", type=int, help="default: 7")
-    p.add_argument("--draft-vocab-size", type=int, help="0 = the full target vocabulary (default: 8192)")
+    p.add_argument("--markov-rank", type=int, help=f"default: {d['markov_rank']}")
+    p.add_argument("--block-size", type=int, help=f"default: {d['block_size']}")
+    p.add_argument("--draft-vocab-size", type=int,
+                   help=f"0 = the full target vocabulary (default: {d['draft_vocab_size']})")
     p.add_argument("--target-layer-ids", type=int, nargs="+", help="default: the reference rule")
     p.add_argument("--epochs", type=float, default=4.0)
     p.add_argument("--batch-size", type=int, default=4)

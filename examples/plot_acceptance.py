@@ -13,9 +13,17 @@ from pathlib import Path
 
 from dspark_hf.evaluation.plots import plot_eval, plot_heldout_acceptance
 
+if len(sys.argv) < 3 or not all("=" in a for a in sys.argv[2:]):
+    sys.exit(__doc__)
 out_dir = sys.argv[1]
-runs = [(label, json.loads(Path(path).read_text())) for label, path in (a.split("=", 1) for a in sys.argv[2:])]
-evals = [(label, r) for label, r in runs if "overall" in r]
-heldout = [(label, r) for label, r in runs if "acceptance_per_position" in r]
+evals, heldout = [], []
+for label, path in (a.split("=", 1) for a in sys.argv[2:]):
+    result = json.loads(Path(path).read_text())
+    if "overall" in result:
+        evals.append((label, result))
+    elif "acceptance_per_position" in result:
+        heldout.append((label, result))
+    else:
+        sys.exit(f"{path}: neither a `dspark eval` result nor a heldout.json from `dspark train`")
 paths = (plot_eval(evals, out_dir) if evals else []) + ([plot_heldout_acceptance(heldout, out_dir)] if heldout else [])
 print("plots: " + ", ".join(map(str, paths)))

@@ -294,11 +294,15 @@ def test_fine_tuning_refuses_a_draft_shape_it_would_ignore(tmp_path):
     target = tiny_target("llama")
     data = tiny_dataset(tmp_path, target, n=8)
     tiny_draft(target).save_pretrained(tmp_path / "saved")
-    config = TrainConfig(dataset=str(data), output_dir=str(tmp_path / "run"), epochs=1, batch_size=4,
-                         anchors_per_sequence=4, heldout_fraction=0.0, init_from=str(tmp_path / "saved"),
-                         draft={"num_hidden_layers": 3})
     with pytest.raises(ValueError, match="fine-tuning .* keeps the saved draft's shape"):
-        train(config, target=target, progress=False)
+        TrainConfig(dataset=str(data), output_dir=str(tmp_path / "run"), init_from=str(tmp_path / "saved"),
+                    draft={"num_hidden_layers": 3})
+    with pytest.raises(ValueError, match="draft_vocab_size"):
+        TrainConfig(dataset=str(data), output_dir=str(tmp_path / "run"), lora=True, draft={"draft_vocab_size": 0})
+    with pytest.raises(ValueError, match="copy_target_layers initialises a fresh draft"):
+        TrainConfig(dataset=str(data), output_dir=str(tmp_path / "run"), init_from=str(tmp_path / "saved"),
+                    copy_target_layers=True)
+    assert not (tmp_path / "run").exists(), "refused before anything is written"
 
 
 def test_dspark_train_flags_shape_a_fresh_draft_and_are_refused_when_fine_tuning(tmp_path, monkeypatch):

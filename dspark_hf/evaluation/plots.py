@@ -59,18 +59,20 @@ def plot_eval(results: dict | list[tuple[str, dict]], out_dir: str | Path) -> li
 def plot_heldout_acceptance(reports: list[tuple[str, dict]], out_dir: str | Path) -> Path:
     """Held-out acceptance 1 - TV by draft position for each (label, heldout.json report) from `dspark train`:
     the suffix decay a sequential head removes, without the few-sample noise of greedy acceptance at late positions."""
+    if not reports:
+        raise ValueError("plot_heldout_acceptance needs at least one (label, heldout report).")
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(5, 3.4))
     for label, r in reports:
         acc = r["acceptance_per_position"]
-        ax.plot(range(1, len(acc) + 1), acc, marker="o",
-                label=f"{label} (expected tau {r['expected_tau_from_acceptance']:.2f})")
+        ax.plot(range(1, len(acc) + 1), acc, marker="o", label=f"{label}: expected tau "
+                f"{r['expected_tau_from_acceptance']:.2f}, {r['sequences']} sequences")
     ax.set_xlabel("draft position k")
     ax.set_ylabel("acceptance 1 - TV")
     ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.suptitle(f"Held-out acceptance by position ({reports[0][1]['sequences']} sequences)")
+    ax.legend(fontsize=7)
+    fig.suptitle("Held-out acceptance by position")
     fig.tight_layout()
     path = Path(out_dir) / "heldout_acceptance.png"
     path.parent.mkdir(parents=True, exist_ok=True)

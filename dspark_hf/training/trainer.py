@@ -58,9 +58,10 @@ class TrainConfig:
                                  "state stay fp32. accelerate keeps one setting per process."})
     save_every: int = field(default=200, metadata={"help": "Checkpoint every this many steps (resumable)."})
     seed: int = field(default=0, metadata={"help": "Seeds initialisation, shuffling and anchors."})
-    draft: dict = field(default_factory=dict, metadata={"help": "DSparkDraftModel.from_target overrides, e.g. "
-                        "{'num_hidden_layers': 2, 'markov_rank': 128, 'head_type': 'markov', 'draft_vocab_size': "
-                        "8192}. draft_vocab_size picks the most frequent answer tokens."})
+    draft: dict = field(default_factory=dict, metadata={"help": "DSparkDraftModel.from_target overrides for a fresh "
+                        "draft, e.g. {'num_hidden_layers': 2, 'markov_rank': 128, 'head_type': 'markov', "
+                        "'draft_vocab_size': 8192}. draft_vocab_size picks the most frequent answer tokens. Refused "
+                        "with init_from / lora, which keep the saved draft's shape."})
     copy_target_layers: bool = field(default=False, metadata={"help": "Start a fresh draft from the target's last "
                                      "decoder layers instead of random weights (see copy_target_layers); needs "
                                      "draft layers with the target's shapes and parameter names (Llama, Qwen3)."})
@@ -77,6 +78,15 @@ class TrainConfig:
                             "'all' (default: the Markov/RNN head, where a domain's token transitions live, and "
                             "the confidence head; ~2M weights for the shipped draft, and on code the whole of the "
                             "measured gain); 'confidence' (a few hundred weights); 'none'."})
+
+    def __post_init__(self):
+        # checked before train() touches output_dir, so a refused command leaves an existing run as it was
+        if self.copy_target_layers and (self.lora or self.init_from):
+            raise ValueError("copy_target_layers initialises a fresh draft: drop it, or drop init_from / lora.")
+        if self.draft and (self.lora or self.init_from):
+            raise ValueError(f"The draft shape {self.draft} (--layers, --head-type, ...) applies to a fresh draft; "
+                             "fine-tuning (init_from / lora) keeps the saved draft's shape. Drop those settings, or "
+                             "train a fresh draft without init_from.")
 
 
 def target_logits(target, hidden: torch.Tensor) -> torch.Tensor:
@@ -182,12 +192,6 @@ def _lora_base(config: TrainConfig, default_target: bool) -> str:
 
 def _load_draft(config: TrainConfig, target, resume: Path | None, default_target: bool, train_set):
     """The model to train: resumed, fine-tuned from init_from, LoRA-wrapped, or fresh (bound to `target`)."""
-    if config.copy_target_layers and (config.lora or config.init_from):
-        raise ValueError("copy_target_layers initialises a fresh draft: drop it, or drop init_from / lora.")
-    if config.draft and (config.lora or config.init_from):
-        raise ValueError(f"The draft shape {config.draft} (--layers, --head-type, ...) applies to a fresh draft; "
-                         "fine-tuning (init_from / lora) keeps the saved draft's shape. Drop those settings, or "
-                         "train a fresh draft without init_from.")
     if config.lora:
         from peft import PeftModel
 
