@@ -6,9 +6,10 @@ set -euo pipefail
 RUNS=${RUNS:-runs/lora}
 mkdir -p $RUNS
 
-# 1. code prompts from ShareGPT that the shipped draft never saw: its 1,920 training prompts all come from the
-#    first 2,463 conversations (examples/train_default_draft.sh), so those are skipped. A prompt counts as code
-#    when it holds a code fence or names a language / code term in its first 200 characters.
+# 1. code prompts from ShareGPT that the shipped draft never saw: its 1,920 training prompts
+#    (examples/train_default_draft.sh) all come from the first 2,463 conversations (the last one used is #2,462),
+#    so those are skipped. A prompt counts as code when it holds a code fence or names a language / code term in
+#    its first 200 characters.
 python - "$RUNS/code_prompts.jsonl" <<'EOF'
 import itertools, json, re, sys
 from dspark_hf.training.data import read_sharegpt

@@ -55,8 +55,9 @@ python examples/strip_rounds.py $RUNS/v4/eval_shipped.json examples/results/eval
 python examples/strip_rounds.py $RUNS/v4/eval_shipped_t1.json examples/results/eval_dspark_t1.json
 python examples/strip_rounds.py $RUNS/v4/eval_dflash.json examples/results/eval_dflash.json
 R=examples/results
-python examples/plot_acceptance.py $R "DSpark (Markov)=$R/eval_dspark.json" "DFlash-style (no head)=$R/eval_dflash.json" \
-  "DSpark (Markov)=$R/heldout_dspark.json" "DFlash-style (no head)=$R/heldout_dflash.json"
+python examples/plot_acceptance.py $R "DSpark (Markov)=$R/eval_dspark.json" \
+  "DFlash-style (no head)=$R/eval_dflash.json" "DSpark (Markov)=$R/heldout_dspark.json" \
+  "DFlash-style (no head)=$R/heldout_dflash.json"
 
 # 6. the same weights again, with the model card generated from those results and the calibration report
 dspark export $RUNS/v4/dspark_calibrated --output $SHIP --base-model HuggingFaceTB/SmolLM2-135M-Instruct \

@@ -20,6 +20,7 @@ EVAL="--suite humaneval --suite mtbench --suite gsm --limit 20 --max-new-tokens 
 dspark eval $EVAL --draft $RUNS/dspark --output $RUNS/eval_dspark.json --plot $RUNS/plots_dspark --threshold-sweep
 dspark eval $EVAL --draft $RUNS/dflash --output $RUNS/eval_dflash.json
 
-# 4. bf16 draft-owned weights + a model card generated from the eval results (what was shipped then)
+# 4. bf16 draft-owned weights + a model card generated from the eval results (v1 was then calibrated and shipped,
+#    as steps 4-6 of examples/train_default_draft.sh do for the draft shipped now)
 dspark export $RUNS/dspark --output $RUNS/v1/export \
   --base-model HuggingFaceTB/SmolLM2-135M-Instruct --eval $RUNS/eval_dspark.json
