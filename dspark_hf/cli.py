@@ -53,7 +53,8 @@ def _write_json(path: str, data: dict) -> None:
 def cmd_generate(args) -> int:
     """The main job: answer prompts with DSpark, check the output against plain generate(), report speed."""
     from .evaluation.bench_oracle import DEFAULT_PROMPTS, chat_inputs
-    from .evaluation.evaluate import eos_token_ids, identical_rows
+    from .evaluation.evaluate import identical_rows
+    from .generation.eos import eos_token_ids
 
     target, tokenizer, draft = _load(args)
     prompts = args.prompt or DEFAULT_PROMPTS[:3]
@@ -79,7 +80,7 @@ def cmd_generate(args) -> int:
     exact = target.dtype == torch.float32
     if not kw["do_sample"]:
         same = torch.equal(out.sequences, plain)
-        rows = identical_rows([out.sequences[:, P:]], [plain[:, P:]], eos_token_ids(target))
+        rows = identical_rows([out.sequences[:, P:]], [plain[:, P:]], eos_token_ids(target.generation_config))
         print(f"identical to plain generate(): {'yes' if same else f'NO ({rows} of {len(prompts)} rows identical)'}")
         if not same and not exact:
             print(f"  possible in {args.dtype}: see the HalfPrecisionGreedyWarning above")
@@ -258,13 +259,13 @@ def cmd_push(args) -> int:
 def cmd_export(args) -> int:
     """Save a trained draft for sharing: chosen dtype, code for trust_remote_code, and a generated model card."""
     from .cards import render_model_card
+    from .hub import folder_calibration
     from .model import DSparkDraftModel
 
     draft = DSparkDraftModel.from_pretrained(args.draft).to(getattr(torch, args.dtype))
     eval_results = json.loads(Path(args.eval).read_text()) if args.eval else None
     recipe = Path(args.recipe).read_text() if args.recipe else None
-    calibration = Path(args.calibration or Path(args.draft) / "calibration.json")
-    calibration = json.loads(calibration.read_text()) if args.calibration or calibration.is_file() else None
+    calibration = folder_calibration(args.draft, args.calibration)
     # the card checks the result files against the draft: render it before anything is written
     card = render_model_card(draft.config, args.base_model, args.repo_id, eval_results, recipe,
                              calibration=calibration)

@@ -119,9 +119,8 @@ def push_draft(folder: str | Path, repo_id: str, base_model: str | None = None,
         raise FileNotFoundError(f"{folder} holds no saved draft (no config.json): pass the --output-dir of "
                                 "`dspark train` or the --output of `dspark calibrate`.")
     draft = DSparkDraftModel.from_pretrained(folder)
-    if calibration is None and (folder / "calibration.json").is_file():
-        calibration = folder / "calibration.json"
-    data = CardData(base_model=base_model, eval_results=_json(eval_results), calibration=_json(calibration),
+    data = CardData(base_model=base_model, eval_results=_json(eval_results),
+                    calibration=folder_calibration(folder, calibration),
                     recipe=_recipe(recipe, folder))
     return push_to_hub(draft, repo_id, commit_message=commit_message, private=private, token=token,
                        revision=revision, card_data=data)
@@ -180,6 +179,14 @@ def _commit(api, folder: Path, files: list[Path], repo_id: str, *, token=None, r
 
 def _timestamps(folder: Path) -> dict[Path, int]:
     return {p: p.stat().st_mtime_ns for p in folder.rglob("*") if p.is_file()} if folder.is_dir() else {}
+
+
+def folder_calibration(folder: str | Path, calibration: str | Path | dict | None = None) -> dict | None:
+    """The calibration report for a draft's card: `calibration` (a path or dict) if given, else the
+    calibration.json that `dspark calibrate` wrote into `folder`, if any."""
+    if calibration is None and (Path(folder) / "calibration.json").is_file():
+        calibration = Path(folder) / "calibration.json"
+    return _json(calibration)
 
 
 def _json(value: str | Path | dict | None) -> dict | None:

@@ -12,8 +12,9 @@ import time
 
 import torch
 
+from ..generation.eos import eos_token_ids
 from ..model.modeling_dspark import DSparkDraftModel
-from .evaluate import eos_token_ids, identical_rows
+from .evaluate import identical_rows
 from .machine import machine_info
 from .oracle import OracleDraft
 
@@ -52,7 +53,7 @@ def bench_oracle(target, tokenizer, draft: DSparkDraftModel, batch_sizes=(1, 8),
                  repeats: int = 3, prompts: list[str] | None = None, progress=None) -> dict:
     """Run the benchmark; returns a JSON-ready dict with one entry per batch size."""
     prompts = prompts or DEFAULT_PROMPTS
-    eos_ids = eos_token_ids(target)
+    eos_ids = eos_token_ids(target.generation_config)
     pad_id = target.generation_config.pad_token_id
     results = []
     for batch in batch_sizes:

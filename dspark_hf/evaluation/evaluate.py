@@ -9,6 +9,7 @@ from collections import defaultdict
 
 import torch
 
+from ..generation.eos import eos_token_ids, until_eos
 from ..generation.records import DSparkRound
 from .machine import machine_info
 from .metrics import summarize
@@ -101,7 +102,7 @@ def bench_speed(target, tokenizer, draft, prompts: list[dict], batch_size: int =
     interleaved in one run after a warm-up; median over repeats; ratios to plain."""
     from tqdm.auto import tqdm
 
-    eos_ids = eos_token_ids(target)
+    eos_ids = eos_token_ids(target.generation_config)
     methods = {"plain": {}, "dspark": {"assistant_model": draft}}
     if batch_size == 1:  # transformers' prompt lookup decoding refuses batch size > 1
         methods["prompt_lookup"] = {"prompt_lookup_num_tokens": 10}
@@ -149,19 +150,11 @@ def bench_speed(target, tokenizer, draft, prompts: list[dict], batch_size: int =
     }
 
 
-def eos_token_ids(model) -> set[int]:
-    eos = model.generation_config.eos_token_id
-    return set(eos if isinstance(eos, list) else [eos]) if eos is not None else set()
-
-
 def identical_rows(outputs: list[torch.Tensor], reference: list[torch.Tensor], eos_ids: set[int]) -> int:
     """How many rows of the batches of new tokens `outputs` (each (B, new)) equal those of `reference` up to their
     first EOS; batches padded to different widths still compare row by row."""
-    def text(row):
-        row = row.tolist()
-        return row[: next((i + 1 for i, t in enumerate(row) if t in eos_ids), len(row))]
-
-    return sum(text(a) == text(b) for x, y in zip(outputs, reference) for a, b in zip(x, y))
+    return sum(until_eos(a.tolist(), eos_ids) == until_eos(b.tolist(), eos_ids)
+               for x, y in zip(outputs, reference) for a, b in zip(x, y))
 
 
 def format_speed_table(report: dict) -> str:
@@ -177,8 +170,5 @@ def format_speed_table(report: dict) -> str:
 
 
 def _user_tokens(new: torch.Tensor, eos_ids: set[int]) -> int:
-    total = 0
-    for row in new.tolist():
-        end = next((i + 1 for i, t in enumerate(row) if t in eos_ids), len(row))
-        total += end
-    return total
+    """New tokens a user receives: each row's up to its first EOS (the rest is padding)."""
+    return sum(len(until_eos(row, eos_ids)) for row in new.tolist())

@@ -16,8 +16,9 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Callable
 
+from ..generation.eos import eos_token_ids
 from ..scheduling import FixedLength, FullBlock, Scheduled, ThresholdPolicy
-from .evaluate import _inputs, _user_tokens, eos_token_ids
+from .evaluate import _inputs, _user_tokens
 from .machine import machine_info
 
 
@@ -44,7 +45,7 @@ def bench_serve(target, tokenizer, draft, prompts: list[dict], batch_sizes=(1, 2
     only: names of the policies to run (default all); no speculation always runs, it is the baseline."""
     from tqdm.auto import tqdm
 
-    eos_ids = eos_token_ids(target)
+    eos_ids = eos_token_ids(target.generation_config)
     methods = serve_policies(draft, fixed_lengths, threshold, profile)
     if only:
         unknown = set(only) - set(methods)

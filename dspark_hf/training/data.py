@@ -19,6 +19,8 @@ from typing import Iterator
 
 import torch
 
+from ..generation.eos import eos_token_ids, until_eos
+
 
 class DataFileError(ValueError):
     """A prompt or dataset file that cannot be used; the message says which line and how to fix it."""
@@ -118,6 +120,7 @@ def prepare_data(target, tokenizer, prompts: Iterator[dict], output: str | Path,
     output.parent.mkdir(parents=True, exist_ok=True)
     bar = tqdm(total=len(chosen), initial=sum(len(b) for b in batches if b[0][0] in done),
                desc="regenerating answers", disable=not progress)
+    eos_ids = eos_token_ids(target.generation_config)
     with output.open("a", encoding="utf-8") as out:
         for i, batch in enumerate(batches):
             if batch[0][0] in done:
@@ -129,23 +132,13 @@ def prepare_data(target, tokenizer, prompts: Iterator[dict], output: str | Path,
             P = inputs["input_ids"].shape[1]
             for (pid, text, _), mask, row in zip(batch, inputs["attention_mask"], seqs):
                 prompt_ids = row[:P][mask.bool()].tolist()
-                answer = _strip_padding(row[P:].tolist(), target.generation_config)
+                answer = until_eos(row[P:].tolist(), eos_ids)  # what follows EOS is padding
                 out.write(json.dumps({"id": pid, "prompt": text, "input_ids": prompt_ids + answer,
                                       "answer_start": len(prompt_ids)}) + "\n")
             out.flush()
             bar.update(len(batch))
     bar.close()
     return output
-
-
-def _strip_padding(answer: list[int], generation_config) -> list[int]:
-    """Cut an answer after its EOS (what follows is padding)."""
-    eos = generation_config.eos_token_id
-    eos = set(eos if isinstance(eos, list) else [eos]) if eos is not None else set()
-    for i, t in enumerate(answer):
-        if t in eos:
-            return answer[: i + 1]
-    return answer
 
 
 # -- reading a dataset ---------------------------------------------------------------------------------------------
