@@ -9,7 +9,7 @@ from transformers import AutoConfig, AutoModel
 from .generation import DSparkGenerateOutput, DSparkRound, HalfPrecisionGreedyWarning, dspark_generate
 from .generation.streamers import DSparkRoundStreamer, DSparkStep
 from .generation.integration import install as _install_generate_hook
-from .defaults import default_draft, default_target
+from .defaults import default_draft, default_target, fast_draft_dtype
 from .model import DSparkConfig, DSparkContext, DSparkDraftModel, DraftBlock
 from .scheduling import AsyncScheduled, FixedLength, FullBlock, Scheduled, ThresholdPolicy, prefix_schedule
 
@@ -40,4 +40,5 @@ __all__ = [
     "prefix_schedule",
     "default_target",
     "default_draft",
+    "fast_draft_dtype",
 ]

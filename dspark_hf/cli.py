@@ -17,7 +17,7 @@ FRESH_DRAFT_DEFAULTS = {"head_type": "markov", "num_hidden_layers": 2, "markov_r
 
 
 def _load(args, draft: bool = True):
-    from .defaults import default_draft, default_target
+    from .defaults import default_draft, default_target, fast_draft_dtype
 
     dtype = getattr(torch, getattr(args, "dtype", None) or "float32")
     if args.target:
@@ -29,6 +29,8 @@ def _load(args, draft: bool = True):
         target, tokenizer = default_target(dtype=dtype)
     if not draft:
         return target, tokenizer, None
+    draft_dtype = getattr(args, "draft_dtype", None) or "auto"
+    draft_dtype = fast_draft_dtype(target) if draft_dtype == "auto" else getattr(torch, draft_dtype)
     if getattr(args, "draft", None):
         from .model import DSparkDraftModel
 
@@ -36,13 +38,13 @@ def _load(args, draft: bool = True):
             from peft import PeftConfig, PeftModel
 
             base = PeftConfig.from_pretrained(args.draft).base_model_name_or_path
-            draft = DSparkDraftModel.from_pretrained(base, dtype=target.dtype).to(target.device)
+            draft = DSparkDraftModel.from_pretrained(base, dtype=draft_dtype).to(target.device)
             # merged, every command sees a plain draft (calibrate and export save a full one); same function
             draft = PeftModel.from_pretrained(draft, args.draft).merge_and_unload()
         else:
-            draft = DSparkDraftModel.from_pretrained(args.draft, dtype=target.dtype).to(target.device)
+            draft = DSparkDraftModel.from_pretrained(args.draft, dtype=draft_dtype).to(target.device)
         return target, tokenizer, draft.bind_target(target).eval()
-    return target, tokenizer, default_draft(target)
+    return target, tokenizer, default_draft(target, draft_dtype)
 
 
 def _write_json(path: str, data: dict) -> None:
@@ -345,9 +347,12 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--draft", help="DSpark draft path or hub id, or a LoRA adapter folder from `dspark train "
                        "--lora` (merged into its base draft) (default: the draft shipped for the target)")
         p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
-                       help="dtype of target and draft. float32 (default): greedy DSpark output token-identical to "
+                       help="dtype of the target. float32 (default): greedy DSpark output token-identical to "
                        "plain generate(). bfloat16: faster on CPUs with bf16 units (AVX512-BF16, AMX); greedy "
                        "output identical up to rounding (see HalfPrecisionGreedyWarning)")
+        p.add_argument("--draft-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                       help="dtype of the draft; never changes the output, only speed. auto (default): bfloat16 "
+                       "where the device computes it natively (CUDA, AVX512-BF16, AMX), else the target's dtype")
 
     p = sub.add_parser("generate", help="answer prompts with DSpark and compare with plain generate()")
     models(p)

@@ -78,8 +78,28 @@ def default_target(dtype: torch.dtype = torch.float32, device: str | torch.devic
     return model, tokenizer
 
 
-def default_draft(target=None):
+def fast_draft_dtype(target) -> torch.dtype:
+    """The dtype a draft runs fastest in next to `target`: bfloat16 where the target's device computes it natively
+    (a CUDA GPU with bf16 support, or a CPU with AVX512-BF16 or AMX units), else the target's own dtype.
+
+    A draft's dtype never changes what generate() returns, only how fast: the target verifies every drafted token
+    in its own dtype (greedy output stays token-identical to plain generate(), sampling stays exact).
+    """
+    device = target.device
+    if device.type == "cuda":
+        native = torch.cuda.is_bf16_supported()
+    elif device.type == "cpu":  # private helpers, present in torch >= 2.1; absent means "do not assume"
+        native = any(getattr(torch.cpu, name, lambda: False)()
+                     for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
+    else:
+        native = False
+    return torch.bfloat16 if native else target.dtype
+
+
+def default_draft(target=None, dtype: torch.dtype | None = None):
     """The DSpark draft shipped for SmolLM2-135M-Instruct, bound to `target` (default: [`default_target`]).
+
+    dtype: the draft's dtype; default [`fast_draft_dtype`] (its weights ship in bfloat16).
 
     Until a trained draft ships, this returns an untrained one (seed 0) and warns: output stays lossless, but
     acceptance is near zero, so it is slower than plain generate().
@@ -89,9 +109,10 @@ def default_draft(target=None):
     if target is None:
         target, _ = default_target()
     if (SHIPPED_DRAFT_DIR / "config.json").exists():
-        draft = DSparkDraftModel.from_pretrained(SHIPPED_DRAFT_DIR, dtype=target.dtype).to(target.device)
+        dtype = dtype or fast_draft_dtype(target)
+        draft = DSparkDraftModel.from_pretrained(SHIPPED_DRAFT_DIR, dtype=dtype).to(target.device)
         return draft.bind_target(target).eval()
     warnings.warn("No trained DSpark draft ships with this version of dspark-hf yet: using an UNTRAINED draft "
                   "(lossless, but it accepts almost nothing and is slower than plain generate()).", stacklevel=2)
     torch.manual_seed(0)
-    return DSparkDraftModel.from_target(target, num_hidden_layers=2).eval()
+    return DSparkDraftModel.from_target(target, num_hidden_layers=2).to(dtype or target.dtype).eval()

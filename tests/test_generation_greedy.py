@@ -9,7 +9,7 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
 from conftest import PAD, left_padded_prompts, tiny_draft, tiny_target
-from dspark_hf import FixedLength, HalfPrecisionGreedyWarning, dspark_generate
+from dspark_hf import FixedLength, HalfPrecisionGreedyWarning, dspark_generate, fast_draft_dtype
 from dspark_hf.evaluation import OracleDraft
 
 
@@ -301,6 +301,28 @@ def test_greedy_on_a_half_precision_target_says_identity_holds_up_to_rounding(dt
     assert bool(said) == warns
     if warns:
         assert "float32 for token-identical output" in str(said[0].message)
+
+
+@pytest.mark.parametrize("draft_vocab", [None, list(range(0, 96, 2))])
+def test_a_bfloat16_draft_next_to_a_float32_target_keeps_greedy_output_identical(family, draft_vocab):
+    target = tiny_target(family)
+    ids, mask = left_padded_prompts(3)
+    reference = plain(target, ids, mask, max_new_tokens=16)
+    draft = tiny_draft(target, draft_vocab=draft_vocab).to(torch.bfloat16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", HalfPrecisionGreedyWarning)  # only the target's dtype decides identity
+        untrained = dspark(target, draft, ids, mask, max_new_tokens=16)
+        half_right = dspark(target, oracle(target, draft, reference, mask, 0.3), ids, mask, max_new_tokens=16)
+    assert torch.equal(untrained.sequences, reference) and torch.equal(half_right.sequences, reference)
+    assert 0 < sum(r.accepted for rows in half_right.rounds for r in rows) < 16 * 3
+
+
+@pytest.mark.parametrize("native, expected", [(True, torch.bfloat16), (False, torch.float32)])
+def test_the_fast_draft_dtype_is_bfloat16_only_where_the_cpu_computes_it_natively(monkeypatch, native, expected):
+    for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"):
+        monkeypatch.setattr(torch.cpu, name, lambda: native, raising=False)
+    assert fast_draft_dtype(tiny_target("llama")) == expected
+    assert fast_draft_dtype(tiny_target("llama").to(torch.bfloat16)) == torch.bfloat16
 
 
 def test_streamers_need_batch_size_one():

@@ -6,6 +6,7 @@ Pearson's chi-square test at significance level 0.001 (bins with expected count 
 so the verdicts are deterministic; a deliberately wrong implementation must fail the same test.
 """
 
+import copy
 import itertools
 
 import pytest
@@ -83,6 +84,14 @@ def test_trimmed_verification_stays_exact(setup):
     target, draft, settings, probs = setup
     torch.manual_seed(2)
     samples = sample_continuations(target, draft, SAMPLES, verification_policy=FixedLength(1), **settings)
+    assert p_value(samples, probs) > ALPHA
+
+
+def test_a_bfloat16_draft_next_to_a_float32_target_stays_exact(setup):
+    """q is the distribution the bf16 draft's tokens were drawn from (computed in float32 from its logits)."""
+    target, draft, settings, probs = setup
+    torch.manual_seed(3)
+    samples = sample_continuations(target, copy.deepcopy(draft).to(torch.bfloat16), SAMPLES, **settings)
     assert p_value(samples, probs) > ALPHA
 
 

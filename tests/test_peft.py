@@ -152,7 +152,7 @@ def test_the_cli_trains_an_adapter_and_loads_it_merged_as_a_draft(tmp_path, targ
     adapter_config = json.loads((out / "adapter_config.json").read_text())
     assert adapter_config["r"] == 2 and adapter_config["modules_to_save"] == ["confidence"]
 
-    loaded_target, _, draft = _load(Namespace(target=str(tmp_path / "target"), draft=str(out)))
+    loaded_target, _, draft = _load(Namespace(target=str(tmp_path / "target"), draft=str(out), draft_dtype="float32"))
     assert type(draft) is DSparkDraftModel, "the CLI merges the adapter into its base draft"
     wrapped = PeftModel.from_pretrained(DSparkDraftModel.from_pretrained(base_dir), out).eval()
     wrapped.bind_target(loaded_target)

@@ -104,7 +104,7 @@ def bench_oracle(target, tokenizer, draft: DSparkDraftModel, batch_sizes=(1, 8),
         })
     return {"benchmark": "oracle", "max_new_tokens": max_new_tokens, "repeats": repeats,
             "block_size": draft.config.block_size, "draft_layers": draft.config.num_hidden_layers,
-            "machine": machine_info(target), "results": results}
+            "machine": machine_info(target, draft), "results": results}
 
 
 def format_oracle_table(report: dict) -> str:

@@ -59,7 +59,7 @@ def run_eval(target, tokenizer, draft, prompts: list[dict], max_new_tokens: int 
         "settings": {"max_new_tokens": max_new_tokens, "temperature": temperature, "batch_size": batch_size,
                      "block_size": gamma, "prompts": len(prompts), "draft": draft.config.to_diff_dict(),
                      "target": getattr(target.config, "_name_or_path", "")},
-        "machine": machine_info(target),
+        "machine": machine_info(target, draft),
         "overall": summarize(all_rounds, gamma, sum(r["new_tokens"] for r in records)),
         "macro_acceptance_length": statistics.mean(d["acceptance_length"] for d in domains.values()),
         "domains": domains,
@@ -139,7 +139,7 @@ def bench_speed(target, tokenizer, draft, prompts: list[dict], batch_size: int =
     return {
         "settings": {"batch_size": batch_size, "max_new_tokens": max_new_tokens, "repeats": repeats,
                      "temperature": temperature, "prompts": len(prompts), "block_size": draft.config.block_size},
-        "machine": machine_info(target),
+        "machine": machine_info(target, draft),
         "methods": {m: {"tokens_per_s": rates[m], "ratio_to_plain": rates[m] / rates["plain"],
                         "acceptance_length": (sum(r.tau for r in rounds[m]) / len(rounds[m])) if rounds[m] else None,
                         "seconds": seconds[m], "tokens": tokens[m],

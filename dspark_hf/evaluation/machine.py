@@ -20,7 +20,7 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def machine_info(model=None) -> dict:
+def machine_info(model=None, draft=None) -> dict:
     info = {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
         "cpu": cpu_model(),
@@ -32,9 +32,14 @@ def machine_info(model=None) -> dict:
     if model is not None:
         info["device"] = str(model.device)
         info["dtype"] = str(model.dtype).replace("torch.", "")
+    if draft is not None:
+        info["draft_dtype"] = str(draft.dtype).replace("torch.", "")
     return info
 
 
 def describe(info: dict) -> str:
     where = info["gpu"] or f"{info['cpu']}, {info['torch_threads']} threads"
-    return f"{where}, {info.get('dtype', '?')}, torch {info['torch']}, {info['date']}"
+    dtype = info.get("dtype", "?")
+    if info.get("draft_dtype", dtype) != dtype:
+        dtype = f"{dtype} (draft {info['draft_dtype']})"
+    return f"{where}, {dtype}, torch {info['torch']}, {info['date']}"

@@ -83,7 +83,7 @@ def bench_serve(target, tokenizer, draft, prompts: list[dict], batch_sizes=(1, 2
     return {"settings": {"batch_sizes": list(batch_sizes), "max_new_tokens": max_new_tokens, "repeats": repeats,
                          "block_size": gamma, "threshold": threshold, "fixed_lengths": list(fixed_lengths),
                          "profile": profile, "prompts": len(prompts), "greedy": True},
-            "machine": machine_info(target), "results": results}
+            "machine": machine_info(target, draft), "results": results}
 
 
 def _round_robin(prompts: list[dict]) -> list[dict]:

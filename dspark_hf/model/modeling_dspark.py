@@ -422,12 +422,17 @@ class DSparkDraftModel(DSparkPreTrainedModel):
 
     def base_logits(self, h: torch.Tensor) -> torch.Tensor:
         """U_k over the draft vocabulary, soft-capped like the target's final logits."""
-        if self.config.draft_vocab_size is None:
+        if self.config.draft_vocab_size is None and h.dtype == self._target_lm_head.weight.dtype:
             logits = self._target_lm_head(h)
         else:
-            if self.__dict__.get("_lm_weight") is None or self._lm_weight.device != h.device:
-                self.__dict__["_lm_weight"] = self._target_lm_head.weight[self.draft_vocab].detach()
-            logits = F.linear(h, self._lm_weight.to(h.dtype))
+            # the LM-head rows the draft proposes, in the draft's compute dtype (a bf16 draft may serve a fp32
+            # target): sliced and converted once, not every pass
+            w = self.__dict__.get("_lm_weight")
+            if w is None or w.device != h.device or w.dtype != h.dtype:
+                w = self._target_lm_head.weight
+                w = (w if self.config.draft_vocab_size is None else w[self.draft_vocab]).detach().to(h.dtype)
+                self.__dict__["_lm_weight"] = w
+            logits = F.linear(h, w)
         cap = self.config.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap
 

@@ -80,7 +80,7 @@ def profile_sps(target, rows: int | Sequence[int] = 1, max_tokens_per_row: int =
         for n, v in row.items():
             by_tokens[R * n].append(v)
     return {"target": getattr(target.config, "_name_or_path", ""), "rows": sorted(grid), "context": context,
-            "repeats": repeats, "machine": machine_info(target),
+            "repeats": repeats, "machine": machine_info(target, draft),
             "sps": {b: statistics.median(v) for b, v in sorted(by_tokens.items())},
             "grid": grid, "draft_seconds": draft_seconds or None}
 
