@@ -34,6 +34,6 @@ dspark train --lora --dataset $RUNS/code-192.jsonl --output-dir $RUNS/adapter --
   --lora-heads all --epochs 6 --batch-size 4 --anchors 48 --lr 5e-3 --feature-cache $RUNS/features
 
 # 4. HumanEval (never used for training), greedy: the shipped draft, then the shipped draft + adapter
-EVAL="--suite humaneval --limit 20 --max-new-tokens 128 --batch-size 8"
+EVAL="--suite humaneval --limit 20 --max-new-tokens 128 --batch-size 8 --draft-dtype float32"
 dspark eval $EVAL --output examples/results/eval_lora_code_base.json
 dspark eval $EVAL --draft $RUNS/adapter --output examples/results/eval_lora_code_adapter.json

@@ -38,14 +38,15 @@ cp $RUNS/v4/dspark/heldout.json examples/results/heldout_dspark.json
 cp $RUNS/v4/dflash/heldout.json examples/results/heldout_dflash.json
 
 # 4. calibrate the confidence head (STS on the held-out split), then export bf16 draft-owned weights
-dspark calibrate --draft $RUNS/v4/dspark --dataset $RUNS/data/sharegpt-1920.jsonl --output $RUNS/v4/dspark_calibrated
+dspark calibrate --draft $RUNS/v4/dspark --dataset $RUNS/data/sharegpt-1920.jsonl --output $RUNS/v4/dspark_calibrated \
+  --draft-dtype float32
 cp $RUNS/v4/dspark_calibrated/calibration.json $RUNS/v4/dspark_calibrated/reliability.png examples/results/
 SHIP=dspark_hf/assets/dspark-smollm2-135m-instruct
 dspark export $RUNS/v4/dspark_calibrated --output $SHIP --base-model HuggingFaceTB/SmolLM2-135M-Instruct
 
 # 5. evaluation on prompts never used in training (HumanEval, MT-Bench, GSM-symbolic), in float32: the shipped
 #    draft greedy (with plots) and at T=1, and the ablation greedy
-EVAL="--suite humaneval --suite mtbench --suite gsm --max-new-tokens 128 --batch-size 8"
+EVAL="--suite humaneval --suite mtbench --suite gsm --max-new-tokens 128 --batch-size 8 --draft-dtype float32"
 dspark eval $EVAL --limit 20 --draft $SHIP --output $RUNS/v4/eval_shipped.json --plot $RUNS/v4/plots \
   --threshold-sweep
 cp $RUNS/v4/plots/threshold_sweep.png examples/results/

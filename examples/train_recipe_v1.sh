@@ -16,7 +16,8 @@ dspark train $COMMON --head-type markov --output-dir $RUNS/dspark
 dspark train $COMMON --head-type none --output-dir $RUNS/dflash
 
 # 3. evaluation on prompts never used in training (HumanEval, MT-Bench, GSM-symbolic), greedy
-EVAL="--suite humaneval --suite mtbench --suite gsm --limit 20 --max-new-tokens 128 --batch-size 8"
+EVAL="--suite humaneval --suite mtbench --suite gsm --limit 20 --max-new-tokens 128 --batch-size 8
+      --draft-dtype float32"
 dspark eval $EVAL --draft $RUNS/dspark --output $RUNS/eval_dspark.json --plot $RUNS/plots_dspark --threshold-sweep
 dspark eval $EVAL --draft $RUNS/dflash --output $RUNS/eval_dflash.json
 

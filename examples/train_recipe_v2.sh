@@ -14,10 +14,11 @@ dspark train $COMMON --head-type none --output-dir $RUNS/v2/dflash
 cp $RUNS/v2/dspark/heldout.json examples/results/heldout_v2_dspark.json
 cp $RUNS/v2/dflash/heldout.json examples/results/heldout_v2_dflash.json
 
-EVAL="--suite humaneval --suite mtbench --suite gsm --limit 20 --max-new-tokens 128 --batch-size 8"
+EVAL="--suite humaneval --suite mtbench --suite gsm --limit 20 --max-new-tokens 128 --batch-size 8
+      --draft-dtype float32"
 for draft in dspark dflash; do
   dspark eval $EVAL --draft $RUNS/v2/$draft --output $RUNS/v2/eval_$draft.json
   python examples/strip_rounds.py $RUNS/v2/eval_$draft.json examples/results/eval_v2_$draft.json
 done
 dspark bench speed --suite humaneval --suite mtbench --suite gsm --limit 2 --max-new-tokens 128 --batch-size 1 \
-  --repeats 3 --draft $RUNS/v2/dspark --output examples/results/bench_speed_b1_v2.json
+  --draft-dtype float32 --repeats 3 --draft $RUNS/v2/dspark --output examples/results/bench_speed_b1_v2.json

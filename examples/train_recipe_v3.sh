@@ -34,7 +34,8 @@ cp $RUNS/v3/dspark/heldout.json examples/results/heldout_v3_dspark.json
 cp $RUNS/v3/dflash/heldout.json examples/results/heldout_v3_dflash.json
 
 # 3. greedy evaluation on prompts never used in training, as for v2
-EVAL="--suite humaneval --suite mtbench --suite gsm --limit 20 --max-new-tokens 128 --batch-size 8"
+EVAL="--suite humaneval --suite mtbench --suite gsm --limit 20 --max-new-tokens 128 --batch-size 8
+      --draft-dtype float32"
 for draft in dspark dflash; do
   dspark eval $EVAL --draft $RUNS/v3/$draft --output $RUNS/v3/eval_$draft.json
   python examples/strip_rounds.py $RUNS/v3/eval_$draft.json examples/results/eval_v3_$draft.json
@@ -54,4 +55,5 @@ cp $RUNS/v3/dspark-3layers/heldout.json examples/results/heldout_v3_3layers.json
 dspark eval $EVAL --draft $RUNS/v3/dspark-3layers --output $RUNS/v3/eval_dspark_3layers.json
 python examples/strip_rounds.py $RUNS/v3/eval_dspark_3layers.json examples/results/eval_v3_3layers.json
 dspark bench speed --suite humaneval --suite mtbench --suite gsm --limit 2 --max-new-tokens 128 --batch-size 1 \
-  --repeats 3 --draft $RUNS/v3/dspark-3layers --output examples/results/bench_speed_b1_v3_3layers.json
+  --draft-dtype float32 --repeats 3 --draft $RUNS/v3/dspark-3layers \
+  --output examples/results/bench_speed_b1_v3_3layers.json
