@@ -70,7 +70,8 @@ def load_models(target: str | None = None, draft: str | None = None, device: str
     if draft is None:
         drafter, draft_name = dspark_hf.default_draft(model), "shipped dspark-smollm2-135m-instruct"
     else:
-        drafter = DSparkDraftModel.from_pretrained(draft, dtype=dtype).to(device).bind_target(model).eval()
+        drafter = DSparkDraftModel.from_pretrained(draft, dtype=dspark_hf.fast_draft_dtype(model)).to(device)
+        drafter = drafter.bind_target(model).eval()  # the draft's dtype changes speed only, never the output
         draft_name = draft
     return Models(model, tokenizer, drafter, target_name, draft_name)
 
