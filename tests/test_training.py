@@ -175,6 +175,16 @@ def test_prepare_data_is_deterministic_and_resumable(tmp_path):
     assert len(examples) == 12 and all(len(e.input_ids) > e.answer_start for e in examples)
 
 
+def test_prepare_data_refuses_to_resume_a_file_started_with_other_settings(tmp_path):
+    target = tiny_target("llama")
+    path = tiny_dataset(tmp_path, target, n=12)
+    before = path.read_text()
+    prompts = [{"id": f"p{i}", "messages": [{"role": "user", "content": f"question {i}"}]} for i in range(12)]
+    with pytest.raises(ValueError, match="another --num-examples"):
+        prepare_data(target, TinyTokenizer(), iter(prompts), path, 8, batch_size=4, progress=False)
+    assert path.read_text() == before
+
+
 def test_cached_features_equal_online_features(tmp_path):
     target = tiny_target("qwen3")
     examples = load_dataset(tiny_dataset(tmp_path, target))

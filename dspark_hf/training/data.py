@@ -114,6 +114,11 @@ def prepare_data(target, tokenizer, prompts: Iterator[dict], output: str | Path,
             chosen.append((p["id"], text, n_tokens))
         if len(chosen) == num_examples:
             break
+    foreign = done - {c[0] for c in chosen}
+    if foreign:  # resuming would mix two selections of prompts into one file
+        raise ValueError(f"{output} already holds {len(foreign)} examples that are not among the {len(chosen)} "
+                         "prompts this run regenerates (was it started with another --num-examples, --skip or prompt "
+                         "file?). Resume it with the settings it was started with, or write to a new --output.")
     chosen.sort(key=lambda c: (c[2], c[0]))  # similar lengths per batch: less padding
     batches = [chosen[i: i + batch_size] for i in range(0, len(chosen), batch_size)]
 
