@@ -15,15 +15,7 @@ cat $RUNS/data/sharegpt-640.jsonl $RUNS/data/sharegpt-more-1280.jsonl > $RUNS/da
 
 # 2. target features of layers 1, 14 and 27, cached once (fp16) before the two trainings share the cache: on this
 #    CPU one target pass is cheaper than one per epoch
-python - "$RUNS" <<'PY'
-import sys
-from dspark_hf import default_target
-from dspark_hf.training.data import load_dataset
-from dspark_hf.training.features import CachedFeatures
-target, _ = default_target()
-examples = load_dataset(f"{sys.argv[1]}/data/sharegpt-1920.jsonl", target.get_output_embeddings().weight.shape[0])
-CachedFeatures(f"{sys.argv[1]}/features", target, [1, 14, 27], examples)
-PY
+python examples/cache_features.py $RUNS/data/sharegpt-1920.jsonl $RUNS/features 1 14 27
 
 # 3. DSpark and the DFlash-style ablation, same data and budget, side by side on one thread each (two 1-thread
 #    processes get more out of 2 cores than one after the other). 3 layers started from the target's last three,

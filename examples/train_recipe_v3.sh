@@ -18,15 +18,7 @@ cat $RUNS/data/sharegpt-640.jsonl $RUNS/data/sharegpt-more-1280.jsonl > $RUNS/da
 COMMON="--dataset $RUNS/data/sharegpt-1920.jsonl --layers 2 --target-layer-ids 1 14 27 --markov-rank 128
         --draft-vocab-size 8192 --block-size 7 --epochs 3 --batch-size 4 --anchors 48 --lr 3e-3
         --feature-cache $RUNS/features --copy-target-layers"
-python - "$RUNS" <<'EOF'
-import sys
-from dspark_hf import default_target
-from dspark_hf.training.data import load_dataset
-from dspark_hf.training.features import CachedFeatures
-target, _ = default_target()
-examples = load_dataset(f"{sys.argv[1]}/data/sharegpt-1920.jsonl", target.get_output_embeddings().weight.shape[0])
-CachedFeatures(f"{sys.argv[1]}/features", target, [1, 14, 27], examples)
-EOF
+python examples/cache_features.py $RUNS/data/sharegpt-1920.jsonl $RUNS/features 1 14 27
 OMP_NUM_THREADS=1 dspark train $COMMON --head-type markov --output-dir $RUNS/v3/dspark &
 OMP_NUM_THREADS=1 dspark train $COMMON --head-type none --output-dir $RUNS/v3/dflash &
 wait

@@ -15,15 +15,7 @@ dspark prepare-data --output $RUNS/data/sharegpt-v5-640.jsonl --num-examples 640
 cat $RUNS/data/sharegpt-1920.jsonl $RUNS/data/sharegpt-v5-640.jsonl > $RUNS/data/sharegpt-2560.jsonl
 
 # 2. the feature cache of v4, extended to the new prompts (cached examples are not recomputed)
-python - "$RUNS" <<'PY'
-import sys
-from dspark_hf import default_target
-from dspark_hf.training.data import load_dataset
-from dspark_hf.training.features import CachedFeatures
-target, _ = default_target()
-examples = load_dataset(f"{sys.argv[1]}/data/sharegpt-2560.jsonl", target.get_output_embeddings().weight.shape[0])
-CachedFeatures(f"{sys.argv[1]}/features", target, [1, 14, 27], examples)
-PY
+python examples/cache_features.py $RUNS/data/sharegpt-2560.jsonl $RUNS/features 1 14 27
 
 # 3. both drafts trained on from their v4 weights, same data and budget, side by side on one thread each. The
 #    held-out split is chosen by hashed id, so v4's held-out prompts stay held out.
