@@ -388,7 +388,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--max-new-tokens", type=int, default=192)
     p.add_argument("--max-prompt-tokens", type=int, default=256)
-    p.add_argument("--temperature", type=float, default=0.7)
+    p.add_argument("--temperature", type=float, default=0.7,
+                   help="sampling temperature of the regenerated answers (paper: 0.7); 0 regenerates them greedily")
     p.add_argument("--top-p", type=float, default=0.8)
     p.add_argument("--top-k", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)

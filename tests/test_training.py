@@ -185,6 +185,21 @@ def test_prepare_data_refuses_to_resume_a_file_started_with_other_settings(tmp_p
     assert path.read_text() == before
 
 
+def test_temperature_zero_regenerates_the_targets_greedy_answers(tmp_path):
+    target = tiny_target("llama")
+    prompts = [{"id": f"p{i}", "messages": [{"role": "user", "content": "ab" * (1 + i)}]} for i in range(6)]
+    path = tmp_path / "greedy.jsonl"
+    prepare_data(target, TinyTokenizer(), iter(prompts), path, 6, batch_size=4,
+                 settings=GenerationSettings(temperature=0, max_new_tokens=12), progress=False)
+    for ex in load_dataset(path, vocab_size=VOCAB):
+        ids = torch.tensor([ex.input_ids])
+        argmax = target(ids).logits[0, ex.answer_start - 1: -1].argmax(-1)
+        assert argmax.tolist() == ex.input_ids[ex.answer_start:]  # every answer token is the target's argmax
+    with pytest.raises(ValueError, match="temperature must be >= 0"):
+        prepare_data(target, TinyTokenizer(), iter(prompts), tmp_path / "x.jsonl", 6,
+                     settings=GenerationSettings(temperature=-1), progress=False)
+
+
 def test_cached_features_equal_online_features(tmp_path):
     target = tiny_target("qwen3")
     examples = load_dataset(tiny_dataset(tmp_path, target))

@@ -84,7 +84,7 @@ def _jsonl(path) -> Iterator[tuple[int, object]]:
 # -- regeneration --------------------------------------------------------------------------------------------------
 @dataclass
 class GenerationSettings:
-    """Sampling used to regenerate answers (paper: T=0.7, top-p 0.8, top-k 20)."""
+    """Sampling used to regenerate answers (paper: T=0.7, top-p 0.8, top-k 20). temperature=0: greedy answers."""
 
     temperature: float = 0.7
     top_p: float = 0.8
@@ -132,8 +132,7 @@ def prepare_data(target, tokenizer, prompts: Iterator[dict], output: str | Path,
                 continue
             inputs = tokenizer([c[1] for c in batch], return_tensors="pt", padding=True, add_special_tokens=False)
             torch.manual_seed(seed + i)
-            seqs = target.generate(**inputs, do_sample=True, temperature=settings.temperature, top_p=settings.top_p,
-                                   top_k=settings.top_k, max_new_tokens=settings.max_new_tokens)
+            seqs = target.generate(**inputs, **_decoding(settings), max_new_tokens=settings.max_new_tokens)
             P = inputs["input_ids"].shape[1]
             for (pid, text, _), mask, row in zip(batch, inputs["attention_mask"], seqs):
                 prompt_ids = row[:P][mask.bool()].tolist()
@@ -144,6 +143,14 @@ def prepare_data(target, tokenizer, prompts: Iterator[dict], output: str | Path,
             bar.update(len(batch))
     bar.close()
     return output
+
+
+def _decoding(settings: GenerationSettings) -> dict:
+    if settings.temperature < 0:
+        raise ValueError(f"temperature must be >= 0 (0 means greedy answers), got {settings.temperature}")
+    if settings.temperature == 0:
+        return {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}
+    return {"do_sample": True, "temperature": settings.temperature, "top_p": settings.top_p, "top_k": settings.top_k}
 
 
 # -- reading a dataset ---------------------------------------------------------------------------------------------
