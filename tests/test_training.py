@@ -12,8 +12,8 @@ from dspark_hf.training import DataFileError, GenerationSettings, load_dataset, 
 from dspark_hf.training.features import CachedFeatures, OnlineFeatures
 from dspark_hf.training.losses import (LossWeights, dspark_losses, position_weights, sample_anchors,
                                       target_distribution_on)
-from dspark_hf.training.trainer import (TrainConfig, gather_blocks, make_draft, target_distribution_at, target_logits,
-                                       train)
+from dspark_hf.training.trainer import (TrainConfig, evaluate_heldout, gather_blocks, make_draft, target_distribution_at,
+                                       target_logits, train)
 
 
 def test_position_weights_follow_the_reference_decay():
@@ -36,6 +36,21 @@ def test_confidence_label_is_one_minus_total_variation():
     assert float(out["l1"]) == pytest.approx(1.0, abs=1e-5)
     assert float(out["acceptance"]) == pytest.approx(0.5, abs=1e-5)
     assert float(out["confidence"]) == pytest.approx(math.log(2), abs=1e-5)  # BCE(0.5, sigmoid(0))
+
+
+def test_greedy_agreement_is_one_where_the_argmaxes_match():
+    target = torch.log(torch.tensor([[[0.2, 0.3, 0.5], [0.6, 0.3, 0.1]]]))
+    draft = torch.log(torch.tensor([[[0.1, 0.2, 0.7], [0.3, 0.4, 0.3]]]))  # 1 - TV is 0.8 and 0.7 here
+    out = dspark_losses(draft, target, torch.zeros(1, 2, dtype=torch.long), torch.ones(1, 2, dtype=torch.bool))
+    torch.testing.assert_close(out["agreement"], torch.tensor([[1.0, 0.0]]))
+
+
+def test_greedy_agreement_counts_no_match_where_the_target_argmax_may_lie_outside_the_draft_vocabulary():
+    target = torch.log(torch.tensor([[[0.40, 0.35, 0.25], [0.30, 0.25, 0.45]]]))
+    draft = torch.log(torch.tensor([[[0.9, 0.1], [0.9, 0.1]]]))  # draft vocabulary = target ids 0 and 1
+    out = dspark_losses(draft, target, torch.zeros(1, 2, dtype=torch.long), torch.ones(1, 2, dtype=torch.bool),
+                        draft_vocab=torch.tensor([0, 1]), target_to_draft=torch.tensor([0, 1, 2]))
+    torch.testing.assert_close(out["agreement"], torch.tensor([[1.0, 0.0]]))  # 0.40 > 0.25 outside; 0.30 < 0.45
 
 
 def test_cross_entropy_is_the_weighted_mean_over_valid_positions():
@@ -198,6 +213,19 @@ def test_temperature_zero_regenerates_the_targets_greedy_answers(tmp_path):
     with pytest.raises(ValueError, match="temperature must be >= 0"):
         prepare_data(target, TinyTokenizer(), iter(prompts), tmp_path / "x.jsonl", 6,
                      settings=GenerationSettings(temperature=-1), progress=False)
+
+
+def test_heldout_report_gives_sampled_and_greedy_acceptance_per_position(tmp_path):
+    target = tiny_target("llama")
+    draft = tiny_draft(target)
+    examples = load_dataset(tiny_dataset(tmp_path, target, n=4))
+    report = evaluate_heldout(draft, target, examples, OnlineFeatures(target, draft.config.target_layer_ids), 4,
+                              LossWeights())
+    for rates, tau in (("acceptance_per_position", "expected_tau_from_acceptance"),
+                       ("greedy_agreement_per_position", "expected_greedy_tau")):
+        a = report[rates]
+        assert len(a) == draft.config.block_size and all(0 <= x <= 1 for x in a)
+        assert report[tau] == pytest.approx(1 + sum(math.prod(a[: k + 1]) for k in range(len(a))))
 
 
 def test_cached_features_equal_online_features(tmp_path):

@@ -63,10 +63,20 @@ def dspark_losses(draft_logits, target_logits, labels, valid, confidence_logits=
     target_logits (N, gamma, V): the frozen target's logits at the same positions (its LM head on its last hidden
     state); labels (N, gamma) ground-truth target ids; valid (N, gamma) bool; confidence_logits (N, gamma) or None.
     The L1 term is the full |p_d - p_t|_1 (target mass the draft cannot propose counts fully); the confidence label
-    is c* = 1 - L1 / 2, detached. Returns the weighted total and every term, plus c* (N, gamma) for monitoring.
+    is c* = 1 - L1 / 2, detached. Returns the weighted total and every term, plus for monitoring c* ("acceptance")
+    and [`greedy_agreement`] ("agreement"), both (N, gamma).
     """
     p_t, outside = target_distribution_on(draft_vocab, target_logits)
     return losses_against(draft_logits, p_t, outside, labels, valid, confidence_logits, target_to_draft, weights)
+
+
+@torch.no_grad()
+def greedy_agreement(draft_logits, p_t, outside) -> torch.Tensor:
+    """1 where the draft's argmax is the target's, else 0 (N, gamma): the teacher-forced greedy acceptance, as
+    1 - TV is the sampled one. With a partial draft vocabulary the target's argmax is known to be in it only where
+    its probability there exceeds the mass outside, so elsewhere a match is not counted (a lower bound)."""
+    top_p, top = p_t.max(-1)
+    return ((draft_logits.argmax(-1) == top) & (top_p > outside)).float()
 
 
 def losses_against(draft_logits, p_t, outside, labels, valid, confidence_logits=None, target_to_draft=None,
@@ -92,6 +102,7 @@ def losses_against(draft_logits, p_t, outside, labels, valid, confidence_logits=
         "ce": (w_ce * nll).sum() / w_ce.sum().clamp_min(1e-8),
         "l1": (w * l1).sum() / norm,
         "acceptance": accept,
+        "agreement": greedy_agreement(draft_logits, p_t, outside),
     }
     total = weights.ce * out["ce"] + weights.l1 * out["l1"]
     if confidence_logits is not None:

@@ -337,7 +337,7 @@ def _mixed_precision(choice: str) -> str:
 
 def _running(running, losses, valid, beta=0.95):
     """Exponential moving averages of the loss terms and of the analytic acceptance per position."""
-    current = {k: float(v.detach()) for k, v in losses.items() if k != "acceptance"}
+    current = {k: float(v.detach()) for k, v in losses.items() if k not in ("acceptance", "agreement")}
     acc = (losses["acceptance"] * valid).sum(0) / valid.sum(0).clamp_min(1)
     current["acc"] = acc.tolist()
     if running is None:
@@ -353,21 +353,28 @@ def _postfix(running) -> str:
 
 @torch.no_grad()
 def evaluate_heldout(draft, target, heldout, features, anchors_per_sequence, weights, batch_size=4) -> dict:
-    """Analytic acceptance 1 - TV per position and the expected acceptance length it implies, on held-out
-    sequences (teacher-forced on the target's own tokens)."""
+    """Teacher-forced acceptance per position on held-out sequences (the target's own tokens), and the expected
+    acceptance length each implies: 1 - TV for sampling, and argmax agreement (see `greedy_agreement`) for greedy
+    decoding."""
     if not heldout:
         return {}
     generator = torch.Generator().manual_seed(1234)
-    acc_sum, count = 0, 0
+    sums, count = {"acceptance": 0, "agreement": 0}, 0
     for i in range(0, len(heldout), batch_size):
         batch = heldout[i: i + batch_size]
         losses, valid = train_step(draft, target, batch, features, anchors_per_sequence, weights, generator)
-        acc_sum = acc_sum + (losses["acceptance"] * valid).sum(0)
+        for k in sums:
+            sums[k] = sums[k] + (losses[k] * valid).sum(0)
         count = count + valid.sum(0)
-    acceptance = (acc_sum / count.clamp_min(1)).tolist()
-    expected_tau = 1 + sum(math.prod(acceptance[: k + 1]) for k in range(len(acceptance)))
+    acceptance, agreement = ((sums[k] / count.clamp_min(1)).tolist() for k in ("acceptance", "agreement"))
     return {"sequences": len(heldout), "acceptance_per_position": acceptance,
-            "expected_tau_from_acceptance": expected_tau}
+            "expected_tau_from_acceptance": _expected_tau(acceptance),
+            "greedy_agreement_per_position": agreement, "expected_greedy_tau": _expected_tau(agreement)}
+
+
+def _expected_tau(acceptance: list[float]) -> float:
+    """1 + sum_k prod_{j<=k} a_j: the expected acceptance length (bonus token included) for per-position rates."""
+    return 1 + sum(math.prod(acceptance[: k + 1]) for k in range(len(acceptance)))
 
 
 def _checkpoints(out_dir: Path) -> list[Path]:
