@@ -45,12 +45,14 @@ def test_greedy_agreement_is_one_where_the_argmaxes_match():
     torch.testing.assert_close(out["agreement"], torch.tensor([[1.0, 0.0]]))
 
 
-def test_greedy_agreement_counts_no_match_where_the_target_argmax_may_lie_outside_the_draft_vocabulary():
-    target = torch.log(torch.tensor([[[0.40, 0.35, 0.25], [0.30, 0.25, 0.45]]]))
-    draft = torch.log(torch.tensor([[[0.9, 0.1], [0.9, 0.1]]]))  # draft vocabulary = target ids 0 and 1
+def test_greedy_agreement_is_exact_with_a_partial_draft_vocabulary():
+    # draft vocabulary = target ids 0 and 1. Row 1: the target's argmax, id 0, is inside it although the mass outside
+    # (0.5) exceeds its probability; row 2: the target's argmax, id 2, is outside it
+    target = torch.log(torch.tensor([[[0.40, 0.10, 0.25, 0.25], [0.30, 0.15, 0.45, 0.10]]]))
+    draft = torch.log(torch.tensor([[[0.9, 0.1], [0.9, 0.1]]]))
     out = dspark_losses(draft, target, torch.zeros(1, 2, dtype=torch.long), torch.ones(1, 2, dtype=torch.bool),
-                        draft_vocab=torch.tensor([0, 1]), target_to_draft=torch.tensor([0, 1, 2]))
-    torch.testing.assert_close(out["agreement"], torch.tensor([[1.0, 0.0]]))  # 0.40 > 0.25 outside; 0.30 < 0.45
+                        draft_vocab=torch.tensor([0, 1]), target_to_draft=torch.tensor([0, 1, 2, 2]))
+    torch.testing.assert_close(out["agreement"], torch.tensor([[1.0, 0.0]]))
 
 
 def test_cross_entropy_is_the_weighted_mean_over_valid_positions():

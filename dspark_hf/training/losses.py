@@ -46,13 +46,16 @@ def sample_anchors(answer_start: torch.Tensor, lengths: torch.Tensor, num: int, 
 
 
 def target_distribution_on(draft_vocab: torch.Tensor | None, target_logits: torch.Tensor):
-    """Target probabilities restricted to the draft vocabulary, and the mass outside it (..,)."""
+    """Target probabilities restricted to the draft vocabulary (.., K), the mass outside it (..,), and the target's
+    argmax as an index into those K probabilities, or -1 where it lies outside the draft vocabulary (..,)."""
     if draft_vocab is None:
         probs = torch.softmax(target_logits.float(), -1)
-        return probs, torch.zeros(probs.shape[:-1], device=probs.device)
+        return probs, torch.zeros(probs.shape[:-1], device=probs.device), target_logits.argmax(-1)
     logp = target_logits.float() - torch.logsumexp(target_logits.float(), -1, keepdim=True)
     probs = logp[..., draft_vocab].exp()
-    return probs, (1 - probs.sum(-1)).clamp_min(0)
+    best_inside, top = target_logits[..., draft_vocab].max(-1)
+    top = torch.where(best_inside >= target_logits.max(-1).values, top, -1)
+    return probs, (1 - probs.sum(-1)).clamp_min(0), top
 
 
 def dspark_losses(draft_logits, target_logits, labels, valid, confidence_logits=None, draft_vocab=None,
@@ -64,26 +67,19 @@ def dspark_losses(draft_logits, target_logits, labels, valid, confidence_logits=
     state); labels (N, gamma) ground-truth target ids; valid (N, gamma) bool; confidence_logits (N, gamma) or None.
     The L1 term is the full |p_d - p_t|_1 (target mass the draft cannot propose counts fully); the confidence label
     is c* = 1 - L1 / 2, detached. Returns the weighted total and every term, plus for monitoring c* ("acceptance")
-    and [`greedy_agreement`] ("agreement"), both (N, gamma).
+    and whether the draft's argmax is the target's ("agreement"), both (N, gamma).
     """
-    p_t, outside = target_distribution_on(draft_vocab, target_logits)
-    return losses_against(draft_logits, p_t, outside, labels, valid, confidence_logits, target_to_draft, weights)
-
-
-@torch.no_grad()
-def greedy_agreement(draft_logits, p_t, outside) -> torch.Tensor:
-    """1 where the draft's argmax is the target's, else 0 (N, gamma): the teacher-forced greedy acceptance, as
-    1 - TV is the sampled one. With a partial draft vocabulary the target's argmax is known to be in it only where
-    its probability there exceeds the mass outside, so elsewhere a match is not counted (a lower bound)."""
-    top_p, top = p_t.max(-1)
-    return ((draft_logits.argmax(-1) == top) & (top_p > outside)).float()
+    p_t, outside, top = target_distribution_on(draft_vocab, target_logits)
+    return losses_against(draft_logits, p_t, outside, labels, valid, confidence_logits, target_to_draft, weights,
+                          target_top=top)
 
 
 def losses_against(draft_logits, p_t, outside, labels, valid, confidence_logits=None, target_to_draft=None,
-                   weights: LossWeights | None = None) -> dict:
+                   weights: LossWeights | None = None, target_top=None) -> dict:
     """[`dspark_losses`] given the target distribution already restricted to the draft vocabulary, p_t (N, gamma,
-    K), and the target mass outside it (N, gamma) (see [`target_distribution_on`]); the trainer computes them once
-    per sequence position, since overlapping blocks share positions."""
+    K), the target mass outside it (N, gamma) and, optionally, the target's argmax in draft ids (N, gamma) (see
+    [`target_distribution_on`]); the trainer computes them once per sequence position, since overlapping blocks
+    share positions. "agreement" is only reported when target_top is given."""
     weights = weights or LossWeights()
     gamma = draft_logits.shape[1]
     w = position_weights(gamma, weights.decay, draft_logits.device) * valid.float()
@@ -102,8 +98,9 @@ def losses_against(draft_logits, p_t, outside, labels, valid, confidence_logits=
         "ce": (w_ce * nll).sum() / w_ce.sum().clamp_min(1e-8),
         "l1": (w * l1).sum() / norm,
         "acceptance": accept,
-        "agreement": greedy_agreement(draft_logits, p_t, outside),
     }
+    if target_top is not None:  # teacher-forced greedy acceptance, as 1 - TV is the sampled one
+        out["agreement"] = (draft_logits.argmax(-1) == target_top).float()
     total = weights.ce * out["ce"] + weights.l1 * out["l1"]
     if confidence_logits is not None:
         bce = F.binary_cross_entropy_with_logits(confidence_logits.float(), accept, reduction="none")

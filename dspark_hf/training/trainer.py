@@ -112,16 +112,17 @@ def gather_blocks(x: torch.Tensor, anchors: torch.Tensor, gamma: int) -> torch.T
 
 @torch.no_grad()
 def target_distribution_at(target, last: torch.Tensor, anchors: torch.Tensor, gamma: int, draft_vocab=None):
-    """The target's distribution at positions anchor + k over the draft vocabulary, p_t (B, A, gamma, K), and its
-    mass outside that vocabulary (B, A, gamma). last (B, L, d): the target's last hidden state. Overlapping blocks
-    share positions, so each distinct position goes through the LM head and the softmax once."""
+    """The target's distribution at positions anchor + k over the draft vocabulary, p_t (B, A, gamma, K), its
+    mass outside that vocabulary (B, A, gamma), and its argmax in draft ids, -1 outside (B, A, gamma). last (B, L, d):
+    the target's last hidden state. Overlapping blocks share positions, so each distinct position goes through the
+    LM head and the softmax once."""
     B, L = last.shape[:2]
     idx = block_positions(anchors, gamma, L)
     flat = idx + L * torch.arange(B, device=anchors.device)[:, None, None]
     rows, where = flat.flatten().unique(return_inverse=True)
-    p_t, outside = target_distribution_on(draft_vocab, target_logits(target, last.flatten(0, 1)[rows].to(
+    p_t, outside, top = target_distribution_on(draft_vocab, target_logits(target, last.flatten(0, 1)[rows].to(
         target.dtype)))
-    return p_t[where].view(*idx.shape, -1), outside[where].view(idx.shape)
+    return p_t[where].view(*idx.shape, -1), outside[where].view(idx.shape), top[where].view(idx.shape)
 
 
 def make_draft(target, config: TrainConfig, train: list[Example]) -> DSparkDraftModel:
@@ -230,12 +231,12 @@ def train_step(draft, target, examples, features, anchors_per_sequence, weights,
     out = forward(ids.gather(1, anchors), anchors, block_tokens=labels, context_features=feats,
                   context_positions=positions, context_valid=context_valid)
     vocab = draft.draft_vocab if draft.config.draft_vocab_size is not None else None
-    p_t, outside = target_distribution_at(target, last, anchors, gamma, vocab)
+    p_t, outside, top = target_distribution_at(target, last, anchors, gamma, vocab)
     to_draft = draft.target_to_draft if vocab is not None else None
     return losses_against(out.logits.flatten(0, 1), p_t.flatten(0, 1), outside.flatten(0, 1), labels.flatten(0, 1),
                           block_valid.flatten(0, 1),
                           out.confidence_logits.flatten(0, 1) if out.confidence_logits is not None else None,
-                          to_draft, weights), block_valid.flatten(0, 1)
+                          to_draft, weights, target_top=top.flatten(0, 1)), block_valid.flatten(0, 1)
 
 
 def train(config: TrainConfig, target=None, progress: bool = True):
@@ -354,7 +355,7 @@ def _postfix(running) -> str:
 @torch.no_grad()
 def evaluate_heldout(draft, target, heldout, features, anchors_per_sequence, weights, batch_size=4) -> dict:
     """Teacher-forced acceptance per position on held-out sequences (the target's own tokens), and the expected
-    acceptance length each implies: 1 - TV for sampling, and argmax agreement (see `greedy_agreement`) for greedy
+    acceptance length each implies: 1 - TV for sampling, and whether the draft's argmax is the target's for greedy
     decoding."""
     if not heldout:
         return {}
