@@ -151,6 +151,10 @@ def training_recipe(train_config: dict, heldout: dict | None = None) -> str:
         lines.append(f"- **Held-out acceptance** (analytic 1 - TV per position, teacher-forced, "
                      f"{heldout['sequences']} sequences): {acc}; expected tau "
                      f"{heldout['expected_tau_from_acceptance']:.2f}")
+    if heldout and heldout.get("greedy_agreement_per_position"):
+        agree = " ".join(f"{a:.2f}" for a in heldout["greedy_agreement_per_position"])
+        lines.append(f"- **Held-out greedy agreement** (the draft's argmax is the target's, per position, "
+                     f"teacher-forced): {agree}; expected greedy tau {heldout['expected_greedy_tau']:.2f}")
     return "\n".join(lines)
 
 

@@ -216,7 +216,9 @@ def trained_folder(root: Path) -> tuple[Path, DSparkDraftModel, dict]:
     (folder / "train_config.json").write_text(json.dumps(asdict(TrainConfig(
         dataset="data/regenerated.jsonl", output_dir=str(folder), epochs=5, draft={"markov_rank": 8})), indent=2))
     (folder / "heldout.json").write_text(json.dumps({"sequences": 9, "acceptance_per_position": [0.31] * 7,
-                                                     "expected_tau_from_acceptance": 1.45}))
+                                                     "expected_tau_from_acceptance": 1.45,
+                                                     "greedy_agreement_per_position": [0.29] * 7,
+                                                     "expected_greedy_tau": 1.41}))
     (folder / "calibration.json").write_text(json.dumps(calibration))
     draft.save_pretrained(folder / "checkpoint-200")
     (folder / "checkpoint-200" / "trainer_state.pt").write_bytes(b"optimizer state")
@@ -240,6 +242,7 @@ def test_push_draft_sends_a_trained_folder_with_a_card_from_its_result_files(hub
     assert front_matter(card)["base_model"] == TARGET
     assert "Trained with `dspark train` (dspark-hf) on `regenerated.jsonl`" in card and "5 epochs" in card
     assert "0.31 0.31" in card and "expected tau 1.45" in card
+    assert "0.29 0.29" in card and "expected greedy tau 1.41" in card
     assert f"| after STS | {calibration['after']['ece']:.2%} |" in card
     assert f"| macro | {EVAL['macro_acceptance_length']:.2f} |" in card
     stored = load_safetensors(files["model.safetensors"])
