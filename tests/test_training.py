@@ -9,6 +9,7 @@ import torch
 from conftest import VOCAB, tiny_draft, tiny_target
 from dspark_hf import DSparkDraftModel
 from dspark_hf.training import DataFileError, GenerationSettings, load_dataset, prepare_data, read_prompts
+from dspark_hf.training.data import Example
 from dspark_hf.training.features import CachedFeatures, OnlineFeatures
 from dspark_hf.training.losses import (LossWeights, dspark_losses, position_weights, sample_anchors,
                                       target_distribution_on)
@@ -240,6 +241,20 @@ def test_cached_features_equal_online_features(tmp_path):
         torch.testing.assert_close(x, y, atol=2e-2, rtol=1e-2)  # the cache stores fp16
     with pytest.raises(ValueError, match="built for"):
         CachedFeatures(tmp_path / "cache", target, [1], examples, progress=False)
+
+
+def test_a_cache_never_serves_features_of_another_answer_to_the_same_prompt(tmp_path):
+    target = tiny_target("llama")
+    examples = load_dataset(tiny_dataset(tmp_path, target, n=4))
+    CachedFeatures(tmp_path / "cache", target, [1, 2], examples, progress=False)
+    regenerated = []  # the same prompt ids with other answers
+    for e in examples:
+        other_answer = [1 + t % (VOCAB - 1) for t in e.input_ids[e.answer_start:]]
+        regenerated.append(Example(e.id, e.input_ids[: e.answer_start] + other_answer, e.answer_start))
+    cached = CachedFeatures(tmp_path / "cache", target, [1, 2], regenerated, progress=False)
+    for e in regenerated:
+        for x, y in zip(OnlineFeatures(target, [1, 2])([e]), cached([e])):
+            torch.testing.assert_close(x, y, atol=2e-2, rtol=1e-2)
 
 
 def test_a_cache_run_killed_mid_write_resumes_without_reading_a_torn_file(tmp_path, monkeypatch):

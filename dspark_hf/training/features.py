@@ -8,6 +8,7 @@ norm, from which the frozen LM head gives the target distribution at any positio
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -73,8 +74,11 @@ class CachedFeatures:
                 os.replace(partial, self._path(e))
 
     def _path(self, example) -> Path:
+        # keyed by the tokens as well as the id: answers regenerated for the same prompts (another seed, temperature
+        # or target) must not read features of the old answers
         safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in example.id)
-        return self.directory / f"{safe}.safetensors"
+        tokens = hashlib.sha1(",".join(map(str, example.input_ids)).encode()).hexdigest()[:16]
+        return self.directory / f"{safe}-{tokens}.safetensors"
 
     def __call__(self, examples) -> tuple[torch.Tensor, torch.Tensor]:
         parts = [load_file(self._path(e)) for e in examples]
