@@ -30,7 +30,7 @@ draft = DSparkDraftModel.from_pretrained(args.draft, dtype=torch.float32).eval()
 draft.bind_target(target)
 examples = load_dataset(args.dataset, target.get_output_embeddings().weight.shape[0])
 if not args.all:
-    examples = split_heldout(examples, TrainConfig.__dataclass_fields__["heldout_fraction"].default)[1]
+    examples = split_heldout(examples, TrainConfig.heldout_fraction)[1]
 report = evaluate_heldout(draft, target, examples, OnlineFeatures(target, draft.config.target_layer_ids), 48,
                           LossWeights())
 report.update(draft=args.draft, dataset=args.dataset, split="all" if args.all else "held-out")
