@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from .devices import resolve_device
+
 DEFAULT_TARGET_NAME = "SmolLM2-135M-Instruct"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SHIPPED_DRAFT_DIR = Path(__file__).parent / "assets" / "dspark-smollm2-135m-instruct"
@@ -41,17 +43,23 @@ def _gguf_dir() -> Path:
 def default_target_path() -> Path:
     """The cached HF folder of SmolLM2-135M-Instruct, converting it from the GGUF file on first use."""
     path = cache_dir() / DEFAULT_TARGET_NAME
-    if (path / "config.json").exists():
-        return path
+    if not (path / "config.json").exists():
+        convert_gguf(_gguf_dir() / _GGUF_FILE, path, DEFAULT_TARGET_NAME)
+    return path
+
+
+def convert_gguf(gguf: str | Path, path: str | Path, name: str | None = None) -> Path:
+    """Dequantise a GGUF checkpoint to float32 and save it, with its tokenizer, as a plain HF folder at `path`
+    (written aside and renamed, so a folder at `path` is always complete). name: the model's recorded name."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    src = _gguf_dir()
-    model = AutoModelForCausalLM.from_pretrained(src, gguf_file=_GGUF_FILE, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=_GGUF_FILE)
+    gguf, path = Path(gguf), Path(path)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model.hf_quantizer = None  # the weights are dequantised fp32 now; save them as a plain checkpoint
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    model.config._name_or_path = DEFAULT_TARGET_NAME
+    model.config._name_or_path = name or gguf.stem
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=".converting-"))
     try:
@@ -67,12 +75,13 @@ def default_target_path() -> Path:
     return path
 
 
-def default_target(dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
-    """(model, tokenizer) of the embedded default target, SmolLM2-135M-Instruct, loaded offline."""
+def default_target(dtype: torch.dtype = torch.float32, device: str | torch.device = "auto"):
+    """(model, tokenizer) of the embedded default target, SmolLM2-135M-Instruct, loaded offline on `device`
+    ("auto": a CUDA GPU when present, else the CPU; see [`resolve_device`])."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = default_target_path()
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(resolve_device(device)).eval()
     tokenizer = AutoTokenizer.from_pretrained(path)
     tokenizer.padding_side = "left"
     return model, tokenizer
@@ -96,8 +105,9 @@ def fast_draft_dtype(target) -> torch.dtype:
     return torch.bfloat16 if native else target.dtype
 
 
-def default_draft(target=None, dtype: torch.dtype | None = None):
-    """The DSpark draft shipped for SmolLM2-135M-Instruct, bound to `target` (default: [`default_target`]).
+def default_draft(target=None, dtype: torch.dtype | None = None, device: str | torch.device | None = None):
+    """The DSpark draft shipped for SmolLM2-135M-Instruct, bound to `target` (default: [`default_target`] on
+    `device`). The draft always runs on its target's device.
 
     dtype: the draft's dtype; default [`fast_draft_dtype`] (its weights ship in bfloat16).
 
@@ -107,7 +117,10 @@ def default_draft(target=None, dtype: torch.dtype | None = None):
     from .model import DSparkDraftModel
 
     if target is None:
-        target, _ = default_target()
+        target, _ = default_target(device="auto" if device is None else device)
+    elif device is not None and resolve_device(device) != target.device:
+        raise ValueError(f"default_draft(device={str(device)!r}): a draft runs on its target's device, and the target "
+                         f"is on {target.device}. Move the target (target.to(...)) or drop device=.")
     if (SHIPPED_DRAFT_DIR / "config.json").exists():
         dtype = dtype or fast_draft_dtype(target)
         draft = DSparkDraftModel.from_pretrained(SHIPPED_DRAFT_DIR, dtype=dtype).to(target.device)

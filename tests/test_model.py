@@ -4,6 +4,7 @@ import json
 import math
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ from safetensors import safe_open
 from transformers import AutoConfig, AutoModel
 
 from conftest import VOCAB, tiny_draft, tiny_target
+import dspark_hf
 from dspark_hf import DSparkConfig, DSparkDraftModel
 
 GAMMA = 4
@@ -115,6 +117,28 @@ def test_blocks_of_different_anchors_do_not_see_each_other():
     pair = draft(ids[:, [3, 7]], torch.tensor([[3, 7]] * 2), context, block_tokens=tokens).logits
     alone = draft(ids[:, [7]], torch.tensor([[7]] * 2), context, block_tokens=tokens[:, 1:]).logits
     torch.testing.assert_close(pair[:, 1:], alone, rtol=1e-5, atol=1e-5)
+
+
+def test_grouped_heads_read_their_shared_key_value_head():
+    """Block attention repeats each key/value head for its group of query heads (what SDPA's enable_gqa does), so
+    a masked attention keeps CUDA's memory-efficient kernel; the result is the grouped attention's."""
+    import torch.nn.functional as F
+
+    target = tiny_target("llama")  # 4 query heads, 2 key/value heads
+    attn = tiny_draft(target).layers[0].self_attn
+    g = torch.Generator().manual_seed(0)
+    x, context_k, context_v = (torch.randn(2, 5, 32, generator=g), torch.randn(2, 2, 6, 8, generator=g),
+                               torch.randn(2, 2, 6, 8, generator=g))
+    mask = torch.rand(2, 5, 11, generator=g) > 0.3
+    mask[..., 6] = True
+    cos, sin = torch.ones(2, 1, 5, 8), torch.zeros(2, 1, 5, 8)
+    out = attn(x, cos, sin, context_k, context_v, mask)
+
+    q = attn._heads(attn.q_proj(x), 4)
+    k, v = attn.key_value(x, cos, sin)
+    expected = F.scaled_dot_product_attention(q, torch.cat([context_k, k], 2), torch.cat([context_v, v], 2),
+                                              attn_mask=mask[:, None], enable_gqa=True)
+    torch.testing.assert_close(out, attn.o_proj(expected.transpose(1, 2).reshape(2, 5, -1)))
 
 
 @pytest.mark.parametrize("head_type", ["markov", "rnn"])
@@ -267,3 +291,13 @@ def test_unbound_draft_says_how_to_bind(tmp_path):
     ids = torch.zeros(1, 1, dtype=torch.long)
     with pytest.raises(RuntimeError, match="bind_target"):
         loaded.backbone(ids, ids, loaded.empty_context(1))
+
+
+def test_the_shipped_drafts_remote_code_is_the_librarys_own():
+    from dspark_hf.defaults import SHIPPED_DRAFT_DIR
+
+    model_dir = Path(dspark_hf.__file__).parent / "model"
+    for name in ("modeling_dspark.py", "configuration_dspark.py"):
+        assert (SHIPPED_DRAFT_DIR / name).read_bytes() == (model_dir / name).read_bytes(), (
+            f"{SHIPPED_DRAFT_DIR / name} differs from dspark_hf/model/{name}: copy it over (the asset loads with "
+            "trust_remote_code=True where dspark-hf is not installed)")

@@ -8,10 +8,10 @@ still runs, so a round costs what it would with a real draft. Each round's time 
 from __future__ import annotations
 
 import statistics
-import time
 
 import torch
 
+from ..devices import clock
 from ..generation.eos import eos_token_ids
 from ..model.modeling_dspark import DSparkDraftModel
 from .evaluate import identical_rows
@@ -30,10 +30,10 @@ DEFAULT_PROMPTS = [
 ]
 
 
-def chat_inputs(tokenizer, prompts: list[str]):
+def chat_inputs(tokenizer, prompts: list[str], device="cpu"):
     texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
                                            add_generation_prompt=True) for p in prompts]
-    return tokenizer(texts, return_tensors="pt", padding=True)
+    return tokenizer(texts, return_tensors="pt", padding=True).to(device)
 
 
 def _new_tokens(sequences: torch.Tensor, prompt_len: int, pad_id: int, eos_ids: set[int]) -> int:
@@ -57,7 +57,7 @@ def bench_oracle(target, tokenizer, draft: DSparkDraftModel, batch_sizes=(1, 8),
     pad_id = target.generation_config.pad_token_id
     results = []
     for batch in batch_sizes:
-        inputs = chat_inputs(tokenizer, [prompts[i % len(prompts)] for i in range(batch)])
+        inputs = chat_inputs(tokenizer, [prompts[i % len(prompts)] for i in range(batch)], target.device)
         kw = dict(max_new_tokens=max_new_tokens, do_sample=False)
         reference = target.generate(**inputs, **kw)
         oracle = OracleDraft.from_draft(draft).set_references(target, reference, inputs["attention_mask"])
@@ -73,12 +73,12 @@ def bench_oracle(target, tokenizer, draft: DSparkDraftModel, batch_sizes=(1, 8),
         plain(), dspark()  # warm-up
         plain_s, dspark_s, splits, taus = [], [], [], []
         for _ in range(repeats):
-            start = time.perf_counter()
+            start = clock(target.device)
             plain()
-            plain_s.append(time.perf_counter() - start)
-            start = time.perf_counter()
+            plain_s.append(clock(target.device) - start)
+            start = clock(target.device)
             out = dspark()
-            dspark_s.append(time.perf_counter() - start)
+            dspark_s.append(clock(target.device) - start)
             same = identical_rows([out.sequences[:, P:]], [reference[:, P:]], eos_ids)
             if target.dtype == torch.float32 and same < batch:  # in bf16/fp16 near-ties may round either way
                 raise AssertionError("DSpark output differs from plain generate(): lossless decoding is broken.")

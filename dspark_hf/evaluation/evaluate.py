@@ -4,11 +4,11 @@ methods a user would otherwise pick, measured in one interleaved run."""
 from __future__ import annotations
 
 import statistics
-import time
 from collections import defaultdict
 
 import torch
 
+from ..devices import clock
 from ..generation.eos import eos_token_ids, until_eos
 from ..generation.records import DSparkRound
 from .machine import machine_info
@@ -20,10 +20,10 @@ def _batches(prompts, size):
         yield prompts[i: i + size]
 
 
-def _inputs(tokenizer, prompts):
+def _inputs(tokenizer, prompts, device):
     texts = [tokenizer.apply_chat_template(p["messages"], tokenize=False, add_generation_prompt=True)
              for p in prompts]
-    return tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    return tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
 
 
 def _sampling(temperature: float) -> dict:
@@ -41,7 +41,7 @@ def run_eval(target, tokenizer, draft, prompts: list[dict], max_new_tokens: int 
     torch.manual_seed(seed)
     bar = tqdm(total=len(prompts), desc="eval", disable=not progress)
     for batch in _batches(prompts, batch_size):
-        inputs = _inputs(tokenizer, batch)
+        inputs = _inputs(tokenizer, batch, target.device)
         out = target.generate(**inputs, max_new_tokens=max_new_tokens, assistant_model=draft,
                               return_dict_in_generate=True, verification_policy=policy, **_sampling(temperature))
         for p, rounds in zip(batch, out.rounds):
@@ -107,11 +107,11 @@ def bench_speed(target, tokenizer, draft, prompts: list[dict], batch_size: int =
     if batch_size == 1:  # transformers' prompt lookup decoding refuses batch size > 1
         methods["prompt_lookup"] = {"prompt_lookup_num_tokens": 10}
     methods.update(extra_methods or {})
-    batches = [_inputs(tokenizer, b) for b in _batches(prompts, batch_size)]
+    batches = [_inputs(tokenizer, b, target.device) for b in _batches(prompts, batch_size)]
     sampling = _sampling(temperature)
 
     def run(kw, collect=None):
-        tokens, outputs, start = 0, [], time.perf_counter()
+        tokens, outputs, start = 0, [], clock(target.device)
         for inputs in batches:
             out = target.generate(**inputs, max_new_tokens=max_new_tokens, **sampling, **kw,
                                   **({"return_dict_in_generate": True} if "assistant_model" in kw else {}))
@@ -120,7 +120,7 @@ def bench_speed(target, tokenizer, draft, prompts: list[dict], batch_size: int =
             outputs.append(seqs[:, inputs["input_ids"].shape[1]:])
             if collect is not None and hasattr(out, "rounds"):
                 collect.extend(r for rows in out.rounds for r in rows)
-        return tokens, time.perf_counter() - start, outputs
+        return tokens, clock(target.device) - start, outputs
 
     for kw in methods.values():  # warm-up on the first batch
         target.generate(**batches[0], max_new_tokens=8, **sampling, **kw)

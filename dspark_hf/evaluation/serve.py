@@ -11,11 +11,11 @@ of ratios taken within the same repeat, and the spread of no speculation's own r
 from __future__ import annotations
 
 import statistics
-import time
 from collections import defaultdict
 from pathlib import Path
 from typing import Callable
 
+from ..devices import clock
 from ..generation.eos import eos_token_ids
 from ..scheduling import FixedLength, FullBlock, Scheduled, ThresholdPolicy
 from .evaluate import _inputs, _user_tokens
@@ -59,7 +59,7 @@ def bench_serve(target, tokenizer, draft, prompts: list[dict], batch_sizes=(1, 2
     prompts = _round_robin(prompts)
     for R in batch_sizes:
         batch = [prompts[i % len(prompts)] for i in range(R)]
-        inputs = _inputs(tokenizer, batch)
+        inputs = _inputs(tokenizer, batch, target.device)
         prompt_len = inputs["input_ids"].shape[1]
         for make in methods.values():  # warm-up
             target.generate(**inputs, max_new_tokens=4, do_sample=False, **make())
@@ -68,10 +68,10 @@ def bench_serve(target, tokenizer, draft, prompts: list[dict], batch_sizes=(1, 2
         for i in range(repeats):
             for name in names[i % len(names):] + names[: i % len(names)]:
                 kwargs = methods[name]()
-                start = time.perf_counter()
+                start = clock(target.device)
                 out = target.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False,
                                       return_dict_in_generate=True, **kwargs)
-                seconds = time.perf_counter() - start
+                seconds = clock(target.device) - start
                 tokens = _user_tokens(out.sequences[:, prompt_len:], eos_ids)
                 rounds = [r for rows in getattr(out, "rounds", None) or [] for r in rows]
                 runs[name].append((tokens / seconds, rounds))

@@ -9,7 +9,6 @@ become new draft context. Rows live flush right in every buffer (see `ragged`), 
 from __future__ import annotations
 
 import sys
-import time
 import warnings
 
 import torch
@@ -18,6 +17,7 @@ from transformers.generation import logits_process as lp
 from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.stopping_criteria import MaxLengthCriteria
 
+from ..devices import clock
 from ..model.modeling_dspark import DSparkDraftModel
 from ..scheduling.policies import FullBlock
 from . import verify
@@ -211,25 +211,26 @@ class _Decoder:
 
     def _forward(self, input_ids, mask, positions, cache, logits_to_keep, timing: str | None = "target"):
         """Target forward returning only the hidden states the draft reads; its time is added to `timing`."""
-        start = time.perf_counter()
+        start = clock(input_ids.device)
         out = self.target(input_ids=input_ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
                           use_cache=True, output_hidden_states=self.draft.hidden_states_request,
                           logits_to_keep=logits_to_keep)
         if timing is not None:
-            self.timings[timing] += time.perf_counter() - start
+            self.timings[timing] += clock(input_ids.device) - start
         return out
 
     # -- the decode ------------------------------------------------------------------------------------------------
     def run(self):
-        start = time.perf_counter()
+        device = self.prompt.device
+        start = clock(device)
         if self.streamer is not None:
             self.streamer.put(self.prompt.cpu())
         if self.max_new > 0:
             self._prefill()
-            self.timings["prefill"] = time.perf_counter() - start
+            self.timings["prefill"] = clock(device) - start
             while self.rows.numel() > 0:
                 self._round()
-        self.timings["total"] = time.perf_counter() - start
+        self.timings["total"] = clock(device) - start
         if self.streamer is not None:
             self.streamer.end()
         sequences = torch.cat([self.prompt, self.gen[:, : min(int(self.n_gen.max()), self.max_new)]], 1)
@@ -282,11 +283,11 @@ class _Decoder:
         # a policy may switch drafting off for a round when, under the current load, plain decoding is faster;
         # it decides before this round's block exists, so the choice cannot depend on it (lossless)
         if getattr(self.policy, "draft_this_round", lambda num_rows: True)(R):
-            start = time.perf_counter()
+            start = clock(rows.device)
             self._encode_pending()
             block = self.draft.draft_block(anchor, anchor_pos, self.context, self.do_sample,
                                            process_logits=lambda prefix, logits: self._process(rows, prefix, logits))
-            self.timings["draft"] += time.perf_counter() - start
+            self.timings["draft"] += clock(rows.device) - start
             # how much of the block each row verifies: the policy's choice, never past the length limit
             remaining = self.max_new - self.n_gen[rows]
             verify_len = torch.minimum(self.policy(block.confidences, gamma, R).to(rows.device), remaining - 1)

@@ -2,6 +2,8 @@
 
     policy(confidences: Tensor (R, gamma) | None, gamma: int, num_rows: int) -> LongTensor (R,) in [0, gamma]
 
+on any device (policies that decide on the host return CPU tensors; the decoding loop moves them).
+
 confidences is None for a draft without a confidence head. A policy may also define
 
     draft_this_round(num_rows: int) -> bool
@@ -23,7 +25,7 @@ class FullBlock:
     """Verify every drafted token (the paper's offline setting)."""
 
     def __call__(self, confidences: torch.Tensor | None, gamma: int, num_rows: int) -> torch.Tensor:
-        return torch.full((num_rows,), gamma, dtype=torch.long)
+        return torch.full((num_rows,), gamma, dtype=torch.long, device="cpu")
 
 
 class FixedLength:
@@ -35,4 +37,4 @@ class FixedLength:
         self.length = length
 
     def __call__(self, confidences: torch.Tensor | None, gamma: int, num_rows: int) -> torch.Tensor:
-        return torch.full((num_rows,), min(self.length, gamma), dtype=torch.long)
+        return torch.full((num_rows,), min(self.length, gamma), dtype=torch.long, device="cpu")

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import statistics
-import time
 from collections import defaultdict
 from pathlib import Path
 from typing import Callable, Sequence
@@ -20,20 +19,17 @@ from typing import Callable, Sequence
 import torch
 from transformers import DynamicCache
 
+from ..devices import clock
 from ..evaluation.machine import machine_info
 
 
 def _seconds(fn, device, warmup: int, repeats: int, after=None) -> float:
     times = []
     for i in range(warmup + repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
+        start = clock(device)
         fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
         if i >= warmup:
-            times.append(time.perf_counter() - start)
+            times.append(clock(device) - start)
         if after is not None:
             after()
     return statistics.median(times)

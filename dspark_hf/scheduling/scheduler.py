@@ -48,7 +48,7 @@ def _sps_fn(sps: SPS) -> Callable[[int], float]:
 
 def survival(confidences) -> torch.Tensor:
     """c (R, gamma) -> a (R, gamma), a_{r,j} = prod_{i<=j} c_{r,i}."""
-    c = torch.as_tensor(confidences, dtype=torch.float64)
+    c = _float64(confidences)
     if c.dim() != 2:
         raise ValueError(f"confidences must be (R, gamma), got shape {tuple(c.shape)}")
     return torch.cumprod(c, dim=1)
@@ -158,7 +158,7 @@ class Scheduled:
                 self._skip, self._pause = self._pause, min(2 * self._pause, self.max_pause)
             else:
                 self._pause = self.probe_every
-        return torch.tensor(lengths, dtype=torch.long)
+        return torch.tensor(lengths, dtype=torch.long, device="cpu")
 
     def draft_this_round(self, num_rows: int) -> bool:
         if self._skip > 0:
@@ -182,10 +182,15 @@ class AsyncScheduled:
         else:
             lengths = prefix_schedule(c, self.sps)
         self.capacities.append(sum(prefix_schedule(c, self.sps, early_stop=False)))
-        return torch.tensor(lengths, dtype=torch.long)
+        return torch.tensor(lengths, dtype=torch.long, device="cpu")
 
 
 def _require(confidences, name):
     if confidences is None:
         raise ValueError(f"{name} needs a draft with a confidence head (config.confidence_head=True).")
-    return torch.as_tensor(confidences, dtype=torch.float64)
+    return _float64(confidences)
+
+
+def _float64(x) -> torch.Tensor:
+    """Nested lists or a tensor as a float64 tensor, on the tensor's device (lists: the CPU)."""
+    return (x if isinstance(x, torch.Tensor) else torch.tensor(x, device="cpu")).to(torch.float64)

@@ -98,7 +98,11 @@ class DSparkAttention(nn.Module):
         q = apply_rope(self.q_norm(self._heads(self.q_proj(x), self.num_heads)), cos, sin)
         k, v = self.key_value(x, cos, sin)
         k, v = torch.cat([context_k, k], dim=2), torch.cat([context_v, v], dim=2)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], enable_gqa=True)
+        # keys/values repeated per query head rather than enable_gqa=True: with a mask, CUDA's memory-efficient kernel
+        # takes no grouped heads and SDPA would fall back to its math backend, which holds all Q x K scores
+        groups = self.num_heads // self.num_kv_heads
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None])
         return self.o_proj(out.transpose(1, 2).reshape(*x.shape[:2], -1))
 
 

@@ -1,0 +1,44 @@
+"""Where models and tensors run: choosing the device, and reading the clock on it.
+
+CUDA runs asynchronously: a wall-clock reading taken while kernels are still queued times their launch, not their
+work, so every timing in dspark-hf reads [`clock`], which waits for it first.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+
+def resolve_device(device: str | torch.device | None = "auto") -> torch.device:
+    """``"auto"`` (or None): the CUDA GPU when torch sees one, else the CPU; anything else as ``torch.device``.
+    Raises ValueError, saying what to pass instead, for a device torch cannot use here."""
+    if device is None or str(device) == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as error:
+        raise ValueError(f"device={str(device)!r} is not a device: use 'auto', 'cpu', 'cuda' or 'cuda:N'.") from error
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={str(device)!r}, but torch sees no CUDA GPU here (a CPU-only build, or no driver): "
+                         "use 'cpu', or 'auto' to take a GPU only when there is one.")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise ValueError(f"device={str(device)!r}, but torch sees {torch.cuda.device_count()} CUDA GPU(s): use an "
+                         f"index below {torch.cuda.device_count()}.")
+    if device.type == "cuda" and device.index is None:  # what model.device will report, so devices compare equal
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def synchronize(device: torch.device | str) -> None:
+    """Wait for the work queued on `device` (a no-op off CUDA)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def clock(device: torch.device | str) -> float:
+    """time.perf_counter() once the work queued on `device` is done: differences of two readings time that work."""
+    synchronize(device)
+    return time.perf_counter()
