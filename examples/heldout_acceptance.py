@@ -1,10 +1,12 @@
 """Teacher-forced acceptance of a draft on a dataset: 1 - TV (sampling) and argmax agreement (greedy) per position.
 
-    python examples/heldout_acceptance.py DRAFT DATASET [--all] [--output FILE.json]
+    python examples/heldout_acceptance.py DRAFT DATASET [--all] [--heldout-fraction F] [--feature-cache DIR]
+                                          [--output FILE.json]
 
-By default only the held-out split of DATASET (5% by hashed id, as `dspark train` chooses it) is measured, so a
-draft trained on DATASET is measured on sequences it never saw; --all measures every sequence, for a dataset the
-draft was not trained on. The figures are what `dspark train` writes to heldout.json, on the embedded target.
+By default only the held-out split of DATASET (5% by hashed prompt id, as `dspark train` chooses it) is measured, so
+a draft trained on DATASET is measured on sequences it never saw; --all measures every sequence, for a dataset the
+draft was not trained on. The figures are what `dspark train` writes to heldout.json, on the embedded target, per
+domain where the dataset names them; --feature-cache reads the target's features from a cache that holds them.
 """
 
 import argparse
@@ -14,7 +16,7 @@ import torch
 
 from dspark_hf import DSparkDraftModel, default_target
 from dspark_hf.training.data import load_dataset, split_heldout
-from dspark_hf.training.features import OnlineFeatures
+from dspark_hf.training.features import CachedFeatures, OnlineFeatures
 from dspark_hf.training.losses import LossWeights
 from dspark_hf.training.trainer import TrainConfig, evaluate_heldout
 
@@ -22,6 +24,9 @@ parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.R
 parser.add_argument("draft")
 parser.add_argument("dataset")
 parser.add_argument("--all", action="store_true", help="measure every sequence, not only the held-out split")
+parser.add_argument("--heldout-fraction", type=float, default=TrainConfig.heldout_fraction,
+                    help="as the draft was trained with")
+parser.add_argument("--feature-cache", help="a `dspark train --feature-cache` folder holding these sequences")
 parser.add_argument("--output", help="write the report here as JSON")
 args = parser.parse_args()
 
@@ -30,14 +35,19 @@ draft = DSparkDraftModel.from_pretrained(args.draft, dtype=torch.float32).eval()
 draft.bind_target(target)
 examples = load_dataset(args.dataset, target.get_output_embeddings().weight.shape[0])
 if not args.all:
-    examples = split_heldout(examples, TrainConfig.heldout_fraction)[1]
-report = evaluate_heldout(draft, target, examples, OnlineFeatures(target, draft.config.target_layer_ids), 48,
-                          LossWeights())
+    examples = split_heldout(examples, args.heldout_fraction)[1]
+layers = draft.config.target_layer_ids
+features = (CachedFeatures(args.feature_cache, target, layers, examples) if args.feature_cache
+            else OnlineFeatures(target, layers))
+report = evaluate_heldout(draft, target, examples, features, 48, LossWeights())
 report.update(draft=args.draft, dataset=args.dataset, split="all" if args.all else "held-out")
 print(f"{args.dataset} ({report['split']}, {report['sequences']} sequences)")
 for name, rates, tau in (("1 - TV", "acceptance_per_position", "expected_tau_from_acceptance"),
                          ("greedy agreement", "greedy_agreement_per_position", "expected_greedy_tau")):
     print(f"  {name:17s} {' '.join(f'{a:.3f}' for a in report[rates])}   expected tau {report[tau]:.3f}")
+for domain, figures in report.get("domains", {}).items():
+    print(f"  {domain:17s} greedy agreement at position 1 {figures['greedy_agreement_per_position'][0]:.3f}, "
+          f"expected greedy tau {figures['expected_greedy_tau']:.3f}")
 if args.output:
     with open(args.output, "w") as f:
         json.dump(report, f, indent=2)

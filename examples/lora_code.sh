@@ -12,7 +12,7 @@ mkdir -p $RUNS
 #    its first 200 characters.
 python - "$RUNS/code_prompts.jsonl" <<'EOF'
 import itertools, json, re, sys
-from dspark_hf.training.data import read_sharegpt
+from dspark_hf.training.prompts import read_sharegpt
 
 CODE = re.compile(r"\bdef \w+\(|\bfunction\b|\bpython\b|javascript|typescript|\bjava\b|c\+\+|\bsql\b|\bcode\b|"
                   r"\bregex|\bbash\b|\breact(\.js)?\b|\bnode\.?js\b|\bdjango\b|\bflask\b|\bpandas\b|\bdataframe\b|"

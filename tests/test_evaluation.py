@@ -138,6 +138,23 @@ def test_dspark_bench_speed_reports_every_method(tiny_models, tmp_path, dtype):
     assert report["machine"]["torch_threads"] >= 1
 
 
+def test_bench_speed_runs_a_single_token_draft_beside_dspark(tiny_models, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    target = AutoModelForCausalLM.from_pretrained(tiny_models / "target")
+    tiny_draft(target, block_size=1).save_pretrained(tmp_path / "single")
+    out = tmp_path / "bench.json"
+    assert main(["bench", "speed", "--target", str(tiny_models / "target"), "--draft", str(tiny_models / "draft"),
+                 "--also-draft", f"single_token={tmp_path / 'single'}", "--prompts", str(tiny_models / "prompts.jsonl"),
+                 "--limit", "2", "--max-new-tokens", "8", "--repeats", "1", "--output", str(out)]) == 0
+    methods = json.loads(out.read_text())["methods"]
+    assert set(methods) == {"plain", "prompt_lookup", "dspark", "single_token"}
+    assert methods["single_token"]["identical_rows"] == 2 and 1 <= methods["single_token"]["acceptance_length"] <= 2
+    with pytest.raises(ValueError, match="NAME=PATH"):
+        main(["bench", "speed", "--target", str(tiny_models / "target"), "--draft", str(tiny_models / "draft"),
+              "--also-draft", "dspark=x", "--prompts", str(tiny_models / "prompts.jsonl"), "--limit", "1"])
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_dspark_bench_oracle_checks_identity_in_float32_and_counts_it_in_bfloat16(tiny_models, tmp_path, dtype):
     out = tmp_path / "oracle.json"

@@ -5,11 +5,12 @@ import math
 
 import pytest
 import torch
+from transformers import BatchEncoding
 
 from conftest import VOCAB, tiny_draft, tiny_target
 from dspark_hf import DSparkDraftModel
 from dspark_hf.training import DataFileError, GenerationSettings, load_dataset, prepare_data, read_prompts
-from dspark_hf.training.data import Example
+from dspark_hf.training.data import Example, manifest_path, split_heldout
 from dspark_hf.training.features import CachedFeatures, OnlineFeatures
 from dspark_hf.training.losses import (LossWeights, dspark_losses, position_weights, sample_anchors,
                                       target_distribution_on)
@@ -167,7 +168,7 @@ class TinyTokenizer:
         rows = [[1 + ord(c) % (VOCAB - 1) for c in t] for t in texts]
         width = max(map(len, rows))
         ids = torch.tensor([[0] * (width - len(r)) + r for r in rows])
-        return {"input_ids": ids, "attention_mask": (ids != 0).long()}
+        return BatchEncoding({"input_ids": ids, "attention_mask": (ids != 0).long()})
 
 
 def tiny_dataset(tmp_path, target, n=12):
@@ -216,6 +217,56 @@ def test_temperature_zero_regenerates_the_targets_greedy_answers(tmp_path):
     with pytest.raises(ValueError, match="temperature must be >= 0"):
         prepare_data(target, TinyTokenizer(), iter(prompts), tmp_path / "x.jsonl", 6,
                      settings=GenerationSettings(temperature=-1), progress=False)
+
+
+def test_several_samples_per_prompt_are_different_answers_that_share_a_prompt_and_a_split(tmp_path):
+    target = tiny_target("llama")
+    prompts = [{"id": f"p{i}", "domain": "math" if i % 2 else "chat", "source": "toy",
+                "messages": [{"role": "user", "content": f"question {i}"}]} for i in range(6)]
+    path = tmp_path / "data.jsonl"
+    prepare_data(target, TinyTokenizer(), iter(prompts), path, None, batch_size=4, progress=False,
+                 settings=GenerationSettings(max_new_tokens=16, samples_per_prompt=2))
+    examples = load_dataset(path)
+    assert sorted(e.id for e in examples) == sorted(f"p{i}#{k}" for i in range(6) for k in range(2))
+    answers = {}
+    for e in examples:
+        answers.setdefault(e.prompt_id, []).append(e.input_ids[e.answer_start:])
+    assert all(a != b for a, b in answers.values()), "two draws of one prompt gave the same answer"
+    assert {e.domain for e in examples} == {"chat", "math"}
+    for fraction in (0.3, 0.5, 0.7):
+        train_ids, held_ids = ({e.prompt_id for e in part} for part in split_heldout(examples, fraction))
+        assert not train_ids & held_ids  # a prompt's answers never straddle the split
+
+    manifest = json.loads(manifest_path(path).read_text())
+    assert (manifest["prompts"], manifest["examples"], manifest["complete"]) == (6, 12, True)
+    assert manifest["by_domain"]["math"]["examples"] == 6 and manifest["by_source"]["toy"]["prompts"] == 6
+    assert manifest["answer_tokens"] == sum(len(a) for pair in answers.values() for a in pair)
+    with pytest.raises(ValueError, match="Greedy answers .* are the same every time"):
+        prepare_data(target, TinyTokenizer(), iter(prompts), tmp_path / "g.jsonl", None, progress=False,
+                     settings=GenerationSettings(temperature=0, samples_per_prompt=2))
+
+
+def test_regeneration_stops_at_its_time_budget_and_resumes(tmp_path, monkeypatch):
+    import dspark_hf.training.data as data
+
+    target = tiny_target("llama")
+    prompts = [{"id": f"p{i}", "messages": [{"role": "user", "content": f"q{i}"}]} for i in range(12)]
+    now = [0.0]
+    monkeypatch.setattr(data.time, "perf_counter", lambda: now[0])
+    real_generate = target.generate
+
+    def slow_generate(*args, **kwargs):  # every batch takes 10 s of the (fake) clock
+        now[0] += 10
+        return real_generate(*args, **kwargs)
+
+    monkeypatch.setattr(target, "generate", slow_generate)
+    path = tmp_path / "data.jsonl"
+    kw = dict(batch_size=4, settings=GenerationSettings(max_new_tokens=8), progress=False)
+    prepare_data(target, TinyTokenizer(), iter(prompts), path, None, time_budget=25, **kw)
+    assert len(path.read_text().splitlines()) == 8  # a third batch would have ended after 25 s
+    assert json.loads(manifest_path(path).read_text())["complete"] is False
+    prepare_data(target, TinyTokenizer(), iter(prompts), path, None, **kw)
+    assert len(load_dataset(path)) == 12 and json.loads(manifest_path(path).read_text())["complete"] is True
 
 
 def test_heldout_report_gives_sampled_and_greedy_acceptance_per_position(tmp_path):
@@ -319,6 +370,88 @@ def test_training_resumes_from_the_last_checkpoint(tmp_path):
     assert (tmp_path / "run" / "checkpoint-6").exists() and resumed is not None
 
 
+class FakeClock:
+    """time.perf_counter for the trainer, advanced by `step_seconds` for every training step."""
+
+    def __init__(self, monkeypatch, step_seconds: float):
+        import dspark_hf.training.trainer as trainer
+
+        self.now, real_step = 0.0, trainer.train_step
+        monkeypatch.setattr(trainer.time, "perf_counter", lambda: self.now)
+        monkeypatch.setattr(trainer, "clock", lambda device: self.now)
+
+        def timed_step(*args, **kwargs):
+            self.now += step_seconds
+            return real_step(*args, **kwargs)
+
+        monkeypatch.setattr(trainer, "train_step", timed_step)
+
+
+def test_a_time_budget_fits_the_schedule_and_finishes_inside_it(tmp_path, monkeypatch):
+    target = tiny_target("llama")
+    data = tiny_dataset(tmp_path, target, n=12)
+    fake = FakeClock(monkeypatch, step_seconds=1.0)
+    draft = train(TrainConfig(dataset=str(data), output_dir=str(tmp_path / "run"), time_budget=0.5, epochs=1,
+                              batch_size=4, anchors_per_sequence=4, heldout_fraction=0.3, save_every=1000,
+                              draft=dict(num_hidden_layers=1, markov_rank=4, block_size=3)),
+                  target=target, progress=False)
+    report = json.loads((tmp_path / "run" / "heldout.json").read_text())
+    assert fake.now <= 30  # the held-out report's steps (each 1 s here) included
+    assert report["training"]["steps"] >= 15  # far more than epochs=1 (2-3 steps) would give: the budget rules
+    loaded = DSparkDraftModel.from_pretrained(tmp_path / "run")
+    assert loaded.config.num_hidden_layers == 1 and draft is not None
+
+
+def test_an_invocation_that_reaches_stop_after_saves_and_the_next_one_finishes(tmp_path, monkeypatch):
+    target = tiny_target("llama")
+    data = tiny_dataset(tmp_path, target, n=12)
+    kw = dict(dataset=str(data), output_dir=str(tmp_path / "run"), time_budget=0.8, stop_after=0.5, batch_size=4,
+              anchors_per_sequence=4, heldout_fraction=0.3, save_every=1000,
+              draft=dict(num_hidden_layers=1, markov_rank=4, block_size=3))
+    fake = FakeClock(monkeypatch, step_seconds=1.0)
+    train(TrainConfig(**kw), target=target, progress=False)
+    assert fake.now <= 30 and not (tmp_path / "run" / "heldout.json").exists()
+    state = torch.load(next((tmp_path / "run").glob("checkpoint-*")) / "trainer_state.pt", weights_only=False)
+    assert state["step"] > 0 and 0 < state["clock"]["spent"] <= 30
+
+    fake = FakeClock(monkeypatch, step_seconds=1.0)  # a new process: its own clock from 0
+    train(TrainConfig(**kw), target=target, progress=False)
+    report = json.loads((tmp_path / "run" / "heldout.json").read_text())
+    assert report["training"]["steps"] > state["step"] and report["training"]["minutes"] <= 0.8
+
+
+def test_the_learning_rate_warms_up_then_decays_to_zero():
+    from dspark_hf.training.trainer import lr_factor
+
+    assert [lr_factor(p, 0.1) for p in (0.0, 0.05, 0.1)] == [0.0, 0.5, 1.0]
+    assert lr_factor(0.55, 0.1) == pytest.approx(0.5) and lr_factor(1.0, 0.1) == pytest.approx(0.0)
+
+
+def test_forward_kl_to_the_target_is_added_when_weighted():
+    target = torch.log(torch.tensor([[[0.5, 0.25, 0.25]]]))
+    draft = torch.log(torch.tensor([[[0.25, 0.25, 0.5]]]))
+    args = (draft, target, torch.zeros(1, 1, dtype=torch.long), torch.ones(1, 1, dtype=torch.bool))
+    plain, with_kl = dspark_losses(*args), dspark_losses(*args, weights=LossWeights(kl=2.0))
+    kl = 0.5 * math.log(0.5 / 0.25) + 0.25 * math.log(0.25 / 0.5)  # sum p_t log(p_t / p_d)
+    assert "kl" not in plain and float(with_kl["kl"]) == pytest.approx(kl, abs=1e-6)
+    assert float(with_kl["total"] - plain["total"]) == pytest.approx(2.0 * kl, abs=1e-6)
+
+
+def test_the_heldout_report_gives_each_domain_and_their_macro(tmp_path):
+    target = tiny_target("llama")
+    draft = tiny_draft(target)
+    prompts = [{"id": f"p{i}", "domain": ["chat", "code"][i % 2], "messages": [{"role": "user", "content": "ab" * i}]}
+               for i in range(1, 7)]
+    path = tmp_path / "data.jsonl"
+    prepare_data(target, TinyTokenizer(), iter(prompts), path, None, batch_size=4, progress=False,
+                 settings=GenerationSettings(max_new_tokens=12))
+    report = evaluate_heldout(draft, target, load_dataset(path), OnlineFeatures(target, draft.config.target_layer_ids),
+                              4, LossWeights())
+    assert set(report["domains"]) == {"chat", "code"} and report["sequences"] == 6
+    assert report["macro_expected_greedy_tau"] == pytest.approx(
+        (report["domains"]["chat"]["expected_greedy_tau"] + report["domains"]["code"]["expected_greedy_tau"]) / 2)
+
+
 @pytest.fixture
 def fresh_accelerate_state():
     """accelerate keeps one mixed-precision setting per process; let a test choose its own, then restore."""
@@ -402,3 +535,16 @@ def test_fine_tuning_a_bf16_checkpoint_trains_fp32_weights(tmp_path):
                               anchors_per_sequence=4, heldout_fraction=0.0, init_from=str(tmp_path / "exported")),
                   target=target, progress=False)
     assert {p.dtype for p in draft.parameters()} == {torch.float32}
+
+
+def test_a_feature_cache_serves_any_subset_of_its_layers_and_refuses_others(tmp_path):
+    target = tiny_target("llama")
+    examples = load_dataset(tiny_dataset(tmp_path, target, n=4))
+    CachedFeatures(tmp_path / "cache", target, [0, 1, 2], examples, progress=False)
+    subset = CachedFeatures(tmp_path / "cache", target, [2, 0], examples, progress=False)
+    for x, y in zip(subset(examples[:2]), OnlineFeatures(target, [2, 0])(examples[:2])):
+        torch.testing.assert_close(x, y, atol=2e-2, rtol=1e-2)
+    with pytest.raises(ValueError, match="not for layers \\[3\\]"):
+        CachedFeatures(tmp_path / "cache", target, [3], examples, progress=False)
+    with pytest.raises(ValueError, match="in torch.bfloat16"):
+        CachedFeatures(tmp_path / "cache", target.to(torch.bfloat16), [0], examples, progress=False)

@@ -18,12 +18,12 @@ from safetensors.torch import load_file, save_file
 
 
 def pad_batch(sequences: list[list[int]], pad_id: int = 0):
-    """Right-pad token lists: ids (B, L), attention mask (B, L), lengths (B,)."""
-    lengths = torch.tensor([len(s) for s in sequences])
-    ids = torch.full((len(sequences), int(lengths.max())), pad_id, dtype=torch.long)
+    """Right-pad token lists: ids (B, L), attention mask (B, L), lengths (B,), on the CPU (one copy to a device)."""
+    lengths = torch.tensor([len(s) for s in sequences], device="cpu")
+    ids = torch.full((len(sequences), int(lengths.max())), pad_id, dtype=torch.long, device="cpu")
     for i, s in enumerate(sequences):
-        ids[i, : len(s)] = torch.tensor(s)
-    mask = (torch.arange(ids.shape[1]) < lengths[:, None]).long()
+        ids[i, : len(s)] = torch.tensor(s, device="cpu")
+    mask = (torch.arange(ids.shape[1], device="cpu") < lengths[:, None]).long()
     return ids, mask, lengths
 
 
@@ -45,22 +45,36 @@ class OnlineFeatures:
 
 
 class CachedFeatures:
-    """Features written once to `directory` (fp16 safetensors per example), then read back every epoch."""
+    """Features written once to `directory` (fp16 safetensors per example), then read back every epoch.
 
-    def __init__(self, directory: str | Path, target, target_layer_ids: list[int], examples, progress=True):
+    A cache holds the layers it was first built with (`cache_layer_ids`, default `target_layer_ids`) and serves any
+    subset of them, so drafts reading different target layers can share one target pass.
+    """
+
+    def __init__(self, directory: str | Path, target, target_layer_ids: list[int], examples, progress=True,
+                 cache_layer_ids: list[int] | None = None):
         from tqdm.auto import tqdm
 
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         index = self.directory / "index.json"
-        meta = {"target": getattr(target.config, "_name_or_path", ""), "target_layer_ids": list(target_layer_ids)}
+        meta = {"target": getattr(target.config, "_name_or_path", ""), "dtype": str(target.dtype),
+                "target_layer_ids": list(cache_layer_ids or target_layer_ids)}
         if index.exists():
             found = json.loads(index.read_text())
-            if found != meta:
-                raise ValueError(f"The feature cache in {self.directory} was built for {found}, not {meta}: remove "
-                                 "it or choose another --feature-cache directory.")
+            if {k: v for k, v in found.items() if k != "target_layer_ids"} != {
+                    k: v for k, v in meta.items() if k != "target_layer_ids"} or not set(target_layer_ids) <= set(
+                    found["target_layer_ids"]):
+                raise ValueError(f"The feature cache in {self.directory} was built for {found}, not for layers "
+                                 f"{list(target_layer_ids)} of {meta['target']} in {meta['dtype']}: remove it or "
+                                 "choose another --feature-cache directory.")
+            meta = found
         index.write_text(json.dumps(meta))
-        online = OnlineFeatures(target, target_layer_ids)
+        d = target.config.get_text_config().hidden_size
+        cached = meta["target_layer_ids"]
+        self.columns = torch.cat([torch.arange(cached.index(i) * d, (cached.index(i) + 1) * d, device="cpu")
+                                  for i in target_layer_ids])
+        online = OnlineFeatures(target, cached)
         missing = [e for e in examples if not self._path(e).exists()]
         for i in tqdm(range(0, len(missing), 8), desc="caching target features", disable=not progress):
             chunk = missing[i: i + 8]
@@ -84,10 +98,11 @@ class CachedFeatures:
         parts = [load_file(self._path(e)) for e in examples]
         L = max(p["features"].shape[0] for p in parts)
 
-        def stack(key):
-            out = torch.zeros(len(parts), L, parts[0][key].shape[-1])
-            for i, p in enumerate(parts):
-                out[i, : p[key].shape[0]] = p[key].float()
+        def stack(key, columns=None):
+            rows = [p[key] if columns is None else p[key][:, columns] for p in parts]
+            out = torch.zeros(len(rows), L, rows[0].shape[-1], device="cpu")
+            for i, x in enumerate(rows):
+                out[i, : x.shape[0]] = x.float()
             return out
 
-        return stack("features"), stack("last")
+        return stack("features", self.columns), stack("last")

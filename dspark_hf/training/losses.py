@@ -13,12 +13,14 @@ import torch.nn.functional as F
 
 @dataclass
 class LossWeights:
-    """alpha_ce, alpha_tv, alpha_conf of eq. 12 and the position decay gamma_w of w_k = exp(-k / gamma_w)."""
+    """alpha_ce, alpha_tv, alpha_conf of eq. 12, the position decay gamma_w of w_k = exp(-k / gamma_w), and the
+    weight of a forward KL(p_t || p_d) term (0: off, as in the paper)."""
 
     ce: float = 0.1
     l1: float = 0.9
     confidence: float = 1.0
     decay: float = 4.0
+    kl: float = 0.0
 
 
 def position_weights(gamma: int, decay: float, device=None) -> torch.Tensor:
@@ -29,17 +31,18 @@ def position_weights(gamma: int, decay: float, device=None) -> torch.Tensor:
 
 def sample_anchors(answer_start: torch.Tensor, lengths: torch.Tensor, num: int, generator=None):
     """Up to `num` distinct anchors per row, uniformly among positions a where a and a + 1 are answer tokens
-    (answer_start <= a <= length - 2). Returns anchors (B, num) and valid (B, num); invalid slots hold 0."""
+    (answer_start <= a <= length - 2). Returns anchors (B, num) and valid (B, num) on the CPU (`generator` is a
+    CPU generator); invalid slots hold 0."""
     B = lengths.shape[0]
-    anchors = torch.zeros(B, num, dtype=torch.long)
-    valid = torch.zeros(B, num, dtype=torch.bool)
+    anchors = torch.zeros(B, num, dtype=torch.long, device="cpu")
+    valid = torch.zeros(B, num, dtype=torch.bool, device="cpu")
     for b in range(B):
         lo, hi = int(answer_start[b]), int(lengths[b]) - 2
         count = hi - lo + 1
         if count <= 0:
             continue
         take = min(num, count)
-        picks = torch.randperm(count, generator=generator)[:take] + lo
+        picks = torch.randperm(count, generator=generator, device="cpu")[:take] + lo
         anchors[b, :take] = picks.sort().values
         valid[b, :take] = True
     return anchors, valid
@@ -66,7 +69,8 @@ def dspark_losses(draft_logits, target_logits, labels, valid, confidence_logits=
     target_logits (N, gamma, V): the frozen target's logits at the same positions (its LM head on its last hidden
     state); labels (N, gamma) ground-truth target ids; valid (N, gamma) bool; confidence_logits (N, gamma) or None.
     The L1 term is the full |p_d - p_t|_1 (target mass the draft cannot propose counts fully); the confidence label
-    is c* = 1 - L1 / 2, detached. Returns the weighted total and every term, plus for monitoring c* ("acceptance")
+    is c* = 1 - L1 / 2, detached; with ``weights.kl`` a forward KL(p_t || p_d) over the draft vocabulary is added.
+    Returns the weighted total and every term, plus for monitoring c* ("acceptance")
     and whether the draft's argmax is the target's ("agreement"), both (N, gamma).
     """
     p_t, outside, top = target_distribution_on(draft_vocab, target_logits)
@@ -99,9 +103,12 @@ def losses_against(draft_logits, p_t, outside, labels, valid, confidence_logits=
         "l1": (w * l1).sum() / norm,
         "acceptance": accept,
     }
+    if weights.kl:  # sum_v p_t(v) (log p_t(v) - log p_d(v)) over the draft vocabulary
+        kl = (torch.xlogy(p_t, p_t) - p_t * logp_d).sum(-1)
+        out["kl"] = (w * kl).sum() / norm
     if target_top is not None:  # teacher-forced greedy acceptance, as 1 - TV is the sampled one
         out["agreement"] = (draft_logits.argmax(-1) == target_top).float()
-    total = weights.ce * out["ce"] + weights.l1 * out["l1"]
+    total = weights.ce * out["ce"] + weights.l1 * out["l1"] + (weights.kl * out["kl"] if weights.kl else 0)
     if confidence_logits is not None:
         bce = F.binary_cross_entropy_with_logits(confidence_logits.float(), accept, reduction="none")
         out["confidence"] = (w * bce).sum() / norm

@@ -13,15 +13,18 @@ import json
 import math
 import random
 import shutil
+import time
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
+from ..devices import clock, resolve_device
 from ..generation.decoding import unwrap_draft
 from ..model.modeling_dspark import DSparkDraftModel
 from .data import Example, load_dataset, split_heldout, token_frequencies
-from .features import CachedFeatures, OnlineFeatures
+from .features import CachedFeatures, OnlineFeatures, pad_batch
 from .losses import LossWeights, losses_against, sample_anchors, target_distribution_on
 
 _STATE = "trainer_state.pt"
@@ -38,17 +41,22 @@ class TrainConfig:
     dataset: str = field(metadata={"help": "JSONL written by `dspark prepare-data`."})
     output_dir: str = field(metadata={"help": "Where checkpoints and the final draft are saved."})
     epochs: float = field(default=4.0, metadata={"help": "Passes over the training split (fresh anchors each)."})
+    max_steps: int | None = field(default=None, metadata={"help": "Optimizer steps to take, overriding epochs (a "
+                                  "fixed budget across datasets of different sizes)."})
     batch_size: int = field(default=4, metadata={"help": "Sequences per optimizer step (per process)."})
     anchors_per_sequence: int = field(default=48, metadata={"help": "Random blocks per sequence (reference: 512)."})
     learning_rate: float = field(default=1e-3, metadata={"help": "AdamW peak learning rate."})
     weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay."})
-    warmup_ratio: float = field(default=0.04, metadata={"help": "Linear warm-up share of the steps, then cosine."})
+    warmup_ratio: float = field(default=0.04, metadata={"help": "Linear warm-up share of the run (its steps, or its "
+                                                               "time under a time budget), then cosine decay."})
     max_length: int = field(default=640, metadata={"help": "Sequences are cut to this many tokens."})
     heldout_fraction: float = field(default=0.05, metadata={"help": "Share of examples kept for validation and "
                                                                     "calibration (by hashed id)."})
     loss_ce: float = field(default=0.1, metadata={"help": "alpha_ce (eq. 12)."})
     loss_l1: float = field(default=0.9, metadata={"help": "alpha_tv (eq. 12); the term is the full L1 norm."})
     loss_confidence: float = field(default=1.0, metadata={"help": "alpha_conf (eq. 12)."})
+    loss_kl: float = field(default=0.0, metadata={"help": "Weight of the forward KL(p_t || p_d) to the target's "
+                           "distribution over the draft vocabulary (0: off; not in the paper)."})
     position_decay: float = field(default=4.0, metadata={"help": "w_k = exp(-k / position_decay)."})
     feature_cache: str | None = field(default=None, metadata={"help": "Directory for an on-disk cache of target "
                                                                         "features; None computes them online."})
@@ -56,6 +64,20 @@ class TrainConfig:
                                  "on a CPU with bf16 matrix units (AVX512-BF16, AMX: several times the fp32 "
                                  "throughput); 'fp16': GPU only; 'no': fp32. Autocast: weights and optimizer "
                                  "state stay fp32. accelerate keeps one setting per process."})
+    time_budget: float | None = field(default=None, metadata={"help": "Minutes for the whole run (features, training, "
+                                      "held-out report, saving; resumed invocations count together): the "
+                                      "learning-rate schedule follows the time spent instead of the steps, and "
+                                      "epochs and max_steps are ignored."})
+    stop_after: float | None = field(default=None, metadata={"help": "Minutes after which this invocation saves a "
+                                     "checkpoint and returns unfinished; run it again to resume (for machines that "
+                                     "limit a command's wall time)."})
+    device: str = field(default="auto", metadata={"help": "'auto' (the CUDA GPU when torch sees one, else the CPU), "
+                        "'cpu', 'cuda' or 'cuda:N'; under `accelerate launch` each process takes its own GPU."})
+    target_dtype: str = field(default="auto", metadata={"help": "dtype of the frozen target that gives features and "
+                              "the target distribution: 'auto' (bfloat16 on a GPU, float32 on a CPU), 'float32' or "
+                              "'bfloat16'; a target passed to train() is converted too."})
+    auto_find_batch_size: bool = field(default=False, metadata={"help": "Halve batch_size until one step on the "
+                                       "longest sequences fits in GPU memory (says which size it took)."})
     save_every: int = field(default=200, metadata={"help": "Checkpoint every this many steps (resumable)."})
     seed: int = field(default=0, metadata={"help": "Seeds initialisation, shuffling and anchors."})
     draft: dict = field(default_factory=dict, metadata={"help": "DSparkDraftModel.from_target overrides for a fresh "
@@ -81,6 +103,11 @@ class TrainConfig:
 
     def __post_init__(self):
         # checked before train() touches output_dir, so a refused command leaves an existing run as it was
+        for name in ("time_budget", "stop_after"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                raise ValueError(f"{name}={getattr(self, name)}: give a positive number of minutes, or leave it unset.")
+        if self.target_dtype not in ("auto", "float32", "bfloat16"):
+            raise ValueError(f"target_dtype={self.target_dtype!r}: choose 'auto', 'float32' or 'bfloat16'.")
         if self.copy_target_layers and (self.lora or self.init_from):
             raise ValueError("copy_target_layers initialises a fresh draft: drop it, or drop init_from / lora.")
         if self.draft and (self.lora or self.init_from):
@@ -213,17 +240,13 @@ def train_step(draft, target, examples, features, anchors_per_sequence, weights,
     gamma = draft.config.block_size
     feats, last = features(examples)
     device = draft.device
-    feats, last = feats.to(device), last.to(device)
-    lengths = torch.tensor([len(e.input_ids) for e in examples])
-    ids = torch.zeros(len(examples), feats.shape[1], dtype=torch.long)
-    for i, e in enumerate(examples):
-        ids[i, : len(e.input_ids)] = torch.tensor(e.input_ids)
-    anchors, valid = sample_anchors(torch.tensor([e.answer_start for e in examples]), lengths,
+    feats, last = feats.to(device, non_blocking=True), last.to(device, non_blocking=True)
+    ids, context_valid, lengths = pad_batch([e.input_ids for e in examples])  # on the CPU, moved once below
+    anchors, valid = sample_anchors(torch.tensor([e.answer_start for e in examples], device="cpu"), lengths,
                                     anchors_per_sequence, generator)
-    positions = torch.arange(ids.shape[1]).expand(len(examples), -1)
-    context_valid = positions < lengths[:, None]
-    ids, anchors, valid, positions, context_valid, lengths = (t.to(device) for t in (
-        ids, anchors, valid, positions, context_valid, lengths))
+    ids, anchors, valid, context_valid, lengths = (t.to(device, non_blocking=True) for t in (
+        ids, anchors, valid, context_valid.bool(), lengths))
+    positions = torch.arange(ids.shape[1], device=device).expand(len(examples), -1)
 
     labels = gather_blocks(ids, anchors + 1, gamma)  # position k predicts anchor + k + 1
     block_valid = valid[..., None] & ((anchors[..., None] + 1 + torch.arange(gamma, device=device))
@@ -241,56 +264,77 @@ def train_step(draft, target, examples, features, anchors_per_sequence, weights,
 
 def train(config: TrainConfig, target=None, progress: bool = True):
     """Train (or resume) a draft as `config` says; returns the final draft, also saved to config.output_dir
-    (with ``config.lora``: the peft ``PeftModel``, saved as an adapter)."""
+    (with ``config.lora``: the peft ``PeftModel``, saved as an adapter). With ``config.stop_after``, an invocation that
+    runs out of time returns the unfinished draft after saving a checkpoint to resume from."""
     from accelerate import Accelerator
     from tqdm.auto import tqdm
 
-    accelerator = Accelerator(mixed_precision=_mixed_precision(config.mixed_precision))
+    timer = RunClock(config)
+    device = resolve_device(config.device)
+    if device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device)  # accelerate places a single process on the current GPU
+    accelerator = Accelerator(mixed_precision=_mixed_precision(config.mixed_precision, device),
+                              cpu=device.type == "cpu")
+    device = accelerator.device
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True  # fp32 matmuls outside autocast (the target in float32)
     default_target_used = target is None
     if target is None:
         from ..defaults import default_target
 
-        target, _ = default_target(device=accelerator.device)
+        target, _ = default_target(dtype=_target_dtype(config.target_dtype, device), device=device)
+    target = target.to(device=device, dtype=_target_dtype(config.target_dtype, device))
     target.requires_grad_(False).eval()
     vocab_size = target.get_output_embeddings().weight.shape[0]
     train_set, heldout = split_heldout(load_dataset(config.dataset, vocab_size), config.heldout_fraction)
     for ex in train_set + heldout:
         ex.input_ids = ex.input_ids[: config.max_length]
     train_set = [e for e in train_set if e.answer_start < len(e.input_ids) - 1]
+    if not train_set:
+        raise ValueError(f"{config.dataset}: no training example has an answer of two tokens or more after the "
+                         f"held-out split (heldout_fraction={config.heldout_fraction}, "
+                         f"max_length={config.max_length}).")
 
     out_dir = Path(config.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "train_config.json").write_text(json.dumps(asdict(config), indent=2))
     resume = _latest_checkpoint(out_dir)
     draft = _load_draft(config, target, resume, default_target_used, train_set)
-    draft.to(accelerator.device).train()
+    draft.to(device).train()
     layer_ids = unwrap_draft(draft).config.target_layer_ids
 
     features = (CachedFeatures(config.feature_cache, target, layer_ids, train_set + heldout,
                                progress=progress and accelerator.is_main_process)
                 if config.feature_cache else OnlineFeatures(target, layer_ids))
+    weights = LossWeights(config.loss_ce, config.loss_l1, config.loss_confidence, config.position_decay,
+                          config.loss_kl)
+    if config.auto_find_batch_size:
+        config.batch_size = find_batch_size(draft, target, train_set, features, config, weights, accelerator)
     steps_per_epoch = math.ceil(len(train_set) / (config.batch_size * accelerator.num_processes))
-    total_steps = max(1, int(config.epochs * steps_per_epoch))
-    optimizer = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=config.learning_rate,
-                                  weight_decay=config.weight_decay)
-    warmup = max(1, int(config.warmup_ratio * total_steps))
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min((s + 1) / warmup, 0.5 * (
-        1 + math.cos(math.pi * min(1.0, max(0, s - warmup) / max(1, total_steps - warmup))))))
+    total_steps = None if config.time_budget else config.max_steps or max(1, int(config.epochs * steps_per_epoch))
+    params = [p for p in draft.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=config.learning_rate, weight_decay=config.weight_decay,
+                                  fused=device.type == "cuda" or None)
     draft, optimizer = accelerator.prepare(draft, optimizer)
     step = 0
     if resume is not None:
         state = torch.load(resume / _STATE, weights_only=False)
         optimizer.load_state_dict(state["optimizer"])
-        schedule.load_state_dict(state["schedule"])
         step = state["step"]
-    weights = LossWeights(config.loss_ce, config.loss_l1, config.loss_confidence, config.position_decay)
+        timer.restore(state.get("clock", {}))
     model = accelerator.unwrap_model(draft)  # what is saved: the draft, or its peft wrapper (an adapter)
     core = unwrap_draft(model)  # the DSparkDraftModel; with LoRA its layers hold the adapters
+    timer.start_loop(heldout_batches=math.ceil(len(heldout) / config.batch_size))
 
-    bar = tqdm(total=total_steps, initial=step, desc="training", disable=not (progress and
-                                                                              accelerator.is_main_process))
-    running = None
-    while step < total_steps:
+    if total_steps is not None:
+        bar = tqdm(total=total_steps, initial=step, desc="training", disable=not (progress and
+                                                                                  accelerator.is_main_process))
+    else:
+        bar = tqdm(total=round(timer.loop_total()), initial=round(timer.loop_spent), unit="s",
+                   desc=f"training ({config.time_budget:g} min)",
+                   disable=not (progress and accelerator.is_main_process))
+    running, stopped = None, False
+    while not stopped:
         epoch, offset = divmod(step, steps_per_epoch)
         order = list(range(len(train_set)))
         random.Random(config.seed + epoch).shuffle(order)
@@ -298,42 +342,163 @@ def train(config: TrainConfig, target=None, progress: bool = True):
         generator = torch.Generator().manual_seed(config.seed * 100_003 + step)
         for i in range(offset, steps_per_epoch):
             batch = [train_set[j] for j in shard[i * config.batch_size: (i + 1) * config.batch_size]]
-            if not batch or step >= total_steps:
+            done = step >= total_steps if total_steps is not None else timer.budget_spent()
+            if done or timer.must_stop():
+                stopped = True
                 break
+            if not batch:
+                break
+            progress_at_end = (step + 1) / total_steps if total_steps is not None else timer.progress_after_step()
+            for group in optimizer.param_groups:
+                group["lr"] = config.learning_rate * lr_factor(progress_at_end, config.warmup_ratio)
             with accelerator.autocast():
                 losses, valid = train_step(core, target, batch, features, config.anchors_per_sequence, weights,
                                            generator, forward=draft)
             accelerator.backward(losses["total"])
             accelerator.clip_grad_norm_(draft.parameters(), 1.0)
             optimizer.step()
-            schedule.step()
             optimizer.zero_grad(set_to_none=True)
             step += 1
+            seconds = timer.step_done(device)
             running = _running(running, losses, valid)
-            bar.update(1)
-            bar.set_postfix_str(_postfix(running))
+            bar.update(1 if total_steps is not None else min(seconds, bar.total - bar.n))
+            bar.set_postfix_str(f"step={step} {_postfix(running)}")
             if step % config.save_every == 0 and accelerator.is_main_process:
-                _save_checkpoint(model, optimizer, schedule, step, out_dir)
+                _save_checkpoint(model, optimizer, step, timer, out_dir)
     bar.close()
+    if step == 0:
+        warnings.warn(f"{config.output_dir}: the time budget ran out before the first training step; the saved "
+                      "draft is untrained. Give a larger time_budget.", stacklevel=2)
+    if timer.must_stop() and not (timer.budget_spent() if total_steps is None else step >= total_steps):
+        if accelerator.is_main_process:
+            _save_checkpoint(model, optimizer, step, timer, out_dir)
+            print(f"stopped after {config.stop_after:g} min at step {step}: run the same command again to resume "
+                  f"from {out_dir}")
+        return accelerator.unwrap_model(draft, keep_fp32_wrapper=False)
     # drop accelerate's autocast wrapper of forward: held-out figures and the returned draft run in the draft's dtype
     model = accelerator.unwrap_model(draft, keep_fp32_wrapper=False)
     core = unwrap_draft(model)
     model.eval()
     if accelerator.is_main_process:
-        report = evaluate_heldout(core, target, heldout, features, config.anchors_per_sequence, weights)
+        report = evaluate_heldout(core, target, heldout, features, config.anchors_per_sequence, weights,
+                                  batch_size=config.batch_size)
+        report["training"] = {"steps": step, "minutes": round(timer.total_spent() / 60, 2),
+                              "device": str(device), "target_dtype": str(target.dtype).replace("torch.", ""),
+                              "batch_size": config.batch_size, "train_examples": len(train_set)}
         (out_dir / "heldout.json").write_text(json.dumps(report, indent=2))
         model.save_pretrained(out_dir)
     return model
 
 
-def _mixed_precision(choice: str) -> str:
+def lr_factor(progress: float, warmup: float) -> float:
+    """Learning-rate multiplier at `progress` in [0, 1] of the run (steps, or time of a time budget): linear warm-up
+    over the first `warmup` of it, then cosine decay to 0."""
+    if progress < warmup:
+        return progress / warmup
+    return 0.5 * (1 + math.cos(math.pi * min(1.0, (progress - warmup) / max(1e-9, 1 - warmup))))
+
+
+class RunClock:
+    """Where a run stands against its time budget (`config.time_budget`) and this invocation's limit
+    (`config.stop_after`), resumed invocations included.
+
+    The training loop gets what the budget leaves once this invocation's setup (loading, features) is done, minus
+    a reserve for the held-out report and the final save, estimated from the measured step time; the learning-rate
+    schedule runs over that loop time.
+    """
+
+    SAVE_SECONDS = 5.0
+
+    def __init__(self, config: TrainConfig):
+        self.budget = None if config.time_budget is None else 60 * config.time_budget
+        self.limit = None if config.stop_after is None else 60 * config.stop_after
+        self.entry = time.perf_counter()
+        self.spent_before = 0.0  # wall time of earlier invocations
+        self.loop_spent = 0.0  # training-loop time, all invocations
+        self.step_seconds = 0.0  # of the last step
+        self.heldout_batches = 0
+
+    def restore(self, state: dict) -> None:
+        self.spent_before = state.get("spent", 0.0)
+        self.loop_spent = state.get("loop_spent", 0.0)
+
+    def state(self) -> dict:
+        return {"spent": self.total_spent(), "loop_spent": self.loop_spent}
+
+    def start_loop(self, heldout_batches: int) -> None:
+        self.heldout_batches = heldout_batches
+        self.last = time.perf_counter()
+
+    def total_spent(self) -> float:
+        return self.spent_before + time.perf_counter() - self.entry
+
+    def reserve(self) -> float:
+        """Seconds kept for the held-out report (a forward pass costs about half a training step) and saving."""
+        return self.SAVE_SECONDS + 0.5 * self.step_seconds * self.heldout_batches
+
+    def loop_total(self) -> float:
+        """Seconds of training loop the budget allows, all invocations."""
+        left = self.budget - self.total_spent() - self.reserve()
+        return max(self.loop_spent + left, 1e-9)
+
+    def progress_after_step(self) -> float:
+        return min(1.0, (self.loop_spent + self.step_seconds) / self.loop_total())
+
+    def budget_spent(self) -> bool:
+        """No time left for another step before the reserve."""
+        return self.total_spent() + self.step_seconds + self.reserve() > self.budget
+
+    def must_stop(self) -> bool:
+        """This invocation's limit is near: save and return before it."""
+        if self.limit is None:
+            return False
+        return time.perf_counter() - self.entry + self.step_seconds + self.SAVE_SECONDS > self.limit
+
+    def step_done(self, device) -> float:
+        now = clock(device)
+        self.step_seconds = now - self.last
+        self.loop_spent += self.step_seconds
+        self.last = now
+        return self.step_seconds
+
+
+def find_batch_size(draft, target, train_set, features, config: TrainConfig, weights, accelerator) -> int:
+    """The largest batch size, halving from config.batch_size, at which one training step on the longest training
+    sequences fits in GPU memory (a CPU never runs out: it returns config.batch_size)."""
+    longest = sorted(train_set, key=lambda e: len(e.input_ids), reverse=True)
+    size = config.batch_size
+    while accelerator.device.type == "cuda":
+        try:
+            with accelerator.autocast():
+                losses, _ = train_step(unwrap_draft(draft), target, longest[:size], features,
+                                       config.anchors_per_sequence, weights, torch.Generator().manual_seed(0))
+            losses["total"].backward()
+            break
+        except torch.OutOfMemoryError:
+            if size == 1:
+                raise
+            size //= 2
+        finally:
+            draft.zero_grad(set_to_none=True)
+            torch.cuda.empty_cache()
+    print(f"batch size: {size} sequences x {config.anchors_per_sequence} anchors")
+    return size
+
+
+def _mixed_precision(choice: str, device: torch.device) -> str:
     if choice not in ("auto", "bf16", "fp16", "no"):
         raise ValueError(f"mixed_precision={choice!r}: choose 'auto', 'bf16', 'fp16' or 'no'.")
     if choice == "auto":
-        return "bf16" if torch.cuda.is_available() else "no"
-    if choice == "fp16" and not torch.cuda.is_available():  # accelerate would silently train in fp32
+        return "bf16" if device.type == "cuda" else "no"
+    if choice == "fp16" and device.type != "cuda":  # accelerate would silently train in fp32
         raise ValueError("mixed_precision='fp16' needs a GPU; on CPU use 'bf16' (CPUs with bf16 units) or 'no'.")
     return choice
+
+
+def _target_dtype(choice: str, device: torch.device) -> torch.dtype:
+    if choice == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, choice)
 
 
 def _running(running, losses, valid, beta=0.95):
@@ -348,7 +513,7 @@ def _running(running, losses, valid, beta=0.95):
 
 
 def _postfix(running) -> str:
-    terms = " ".join(f"{k}={running[k]:.3f}" for k in ("total", "ce", "l1", "confidence") if k in running)
+    terms = " ".join(f"{k}={running[k]:.3f}" for k in ("total", "ce", "l1", "kl", "confidence") if k in running)
     return f"{terms} acc/pos=[{' '.join(f'{a:.2f}' for a in running['acc'])}]"
 
 
@@ -356,21 +521,37 @@ def _postfix(running) -> str:
 def evaluate_heldout(draft, target, heldout, features, anchors_per_sequence, weights, batch_size=4) -> dict:
     """Teacher-forced acceptance per position on held-out sequences (the target's own tokens), and the expected
     acceptance length each implies: 1 - TV for sampling, and whether the draft's argmax is the target's for greedy
-    decoding."""
+    decoding. Where the examples name their domain, the same figures per domain under "domains", and the macro
+    expected greedy tau over them."""
     if not heldout:
         return {}
     generator = torch.Generator().manual_seed(1234)
-    sums, count = {"acceptance": 0, "agreement": 0}, 0
-    for i in range(0, len(heldout), batch_size):
-        batch = heldout[i: i + batch_size]
-        losses, valid = train_step(draft, target, batch, features, anchors_per_sequence, weights, generator)
-        for k in sums:
-            sums[k] = sums[k] + (losses[k] * valid).sum(0)
-        count = count + valid.sum(0)
-    acceptance, agreement = ((sums[k] / count.clamp_min(1)).tolist() for k in ("acceptance", "agreement"))
-    return {"sequences": len(heldout), "acceptance_per_position": acceptance,
-            "expected_tau_from_acceptance": _expected_tau(acceptance),
-            "greedy_agreement_per_position": agreement, "expected_greedy_tau": _expected_tau(agreement)}
+    by_domain: dict[str | None, list] = {}
+    for ex in heldout:
+        by_domain.setdefault(ex.domain, []).append(ex)
+    sums = {}
+    for domain, examples in sorted(by_domain.items(), key=lambda kv: str(kv[0])):
+        acc = sums.setdefault(domain, {"acceptance": 0, "agreement": 0, "count": 0})
+        for i in range(0, len(examples), batch_size):
+            losses, valid = train_step(draft, target, examples[i: i + batch_size], features, anchors_per_sequence,
+                                       weights, generator)
+            for k in ("acceptance", "agreement"):
+                acc[k] = acc[k] + (losses[k] * valid).sum(0)
+            acc["count"] = acc["count"] + valid.sum(0)
+
+    def figures(acc, sequences) -> dict:
+        acceptance, agreement = ((acc[k] / acc["count"].clamp_min(1)).tolist() for k in ("acceptance", "agreement"))
+        return {"sequences": sequences, "acceptance_per_position": acceptance,
+                "expected_tau_from_acceptance": _expected_tau(acceptance),
+                "greedy_agreement_per_position": agreement, "expected_greedy_tau": _expected_tau(agreement)}
+
+    total = {k: sum(acc[k] for acc in sums.values()) for k in ("acceptance", "agreement", "count")}
+    report = figures(total, len(heldout))
+    if any(domain is not None for domain in sums):
+        report["domains"] = {str(d): figures(acc, len(by_domain[d])) for d, acc in sums.items()}
+        report["macro_expected_greedy_tau"] = sum(r["expected_greedy_tau"] for r in report["domains"].values()) / len(
+            report["domains"])
+    return report
 
 
 def _expected_tau(acceptance: list[float]) -> float:
@@ -388,10 +569,9 @@ def _latest_checkpoint(out_dir: Path) -> Path | None:
     return found[-1] if found else None
 
 
-def _save_checkpoint(model, optimizer, schedule, step, out_dir: Path):
+def _save_checkpoint(model, optimizer, step: int, clock: RunClock, out_dir: Path):
     path = out_dir / f"checkpoint-{step}"
     model.save_pretrained(path)
-    torch.save({"optimizer": optimizer.state_dict(), "schedule": schedule.state_dict(), "step": step},
-               path / _STATE)
+    torch.save({"optimizer": optimizer.state_dict(), "step": step, "clock": clock.state()}, path / _STATE)
     for old in _checkpoints(out_dir)[:-2]:
         shutil.rmtree(old, ignore_errors=True)
