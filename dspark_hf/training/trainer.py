@@ -354,14 +354,15 @@ def train(config: TrainConfig, target=None, progress: bool = True):
             with accelerator.autocast():
                 losses, valid = train_step(core, target, batch, features, config.anchors_per_sequence, weights,
                                            generator, forward=draft)
+            timer.forward_done(device)
             accelerator.backward(losses["total"])
             accelerator.clip_grad_norm_(draft.parameters(), 1.0)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             step += 1
-            seconds = timer.step_done(device)
+            timer.step_done(device)
             running = _running(running, losses, valid)
-            bar.update(1 if total_steps is not None else min(seconds, bar.total - bar.n))
+            bar.update(1 if total_steps is not None else min(round(timer.loop_spent), bar.total) - bar.n)
             bar.set_postfix_str(f"step={step} {_postfix(running)}")
             if step % config.save_every == 0 and accelerator.is_main_process:
                 _save_checkpoint(model, optimizer, step, timer, out_dir)
@@ -380,8 +381,10 @@ def train(config: TrainConfig, target=None, progress: bool = True):
     core = unwrap_draft(model)
     model.eval()
     if accelerator.is_main_process:
-        report = evaluate_heldout(core, target, heldout, features, config.anchors_per_sequence, weights,
+        measured = _interleave_domains(heldout)[: timer.report_batches() * config.batch_size]
+        report = evaluate_heldout(core, target, measured, features, config.anchors_per_sequence, weights,
                                   batch_size=config.batch_size)
+        report["heldout_sequences"] = len(heldout)  # "sequences" were measured; fewer under a tight time budget
         report["training"] = {"steps": step, "minutes": round(timer.total_spent() / 60, 2),
                               "device": str(device), "target_dtype": str(target.dtype).replace("torch.", ""),
                               "batch_size": config.batch_size, "train_examples": len(train_set)}
@@ -398,16 +401,27 @@ def lr_factor(progress: float, warmup: float) -> float:
     return 0.5 * (1 + math.cos(math.pi * min(1.0, (progress - warmup) / max(1e-9, 1 - warmup))))
 
 
+def _interleave_domains(examples: list) -> list:
+    """Examples in round-robin order of their domains, so that any prefix mixes them."""
+    by_domain: dict = {}
+    for ex in examples:
+        by_domain.setdefault(ex.domain, []).append(ex)
+    queues = list(by_domain.values())
+    return [q[i] for i in range(max(map(len, queues), default=0)) for q in queues if i < len(q)]
+
+
 class RunClock:
     """Where a run stands against its time budget (`config.time_budget`) and this invocation's limit
     (`config.stop_after`), resumed invocations included.
 
     The training loop gets what the budget leaves once this invocation's setup (loading, features) is done, minus
-    a reserve for the held-out report and the final save, estimated from the measured step time; the learning-rate
-    schedule runs over that loop time.
+    a reserve for the held-out report and the final save; the learning-rate schedule runs over that loop time. The
+    report costs one measured forward pass per held-out batch; under a budget it measures at most the batches that
+    fit in REPORT_SHARE of it (at least one).
     """
 
     SAVE_SECONDS = 5.0
+    REPORT_SHARE = 0.2
 
     def __init__(self, config: TrainConfig):
         self.budget = None if config.time_budget is None else 60 * config.time_budget
@@ -416,6 +430,7 @@ class RunClock:
         self.spent_before = 0.0  # wall time of earlier invocations
         self.loop_spent = 0.0  # training-loop time, all invocations
         self.step_seconds = 0.0  # of the last step
+        self.forward_seconds = 0.0  # of the last step's forward pass (features, draft, losses)
         self.heldout_batches = 0
 
     def restore(self, state: dict) -> None:
@@ -432,9 +447,15 @@ class RunClock:
     def total_spent(self) -> float:
         return self.spent_before + time.perf_counter() - self.entry
 
+    def report_batches(self) -> int:
+        """Held-out batches the report measures: all of them, or under a budget what fits in its share."""
+        if self.budget is None or self.forward_seconds == 0:
+            return self.heldout_batches
+        return min(self.heldout_batches, max(1, int(self.REPORT_SHARE * self.budget / self.forward_seconds)))
+
     def reserve(self) -> float:
-        """Seconds kept for the held-out report (a forward pass costs about half a training step) and saving."""
-        return self.SAVE_SECONDS + 0.5 * self.step_seconds * self.heldout_batches
+        """Seconds kept for the held-out report (one forward pass per batch) and saving."""
+        return self.SAVE_SECONDS + self.forward_seconds * self.report_batches()
 
     def loop_total(self) -> float:
         """Seconds of training loop the budget allows, all invocations."""
@@ -453,6 +474,9 @@ class RunClock:
         if self.limit is None:
             return False
         return time.perf_counter() - self.entry + self.step_seconds + self.SAVE_SECONDS > self.limit
+
+    def forward_done(self, device) -> None:
+        self.forward_seconds = clock(device) - self.last
 
     def step_done(self, device) -> float:
         now = clock(device)
