@@ -19,6 +19,8 @@
 #   CAMPAIGN_PROMPTS        pack: a prompt file to use instead of collecting sharegpt + stdlib + reasoning-gym ones
 #   CAMPAIGN_EVAL_PROMPTS   pack: evaluation prompts instead of HumanEval + MT-Bench + GSM-symbolic (20 of each)
 #   CAMPAIGN_WHEELS         pack: "none" to carry no wheels (a machine that has transformers 5.23 and gguf)
+#   CAMPAIGN_DATA           pack: a dataset regenerated here ahead of the lease (`dspark prepare-data`), carried
+#                           gzipped and trained on together with the answers regenerated on the device
 #   CAMPAIGN_PACK           where pack writes and the device reads what travels (default .campaign, git-ignored)
 #   CAMPAIGN_STATE          the device's working folder (default /tmp/dspark-campaign)
 #   OUT                     what comes back (set by the device tool; default $CAMPAIGN_STATE/out)
@@ -69,6 +71,11 @@ pack() {
   else  # the device has none of the suites' packages: their prompts travel as a file (evaluation only)
     python3 -c "from dspark_hf.evaluation.suites import load_prompts; from dspark_hf.training.prompts import \
 write_prompts; write_prompts(load_prompts(None, ['humaneval', 'mtbench', 'gsm'], 20), '$PACK/load/eval-prompts.jsonl.gz')"
+  fi
+  if [ -n "${CAMPAIGN_DATA:-}" ]; then  # ids marked, so they never meet the device's own answers' ids
+    python3 -c "import gzip, json, sys; out = gzip.open(sys.argv[2], 'wt'); [out.write(json.dumps({**(o := \
+json.loads(l)), 'id': 'cpu:' + o['id']}) + '\n') for l in open(sys.argv[1]) if l.strip()]; out.close()" \
+      "$CAMPAIGN_DATA" "$PACK/load/cpu-data.jsonl.gz"
   fi
   if [ "${CAMPAIGN_WHEELS:-}" != none ]; then  # the device has transformers 5.17 and no gguf
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -146,6 +153,11 @@ data() {
     --output "$STATE/data.jsonl" --num-examples 0 --samples-per-prompt "$SAMPLES" --time-budget "$DATA_MINUTES" \
     --max-new-tokens "$MAX_NEW_TOKENS"
   cp "$STATE/data.manifest.json" "$OUT/"
+  if [ -f "$STATE/load/cpu-data.jsonl.gz" ]; then  # answers regenerated here before the lease join the device's
+    { cat "$STATE/data.jsonl"; gzip -dc "$STATE/load/cpu-data.jsonl.gz"; } > "$STATE/train.jsonl"
+  else
+    cp "$STATE/data.jsonl" "$STATE/train.jsonl"
+  fi
   train
 }
 
@@ -159,7 +171,7 @@ train() {
     [ -f "$STATE/$arm/heldout.json" ] && continue
     python3 -c "import sys; sys.exit($stop < 0.5)" || { log "no time left in this call"; break; }
     # shellcheck disable=SC2086  # the recipe is a list of flags
-    dspark train --target "$STATE/target" --target-dtype "$DTYPE" --dataset "$STATE/data.jsonl" \
+    dspark train --target "$STATE/target" --target-dtype "$DTYPE" --dataset "$STATE/train.jsonl" \
       --heldout-fraction "$HELDOUT" --output-dir "$STATE/$arm" $RECIPE ${arms[i + 1]} \
       --time-budget "$TRAIN_MINUTES" --stop-after "$stop" \
       >> "$STATE/logs/train-$arm.log" 2>&1 &
@@ -176,7 +188,7 @@ finish() {
     [ -f "$STATE/$arm/heldout.json" ] || { echo "$arm has not finished training: run train first" >&2; exit 1; }
   done
   [ -f "$STATE/dspark_calibrated/calibration.json" ] || dspark calibrate --target "$STATE/target" \
-    --draft "$STATE/dspark" --dataset "$STATE/data.jsonl" --heldout-fraction "$HELDOUT" \
+    --draft "$STATE/dspark" --dataset "$STATE/train.jsonl" --heldout-fraction "$HELDOUT" \
     --output "$STATE/dspark_calibrated" --limit 64 \
     --batch-size 32 --draft-dtype float32 --max-new-tokens "$EVAL_TOKENS"
   dspark export "$STATE/dspark_calibrated" --output "$STATE/export" --base-model "$BASE_MODEL"

