@@ -28,11 +28,11 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, StoppingCriteria, StoppingCriteriaList
 
 import dspark_hf
-from dspark_hf import DSparkDraftModel, DSparkRoundStreamer, FullBlock, Scheduled, ThresholdPolicy
+from dspark_hf import AutoScheduled, DSparkDraftModel, DSparkRoundStreamer, FullBlock, Scheduled, ThresholdPolicy
 from dspark_hf.evaluation.metrics import acceptance_length, conditional_acceptance
 from dspark_hf.scheduling.profile import profile_sps, save_profile
 
-POLICIES = ("full block", "threshold", "scheduled")
+POLICIES = ("full block", "auto", "threshold", "scheduled")
 EXAMPLES = [
     ["Write a Python function that checks whether a string is a palindrome."],
     ["A train covers 60 km in 45 minutes. What is its average speed in km/h?"],
@@ -87,6 +87,8 @@ def make_policy(name: str, threshold: float, profile: Path):
     """A fresh verification policy per request: the scheduler keeps state across the rounds of one call."""
     if name == "full block":
         return FullBlock()
+    if name == "auto":  # generate()'s default: plans against this machine's cached costs, drafts while it pays
+        return AutoScheduled()
     if name == "threshold":
         return ThresholdPolicy(threshold)
     if name == "scheduled":

@@ -11,7 +11,8 @@ from .generation.streamers import DSparkRoundStreamer, DSparkStep
 from .generation.integration import install as _install_generate_hook
 from .defaults import default_draft, default_target, fast_draft_dtype
 from .model import DSparkConfig, DSparkContext, DSparkDraftModel, DraftBlock
-from .scheduling import AsyncScheduled, FixedLength, FullBlock, Scheduled, ThresholdPolicy, prefix_schedule
+from .scheduling import (AsyncScheduled, AutoScheduled, FixedLength, FullBlock, Policy, Scheduled, ThresholdPolicy,
+                         prefix_schedule)
 
 __version__ = "0.1.0"
 
@@ -32,6 +33,8 @@ __all__ = [
     "DSparkStep",
     "dspark_generate",
     "HalfPrecisionGreedyWarning",
+    "AutoScheduled",
+    "Policy",
     "FullBlock",
     "FixedLength",
     "ThresholdPolicy",

@@ -242,22 +242,24 @@ def cmd_bench_speed(args) -> int:
     from .evaluation.machine import describe
     from .evaluation.suites import load_prompts
 
+    from .scheduling.named import named_policy
+
+    policies = {name: named_policy(name, args.profile) for name in args.policy or ["auto"]}  # checked first
     prompts = load_prompts(args.prompts, args.suite, args.limit)
     target, tokenizer, draft = _load(args)
-    extra = {}
-    if args.profile:
-        from .scheduling import Scheduled
-
-        extra["dspark_scheduled"] = {"assistant_model": draft,
-                                     "verification_policy": Scheduled.from_profile(args.profile)}
+    extra = {f"dspark ({name})": {"assistant_model": draft, "verification_policy": make}
+             for name, make in list(policies.items())[1:]}
     for spec in args.also_draft or []:
         name, _, path = spec.partition("=")
-        if not path or name in ("plain", "dspark", "prompt_lookup", "dspark_scheduled"):
+        if not path or name in ("plain", "dspark", "prompt_lookup") or name.startswith("dspark ("):
             raise ValueError(f"--also-draft {spec}: write NAME=PATH with a name of your own, e.g. "
                              "single_token=runs/recipe/block1.")
-        extra[name] = {"assistant_model": _load_draft(path, target, draft.dtype)}
+        extra[name] = {"assistant_model": _load_draft(path, target, draft.dtype),
+                       "verification_policy": next(iter(policies.values()))}
     report = bench_speed(target, tokenizer, draft, prompts, args.batch_size, args.max_new_tokens, args.repeats,
-                         args.temperature, extra_methods=extra)
+                         args.temperature, extra_methods=extra, policy=next(iter(policies.values())))
+    report["settings"]["policies"] = {"dspark": next(iter(policies)), **{f"dspark ({n})": n for n in
+                                                                         list(policies)[1:]}}
     _write_json(args.output, report)
     print(f"\n{describe(report['machine'])}; {len(prompts)} prompts, batch {args.batch_size}, "
           f"max_new_tokens={args.max_new_tokens}, median of {args.repeats}")
@@ -603,7 +605,11 @@ def build_parser() -> argparse.ArgumentParser:
     prompt_set(p)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--output", default="bench.json")
-    p.add_argument("--profile", help="a `dspark profile` JSON: adds DSpark with the hardware-aware scheduler")
+    p.add_argument("--policy", action="append", metavar="NAME",
+                   help="verification policy of DSpark: auto (default: plans against this machine's cached costs, "
+                        "drafts only while it pays), 'full block', 'fixed N', 'threshold T', scheduled, async; "
+                        "repeat to run several side by side (the first is 'dspark', the others 'dspark (NAME)')")
+    p.add_argument("--profile", help="a `dspark profile` JSON for auto, scheduled and async to plan against")
     p.add_argument("--also-draft", action="append", metavar="NAME=PATH",
                    help="another draft to run beside --draft, e.g. a single-token draft (--block-size 1); repeatable")
     p.set_defaults(func=cmd_bench_speed)

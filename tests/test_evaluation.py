@@ -138,6 +138,22 @@ def test_dspark_bench_speed_reports_every_method(tiny_models, tmp_path, dtype):
     assert report["machine"]["torch_threads"] >= 1
 
 
+def test_bench_speed_runs_the_default_policy_and_others_side_by_side_and_says_which(tiny_models, tmp_path):
+    out = tmp_path / "bench.json"
+    assert main(["bench", "speed", "--target", str(tiny_models / "target"), "--draft", str(tiny_models / "draft"),
+                 "--policy", "auto", "--policy", "full block", "--policy", "fixed 2", "--prompts",
+                 str(tiny_models / "prompts.jsonl"), "--limit", "2", "--max-new-tokens", "8", "--repeats", "1",
+                 "--output", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["settings"]["policies"] == {"dspark": "auto", "dspark (full block)": "full block",
+                                              "dspark (fixed 2)": "fixed 2"}
+    assert all(report["methods"][m]["identical_rows"] == 2 for m in report["settings"]["policies"])
+    with pytest.raises(ValueError, match="unknown verification policy 'fastest'"):
+        main(["bench", "speed", "--target", str(tiny_models / "target"), "--policy", "fastest"])
+    with pytest.raises(ValueError, match="scheduled policy plans against a profile"):
+        main(["bench", "speed", "--target", str(tiny_models / "target"), "--policy", "scheduled"])
+
+
 def test_bench_speed_runs_a_single_token_draft_beside_dspark(tiny_models, tmp_path):
     from transformers import AutoModelForCausalLM
 
@@ -145,8 +161,9 @@ def test_bench_speed_runs_a_single_token_draft_beside_dspark(tiny_models, tmp_pa
     tiny_draft(target, block_size=1).save_pretrained(tmp_path / "single")
     out = tmp_path / "bench.json"
     assert main(["bench", "speed", "--target", str(tiny_models / "target"), "--draft", str(tiny_models / "draft"),
-                 "--also-draft", f"single_token={tmp_path / 'single'}", "--prompts", str(tiny_models / "prompts.jsonl"),
-                 "--limit", "2", "--max-new-tokens", "8", "--repeats", "1", "--output", str(out)]) == 0
+                 "--also-draft", f"single_token={tmp_path / 'single'}", "--prompts",
+                 str(tiny_models / "prompts.jsonl"), "--limit", "2", "--max-new-tokens", "8", "--repeats", "1",
+                 "--output", str(out)]) == 0
     methods = json.loads(out.read_text())["methods"]
     assert set(methods) == {"plain", "prompt_lookup", "dspark", "single_token"}
     assert methods["single_token"]["identical_rows"] == 2 and 1 <= methods["single_token"]["acceptance_length"] <= 2
@@ -205,7 +222,7 @@ def test_dspark_bench_serve_compares_every_policy_at_every_concurrency(tiny_mode
     report = json.loads(out.read_text())
     assert list(report["results"]) == ["1", "3"]
     for by_method in report["results"].values():
-        assert list(by_method) == ["no speculation", "full block", "fixed 1", "fixed 2", "threshold 0.5",
+        assert list(by_method) == ["no speculation", "auto", "full block", "fixed 1", "fixed 2", "threshold 0.5",
                                    "scheduled"]
         assert by_method["fixed 2"]["mean_verified"] <= 2 and by_method["full block"]["mean_verified"] <= 4
         assert by_method["no speculation"]["rounds"] == 0

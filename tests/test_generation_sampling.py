@@ -14,7 +14,7 @@ import torch
 from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper
 
 from conftest import PAD, tiny_draft, tiny_target
-from dspark_hf import FixedLength
+from dspark_hf import FixedLength, FullBlock
 from dspark_hf.generation import verify
 from test_model import chi_square_p_value
 
@@ -37,7 +37,9 @@ def exact_distribution(target, processors: LogitsProcessorList) -> torch.Tensor:
 
 def sample_continuations(target, draft, n, **kw) -> torch.Tensor:
     """n continuations of PROMPT, left-padded by 2, from one batched generate() call in which they are interleaved
-    with n filler rows that have 7-token prompts of their own (not counted), so rows progress raggedly."""
+    with n filler rows that have 7-token prompts of their own (not counted), so rows progress raggedly. The full
+    block is verified unless kw names a policy (None: the default one)."""
+    kw.setdefault("verification_policy", FullBlock())
     g = torch.Generator().manual_seed(n)
     ids = torch.randint(0, V, (2 * n, len(PROMPT) + 2), generator=g)
     mask = torch.ones_like(ids)
@@ -69,7 +71,8 @@ def test_sampling_matches_the_target_distribution(setup):
     target, draft, settings, probs = setup
     torch.manual_seed(0)
     out = target.generate(input_ids=torch.tensor([PROMPT] * 64), do_sample=True, max_new_tokens=NEW,
-                          assistant_model=draft, return_dict_in_generate=True, **settings)
+                          assistant_model=draft, return_dict_in_generate=True, verification_policy=FullBlock(),
+                          **settings)
     rounds = [r for rows in out.rounds for r in rows if r.verified > 0]
     accepted = sum(r.accepted for r in rounds) / sum(r.verified for r in rounds)
     assert 0.2 < accepted < 0.8, "both acceptance and rejection (the residual) must be exercised"
@@ -85,6 +88,26 @@ def test_trimmed_verification_stays_exact(setup):
     torch.manual_seed(2)
     samples = sample_continuations(target, draft, SAMPLES, verification_policy=FixedLength(1), **settings)
     assert p_value(samples, probs) > ALPHA
+
+
+def test_the_default_policy_stays_exact(setup):
+    target, draft, settings, probs = setup
+    torch.manual_seed(4)
+    samples = sample_continuations(target, draft, SAMPLES, verification_policy=None, **settings)
+    assert p_value(samples, probs) > ALPHA
+
+
+def test_the_default_policy_gives_the_same_sampled_output_for_a_seed(setup):
+    """Its decisions read the cached costs and the acceptance seen, never a clock."""
+    target, draft, settings, _ = setup
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(5)
+        runs.append(target.generate(input_ids=torch.tensor([PROMPT] * 8), do_sample=True, max_new_tokens=24,
+                                    assistant_model=draft, return_dict_in_generate=True, **settings))
+    assert torch.equal(runs[0].sequences, runs[1].sequences)
+    assert [[r.verified for r in rows] for rows in runs[0].rounds] == [[r.verified for r in rows] for rows in
+                                                                        runs[1].rounds]
 
 
 def test_a_bfloat16_draft_next_to_a_float32_target_stays_exact(setup):

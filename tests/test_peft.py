@@ -9,7 +9,7 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 
 from conftest import left_padded_prompts, tiny_draft, tiny_target
-from dspark_hf import DSparkDraftModel, dspark_generate
+from dspark_hf import DSparkDraftModel, FullBlock, dspark_generate
 from dspark_hf.evaluation import OracleDraft
 from dspark_hf.training import load_dataset
 from dspark_hf.training.features import OnlineFeatures
@@ -217,7 +217,8 @@ def test_a_peft_wrapped_target_is_lossless_with_a_draft(corruption):
 
     draft = tiny_draft(peft_target)  # from_target reads a peft-wrapped target too
     oracle = OracleDraft.from_draft(draft).set_references(peft_target, reference, mask, corruption=corruption)
-    out = generate(peft_target, ids, mask, assistant_model=oracle, return_dict_in_generate=True)
+    out = generate(peft_target, ids, mask, assistant_model=oracle, return_dict_in_generate=True,
+                   verification_policy=FullBlock())
     assert torch.equal(out.sequences, reference)
     accepted = [r.accepted for rows in out.rounds for r in rows]
     assert max(accepted) == draft.config.block_size, "the oracle's blocks are accepted whole: same target"

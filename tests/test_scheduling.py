@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from conftest import left_padded_prompts, tiny_draft, tiny_target
+from dspark_hf import Policy
 from dspark_hf.scheduling.scheduler import AsyncScheduled, Scheduled, ThresholdPolicy, prefix_schedule, \
     topk_schedule, verified_tokens
 
@@ -118,7 +119,7 @@ def test_scheduled_sampling_is_exact():
     assert p_value(samples, probs) > ALPHA
 
 
-class Alternating:
+class Alternating(Policy):
     """Drafts every other round and verifies one token: rounds with and without a draft interleave."""
 
     def __init__(self):
@@ -130,6 +131,21 @@ class Alternating:
 
     def __call__(self, confidences, gamma, num_rows):
         return torch.ones(num_rows, dtype=torch.long)
+
+
+def test_a_policy_with_hooks_must_be_a_policy_so_that_they_are_called():
+    from dspark_hf.scheduling import as_policy
+
+    class DuckTyped:
+        def draft_this_round(self, num_rows):
+            return False
+
+        def __call__(self, confidences, gamma, num_rows):
+            return torch.zeros(num_rows, dtype=torch.long)
+
+    with pytest.raises(TypeError, match="DuckTyped defines draft_this_round: subclass dspark_hf.Policy"):
+        as_policy(DuckTyped())
+    assert as_policy(lambda c, gamma, rows: torch.ones(rows, dtype=torch.long)).draft_this_round(3)
 
 
 def test_rounds_without_a_draft_stay_token_identical(family):
@@ -236,3 +252,116 @@ def test_profile_measures_every_batch_size_and_loads_as_a_callable(tmp_path):
     assert draft_cost(4) == pytest.approx(profile["draft_seconds"][2] * 2)
     policy = Scheduled.from_profile(tmp_path / "p.json")
     assert policy.draft_seconds is not None and policy(torch.full((2, 4), 0.5), 4, 2).shape == (2,)
+
+
+# -- the default policy ------------------------------------------------------------------------------------------
+def costs(draft=0.01, verify=lambda n: 0.05 + 0.005 * n, rows=(1, 2, 4)):
+    """Synthetic engine costs: a draft pass of `draft` s, a verification of n tokens per row of verify(n) s x R."""
+    from dspark_hf.scheduling.profile import EngineCosts
+
+    return EngineCosts({R: {n: R * verify(n) for n in range(1, 9)} for R in rows}, {R: R * draft for R in rows})
+
+
+def auto(engine, gamma=7, **kw):
+    from dspark_hf import AutoScheduled
+
+    policy = AutoScheduled(**kw)
+    policy.costs = engine
+    policy._seen = torch.zeros(3, gamma, dtype=torch.float64)
+    return policy
+
+
+def play(policy, confidences, accepted_of, rounds):
+    """Run `rounds` rounds: accepted_of(lengths) -> accepted counts; returns whether each round drafted."""
+    drafted = []
+    for _ in range(rounds):
+        R = confidences.shape[0]
+        if not policy.draft_this_round(R):
+            policy.observe(torch.zeros(R, dtype=torch.long), torch.zeros(R, dtype=torch.long), drafted=False)
+            drafted.append(False)
+            continue
+        lengths = policy(confidences, confidences.shape[1], R)
+        policy.observe(lengths, accepted_of(lengths), drafted=True)
+        drafted.append(True)
+    return drafted
+
+
+def test_the_default_policy_stops_drafting_a_draft_that_never_pays_and_probes_less_and_less():
+    policy = auto(costs(draft=0.04))  # a draft pass almost as dear as a verification, nothing accepted
+    drafted = play(policy, torch.full((1, 7), 0.6), lambda lengths: torch.zeros_like(lengths), 60)
+    probes = [i for i, d in enumerate(drafted) if d]
+    assert policy.gain < 1 and len(probes) <= 6
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert gaps == sorted(gaps) and gaps[-1] > gaps[0], "each probe that loses doubles the pause"
+
+
+def test_one_unlucky_round_does_not_stop_a_draft_that_pays():
+    policy = auto(costs())
+    luck = iter([7] * 10 + [0] + [7] * 10)
+    drafted = play(policy, torch.full((1, 7), 0.9), lambda lengths: torch.minimum(lengths, torch.tensor(next(luck))),
+                   21)
+    assert all(drafted), "the running gain stays above 1 through one bad round"
+
+
+def test_a_draft_better_than_its_confidences_gets_its_full_block_verified():
+    """An oracle-like draft whose confidence head says 0.3 everywhere: the acceptance seen recalibrates it."""
+    policy = auto(costs())
+    lengths = []
+    play(policy, torch.full((2, 7), 0.3), lambda ls: lengths.append(ls.tolist()) or ls.clone(), 12)
+    assert max(lengths[0]) < 7 and lengths[-1] == [7, 7]
+
+
+def test_without_a_confidence_head_the_default_policy_plans_with_the_acceptance_seen():
+    always, never = auto(costs()), auto(costs(draft=0.001))
+    for policy, accept in ((always, lambda ls: ls.clone()), (never, lambda ls: torch.zeros_like(ls))):
+        for _ in range(10):
+            lengths = policy(None, 7, 1)
+            policy.observe(lengths, accept(lengths), drafted=True)
+    assert int(always(None, 7, 1)) == 7 and int(never(None, 7, 1)) == 0
+
+
+def test_the_default_policy_measures_costs_once_and_later_processes_reuse_them(tmp_path):
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent("""
+        import sys, torch
+        sys.path.insert(0, "tests")
+        from conftest import left_padded_prompts, tiny_draft, tiny_target
+        target = tiny_target("llama")
+        ids, mask = left_padded_prompts(2)
+        out = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False,
+                              assistant_model=tiny_draft(target))
+        print(out[0].tolist())
+    """)
+    env = {**os.environ, "DSPARK_HF_PROFILE_CACHE": str(tmp_path)}
+    first = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stderr
+    (cached,) = tmp_path.glob("*.json")
+    written = cached.stat().st_mtime_ns
+    second = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert second.returncode == 0 and second.stdout == first.stdout
+    assert "profiling this machine" in first.stderr and "profiling this machine" not in second.stderr
+    assert cached.stat().st_mtime_ns == written
+
+
+def test_the_default_policy_can_plan_against_a_dspark_profile_file(tmp_path):
+    from dspark_hf import AutoScheduled
+    from dspark_hf.scheduling.profile import profile_sps, save_profile
+
+    target = tiny_target("llama")
+    draft = tiny_draft(target)
+    save_profile(profile_sps(target, rows=[1, 3], max_tokens_per_row=5, context=16, repeats=2, warmup=1,
+                             draft=draft, progress=False), tmp_path / "p.json")
+    ids, mask = left_padded_prompts(3)
+    from test_generation_greedy import plain
+
+    out = target.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=12,
+                          assistant_model=draft, verification_policy=AutoScheduled(profile=tmp_path / "p.json"))
+    assert torch.equal(out, plain(target, ids, mask, max_new_tokens=12))
+    with pytest.raises(ValueError, match="without --no-draft"):
+        save_profile(profile_sps(target, rows=[1], max_tokens_per_row=2, context=8, repeats=1, warmup=0,
+                                 progress=False), tmp_path / "no_draft.json")
+        AutoScheduled(profile=tmp_path / "no_draft.json").prepare(target, draft, 1)

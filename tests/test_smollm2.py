@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from conftest import has_smollm2
-from dspark_hf import DSparkDraftModel
+from dspark_hf import DSparkDraftModel, FullBlock
 from dspark_hf.evaluation import OracleDraft
 
 pytestmark = [
@@ -62,7 +62,7 @@ def test_greedy_is_token_identical_on_the_real_target(smollm2, batch):
 
     oracle = OracleDraft.from_draft(draft).set_references(target, reference, inputs["attention_mask"], 0.2)
     out = target.generate(**inputs, max_new_tokens=40, do_sample=False, assistant_model=oracle,
-                          return_dict_in_generate=True)
+                          return_dict_in_generate=True, verification_policy=FullBlock())
     assert torch.equal(out.sequences, reference)
     assert max(r.accepted for rows in out.rounds for r in rows) == 7
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conftest import left_padded_prompts, tiny_draft, tiny_target
-from dspark_hf import DSparkRoundStreamer, FixedLength
+from dspark_hf import DSparkRoundStreamer, FixedLength, FullBlock
 from dspark_hf.evaluation import OracleDraft
 
 
@@ -46,7 +46,7 @@ def stream_oracle_decode():
     ids, mask = left_padded_prompts(1)
     streamer = DSparkRoundStreamer(timeout=60)
     join = generate_in_thread(target, ids, mask, streamer, assistant_model=oracle_draft(target, ids, mask),
-                              max_new_tokens=24)
+                              max_new_tokens=24, verification_policy=FullBlock())
     steps = list(streamer)
     return ids, streamer, steps, join()
 

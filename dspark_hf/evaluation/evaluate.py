@@ -97,23 +97,28 @@ def threshold_sweep(records: list[dict], thresholds: list[float]) -> dict:
 
 def bench_speed(target, tokenizer, draft, prompts: list[dict], batch_size: int = 1, max_new_tokens: int = 128,
                 repeats: int = 3, temperature: float = 0.0, extra_methods: dict | None = None,
-                progress: bool = True) -> dict:
+                progress: bool = True, policy=None) -> dict:
     """Tokens/s of plain generate(), prompt lookup decoding and DSpark (and `extra_methods`: name -> generate kwargs),
-    interleaved in one run after a warm-up; median over repeats; ratios to plain."""
+    interleaved in one run after a warm-up; median over repeats; ratios to plain. policy: a factory of DSpark's
+    verification policy (default: generate()'s own); a "verification_policy" in extra_methods is a factory too
+    (policies keep per-call state, so every call gets a fresh one)."""
     from tqdm.auto import tqdm
 
     eos_ids = eos_token_ids(target.generation_config)
-    methods = {"plain": {}, "dspark": {"assistant_model": draft}}
+    methods = {"plain": {}, "dspark": {"assistant_model": draft, **({"verification_policy": policy} if policy else {})}}
     if batch_size == 1:  # transformers' prompt lookup decoding refuses batch size > 1
         methods["prompt_lookup"] = {"prompt_lookup_num_tokens": 10}
     methods.update(extra_methods or {})
     batches = [_inputs(tokenizer, b, target.device) for b in _batches(prompts, batch_size)]
     sampling = _sampling(temperature)
 
+    def fresh(kw):
+        return {**kw, "verification_policy": kw["verification_policy"]()} if "verification_policy" in kw else kw
+
     def run(kw, collect=None):
         tokens, outputs, start = 0, [], clock(target.device)
         for inputs in batches:
-            out = target.generate(**inputs, max_new_tokens=max_new_tokens, **sampling, **kw,
+            out = target.generate(**inputs, max_new_tokens=max_new_tokens, **sampling, **fresh(kw),
                                   **({"return_dict_in_generate": True} if "assistant_model" in kw else {}))
             seqs = out.sequences if hasattr(out, "sequences") else out
             tokens += _user_tokens(seqs[:, inputs["input_ids"].shape[1]:], eos_ids)
@@ -122,8 +127,8 @@ def bench_speed(target, tokenizer, draft, prompts: list[dict], batch_size: int =
                 collect.extend(r for rows in out.rounds for r in rows)
         return tokens, clock(target.device) - start, outputs
 
-    for kw in methods.values():  # warm-up on the first batch
-        target.generate(**batches[0], max_new_tokens=8, **sampling, **kw)
+    for kw in methods.values():  # warm-up on the first batch (the default policy measures its costs here, once)
+        target.generate(**batches[0], max_new_tokens=8, **sampling, **fresh(kw))
     seconds, tokens, rounds, last = defaultdict(list), defaultdict(list), defaultdict(list), {}
     bar = tqdm(total=repeats * len(methods), desc="bench speed", disable=not progress)
     for _ in range(repeats):

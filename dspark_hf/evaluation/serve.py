@@ -1,8 +1,9 @@
 """`dspark bench serve`: verification policies under load (paper Fig. 7 and 8).
 
 At each concurrency R, R requests decode together in one batch with every policy in turn: no speculation (plain
-generate()), the full block, fixed verification lengths, a static confidence threshold and the hardware-aware
-scheduler. Policies are interleaved in one run and repeated, in a rotated order each repeat; the median run counts.
+generate()), the default policy (auto), the full block, fixed verification lengths, a static confidence threshold
+and, given a profile, the hardware-aware scheduler. Policies are interleaved in one run and repeated, in a rotated
+order each repeat; the median run counts.
 Total throughput is user tokens (up to each row's EOS) per second of the batch; per-user speed is that divided by R.
 Shared machines drift by tens of percent within minutes, so each policy's speedup over no speculation is the median
 of ratios taken within the same repeat, and the spread of no speculation's own runs is reported as the noise.
@@ -17,24 +18,19 @@ from typing import Callable
 
 from ..devices import clock
 from ..generation.eos import eos_token_ids
-from ..scheduling import FixedLength, FullBlock, Scheduled, ThresholdPolicy
+from ..scheduling.named import named_policy
 from .evaluate import _inputs, _user_tokens
 from .machine import machine_info
 
 
 def serve_policies(draft, fixed_lengths=(1, 2, 4), threshold: float = 0.5, profile: str | None = None) -> dict:
     """name -> factory of generate() kwargs (a fresh policy per call: schedulers keep per-call state)."""
-    methods: dict[str, Callable[[], dict]] = {
-        "no speculation": lambda: {},
-        "full block": lambda: {"assistant_model": draft, "verification_policy": FullBlock()},
-    }
-    for n in fixed_lengths:
-        if n < draft.config.block_size:
-            methods[f"fixed {n}"] = lambda n=n: {"assistant_model": draft, "verification_policy": FixedLength(n)}
-    methods[f"threshold {threshold:g}"] = lambda: {"assistant_model": draft,
-                                                   "verification_policy": ThresholdPolicy(threshold)}
-    if profile is not None:
-        methods["scheduled"] = lambda: {"assistant_model": draft, "verification_policy": Scheduled.from_profile(profile)}
+    names = ["auto", "full block"] + [f"fixed {n}" for n in fixed_lengths if n < draft.config.block_size]
+    names += [f"threshold {threshold:g}"] + (["scheduled"] if profile is not None else [])
+    methods: dict[str, Callable[[], dict]] = {"no speculation": lambda: {}}
+    for name in names:
+        make = named_policy(name, profile)
+        methods[name] = lambda make=make: {"assistant_model": draft, "verification_policy": make()}
     return methods
 
 
@@ -120,11 +116,11 @@ def format_serve_table(report: dict) -> str:
     """Markdown: total tokens/s by policy and concurrency, the best fixed policy, and each speculative policy's
     paired speedup over no speculation next to the run-to-run spread of no speculation (the noise)."""
     methods = list(next(iter(report["results"].values())))
-    lines = ["| R | " + " | ".join(methods) + " | best fixed | scheduled / no spec | noise |",
+    lines = ["| R | " + " | ".join(methods) + " | best fixed | auto / no spec | noise |",
              "|---:|" + "---:|" * len(methods) + "---|---:|---:|"]
     for R, by_method in report["results"].items():
         cells = [f"{by_method[m]['throughput']:.1f}" for m in methods]
-        ratio = by_method.get("scheduled", {}).get("vs_no_speculation")
+        ratio = by_method.get("auto", {}).get("vs_no_speculation")
         ratio = f"{ratio:.2f}x" if ratio is not None else "-"
         noise = f"±{by_method['no speculation']['spread'] / 2:.0%}"
         lines.append(f"| {R} | " + " | ".join(cells) + f" | {best_fixed(by_method)} | {ratio} | {noise} |")
@@ -145,7 +141,7 @@ def plot_serve(report: dict, out_dir: str | Path) -> list[Path]:
     fig, ax = plt.subplots(figsize=(6.4, 4.4))
     for i, m in enumerate(methods):
         xs, ys = [results[R][m]["per_user"] for R in Rs], [results[R][m]["throughput"] for R in Rs]
-        ax.plot(xs, ys, marker="o", label=m, color=f"C{i}", linewidth=2.5 if m == "scheduled" else 1.2)
+        ax.plot(xs, ys, marker="o", label=m, color=f"C{i}", linewidth=2.5 if m == "auto" else 1.2)
         if m == "no speculation":
             for R, x, y in zip(Rs, xs, ys):
                 ax.annotate(f"R={R}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)

@@ -19,7 +19,8 @@ from transformers.generation.stopping_criteria import MaxLengthCriteria
 
 from ..devices import clock
 from ..model.modeling_dspark import DSparkDraftModel
-from ..scheduling.policies import FullBlock
+from ..scheduling.auto import AutoScheduled
+from ..scheduling.policies import as_policy
 from . import verify
 from .ragged import Commit, leading_padding
 from .records import DSparkGenerateOutput, DSparkRound
@@ -49,8 +50,9 @@ def dspark_generate(
     draft_model (a [`DSparkDraftModel`] built for `model`, or a peft wrapper of one), token_streamer (a
     transformers streamer; batch size 1;
     one with a `put_round(DSparkRound)` method also gets each round's record, see `DSparkRoundStreamer`),
-    verification_policy (callable(confidences (R, gamma) or None, gamma, R) -> verify lengths (R,); default:
-    the full block, see `dspark_hf.scheduling`). On this route generate() drops `tokenizer`, so pass stop
+    verification_policy (a `dspark_hf.scheduling` policy, or a callable(confidences (R, gamma) or None, gamma, R) ->
+    verify lengths (R,); default: `AutoScheduled()`, which plans against this machine's measured costs and drafts
+    only while drafting pays). On this route generate() drops `tokenizer`, so pass stop
     strings as a `StopStringCriteria` in stopping_criteria (the assistant_model route does that for you). Returns
     what `generate()` returns; with ``return_dict_in_generate=True`` a [`DSparkGenerateOutput`].
     """
@@ -59,7 +61,9 @@ def dspark_generate(
     if not draft_model.is_bound_to(model):
         draft_model.bind_target(model)
     decoder = _Decoder(model, draft_model, input_ids, model_kwargs.get("attention_mask"), logits_processor,
-                       stopping_criteria, generation_config, verification_policy or FullBlock(), token_streamer)
+                       stopping_criteria, generation_config,
+                       AutoScheduled() if verification_policy is None else as_policy(verification_policy),
+                       token_streamer)
     return decoder.run()
 
 
@@ -226,6 +230,7 @@ class _Decoder:
         if self.streamer is not None:
             self.streamer.put(self.prompt.cpu())
         if self.max_new > 0:
+            self.policy.prepare(self.target, self.draft, self.prompt.shape[0])
             self._prefill()
             self.timings["prefill"] = clock(device) - start
             while self.rows.numel() > 0:
@@ -282,7 +287,7 @@ class _Decoder:
 
         # a policy may switch drafting off for a round when, under the current load, plain decoding is faster;
         # it decides before this round's block exists, so the choice cannot depend on it (lossless)
-        if getattr(self.policy, "draft_this_round", lambda num_rows: True)(R):
+        if self.policy.draft_this_round(R):
             start = clock(rows.device)
             self._encode_pending()
             block = self.draft.draft_block(anchor, anchor_pos, self.context, self.do_sample,
@@ -313,6 +318,7 @@ class _Decoder:
         stop_at = self._stop_index(rows, chunk, counts, scores)
         if self.pads_finished:
             counts = torch.where(stop_at > 0, stop_at, counts)
+        self.policy.observe(verify_len, n, drafted=block is not None)
         self._record(block, verify_len, n, nxt, counts)
         if hasattr(self.streamer, "put_round"):  # a round streamer (batch size 1) gets the record before the tokens
             self.streamer.put_round(self.rounds[0][-1])

@@ -1,19 +1,20 @@
-"""Verification policies. A policy maps the round's confidences to per-row verification lengths:
+"""Verification policies: how much of each drafted block a row sends to the target.
+
+A policy is a [`Policy`] (or any callable, adapted by [`as_policy`]):
 
     policy(confidences: Tensor (R, gamma) | None, gamma: int, num_rows: int) -> LongTensor (R,) in [0, gamma]
 
-on any device (policies that decide on the host return CPU tensors; the decoding loop moves them).
+on any device (policies that decide on the host return CPU tensors; the decoding loop moves them). confidences is
+None for a draft without a confidence head. Around the rounds of one generate() call the loop also calls
 
-confidences is None for a draft without a confidence head. A policy may also define
-
-    draft_this_round(num_rows: int) -> bool
-
-asked before each round's draft: False skips drafting and decodes one plain token per row (the policy must decide
-from past rounds only, so the choice cannot depend on the block it skips).
+    prepare(target, draft, batch_size)             once, before the first round
+    draft_this_round(num_rows) -> bool             before each round's draft; False decodes one plain token per row
+                                                   (decided from past rounds only, so it cannot depend on the block)
+    observe(verified (R,), accepted (R,), drafted) after each round: how many tokens each row verified and accepted
 
 Drafting always uses the full trained block; only verification is trimmed, which never changes the output
 distribution as long as a row's length is decided before its tokens are revealed to the decision (see the
-scheduler's early stop).
+scheduler's early stop). A policy keeps state across the rounds of one call: use one instance per generate() call.
 """
 
 from __future__ import annotations
@@ -21,14 +22,30 @@ from __future__ import annotations
 import torch
 
 
-class FullBlock:
+class Policy:
+    """Base of the verification policies: drafts every round, learns nothing from the outcome."""
+
+    def __call__(self, confidences: torch.Tensor | None, gamma: int, num_rows: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def prepare(self, target, draft, batch_size: int) -> None:
+        """Called once per generate() call before the first round."""
+
+    def draft_this_round(self, num_rows: int) -> bool:
+        return True
+
+    def observe(self, verified: torch.Tensor, accepted: torch.Tensor, drafted: bool) -> None:
+        """Called after every round with the rows' verified and accepted counts (zeros when nothing was drafted)."""
+
+
+class FullBlock(Policy):
     """Verify every drafted token (the paper's offline setting)."""
 
     def __call__(self, confidences: torch.Tensor | None, gamma: int, num_rows: int) -> torch.Tensor:
         return torch.full((num_rows,), gamma, dtype=torch.long, device="cpu")
 
 
-class FixedLength:
+class FixedLength(Policy):
     """Verify the first `length` drafted tokens of every row."""
 
     def __init__(self, length: int):
@@ -38,3 +55,25 @@ class FixedLength:
 
     def __call__(self, confidences: torch.Tensor | None, gamma: int, num_rows: int) -> torch.Tensor:
         return torch.full((num_rows,), min(self.length, gamma), dtype=torch.long, device="cpu")
+
+
+class _Callable(Policy):
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __call__(self, confidences, gamma: int, num_rows: int) -> torch.Tensor:
+        return self.fn(confidences, gamma, num_rows)
+
+
+def as_policy(policy) -> Policy:
+    """`policy` itself if it is a [`Policy`]; a plain callable becomes one that drafts every round."""
+    if isinstance(policy, Policy):
+        return policy
+    if not callable(policy):
+        raise TypeError(f"verification_policy must be a dspark_hf policy or a callable (confidences, gamma, num_rows) "
+                        f"-> lengths, got {type(policy).__name__}.")
+    hooks = [name for name in ("prepare", "draft_this_round", "observe") if name in dir(policy)]
+    if hooks:  # a plain callable would silently lose them
+        raise TypeError(f"{type(policy).__name__} defines {', '.join(hooks)}: subclass dspark_hf.Policy so that "
+                        "generate() calls them.")
+    return _Callable(policy)

@@ -10,9 +10,12 @@ interpolates between measured points without smoothing them away.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import statistics
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -37,13 +40,17 @@ def _seconds(fn, device, warmup: int, repeats: int, after=None) -> float:
 
 @torch.no_grad()
 def profile_sps(target, rows: int | Sequence[int] = 1, max_tokens_per_row: int = 8, context: int = 256,
-                repeats: int = 7, warmup: int = 2, draft=None, progress: bool = True) -> dict:
+                repeats: int = 7, warmup: int = 2, draft=None, progress: bool | str = True,
+                verify: bool = True) -> dict:
     """Median seconds of verification forwards of R x n tokens after `context` cached tokens, for R in `rows` and
-    n = 1..max_tokens_per_row, as SPS(B = R n); with a `draft`, also the seconds of one draft pass per R."""
+    n = 1..max_tokens_per_row, as SPS(B = R n); with a `draft`, also the seconds of one draft pass per R (verify=False:
+    only those). progress: show a bar (a string: its label)."""
     from tqdm.auto import tqdm
 
     rows = [rows] if isinstance(rows, int) else list(rows)
-    bar = tqdm(total=len(rows) * (max_tokens_per_row + (draft is not None)), desc="profile", disable=not progress)
+    steps = max_tokens_per_row if verify else 0
+    bar = tqdm(total=len(rows) * (steps + (draft is not None)), desc=progress if isinstance(progress, str) else
+               "profile", disable=not progress)
     device = target.device
     vocab = target.get_output_embeddings().weight.shape[0]
     g = torch.Generator().manual_seed(0)
@@ -54,7 +61,7 @@ def profile_sps(target, rows: int | Sequence[int] = 1, max_tokens_per_row: int =
         out = target(input_ids=prompt, past_key_values=cache, use_cache=True, logits_to_keep=1,
                      output_hidden_states=draft.hidden_states_request if draft is not None else None)
         grid[R] = {}
-        for n in range(1, max_tokens_per_row + 1):
+        for n in range(1, steps + 1):
             new = torch.randint(0, vocab, (R, n), generator=g).to(device)
             mask = torch.ones(R, context + n, dtype=torch.long, device=device)
             positions = torch.arange(context, context + n, device=device).expand(R, -1)
@@ -71,6 +78,7 @@ def profile_sps(target, rows: int | Sequence[int] = 1, max_tokens_per_row: int =
             draft_seconds[R] = _seconds(lambda: draft.draft_block(anchor, anchor_pos, ctx), device, warmup, repeats)
             bar.update(1)
     bar.close()
+    grid = {R: row for R, row in grid.items() if row}
     by_tokens = defaultdict(list)
     for R, row in grid.items():
         for n, v in row.items():
@@ -120,3 +128,104 @@ def load_draft_cost(path: str | Path) -> Callable[[int], float] | None:
     if not measured:
         return None
     return _interpolate({int(k): float(v) for k, v in measured.items()}, lambda r, v, x: v * x / r)
+
+
+# -- the cost model the default policy plans against, measured once per machine and cached on disk ----------------
+AUTO_CONTEXT = 16  # cached tokens under the measured forwards: the cost of a small target barely depends on it
+AUTO_REPEATS = 2
+
+
+@dataclass
+class EngineCosts:
+    """Seconds of the target's verification forward by rows R and tokens per row n, and of one draft pass by R.
+    Linear in R between measured rows, proportional to R beyond the largest (and flat below the smallest)."""
+
+    verify_seconds: dict[int, dict[int, float]]
+    draft_seconds: dict[int, float]
+
+    def verify(self, rows: int, tokens: int) -> float:
+        def at(row):  # beyond the longest measured verification, proportional to the tokens
+            return row[tokens] if tokens in row else row[max(row)] * tokens / max(row)
+
+        return _interpolate({R: at(row) for R, row in self.verify_seconds.items()}, lambda r, v, x: v * x / r)(rows)
+
+    def draft(self, rows: int) -> float:
+        return _interpolate(self.draft_seconds, lambda r, v, x: v * x / r)(rows)
+
+    @classmethod
+    def from_profile(cls, path: str | Path) -> "EngineCosts":
+        """The costs in a `dspark profile` JSON (its grid of SPS by rows and tokens, and its draft pass)."""
+        profile = json.loads(Path(path).read_text())
+        if not profile.get("grid") or not profile.get("draft_seconds"):
+            raise ValueError(f"{path}: the default policy needs the verification grid and the draft's cost; make the "
+                             "profile with `dspark profile` without --no-draft.")
+        return cls({int(R): {int(n): 1.0 / float(v) for n, v in row.items()} for R, row in profile["grid"].items()},
+                   {int(R): float(v) for R, v in profile["draft_seconds"].items()})
+
+
+def profile_cache_dir() -> Path:
+    """Where measured costs are kept: ``$DSPARK_HF_PROFILE_CACHE``, else ``profiles/`` in the dspark-hf cache."""
+    from ..defaults import cache_dir
+
+    return Path(os.environ.get("DSPARK_HF_PROFILE_CACHE") or cache_dir() / "profiles").expanduser()
+
+
+def _machine_key(target) -> dict:
+    from .. import __version__
+    from ..evaluation.machine import cpu_model
+
+    device = target.device
+    return {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu: {cpu_model()}",
+            "threads": torch.get_num_threads(), "dtype": str(target.dtype), "torch": torch.__version__,
+            "dspark_hf": __version__}
+
+
+def _target_key(target) -> dict:
+    config = {k: v for k, v in target.config.get_text_config().to_dict().items() if not k.startswith("_") and k not in (
+        "transformers_version", "dtype", "torch_dtype")}
+    return {"model": type(target).__name__, "config": config, **_machine_key(target)}
+
+
+def _draft_key(draft) -> str:
+    c = draft.config
+    shape = (c.hidden_size, c.intermediate_size, c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads,
+             c.block_size, c.head_type, c.markov_rank, c.draft_vocab_size, c.confidence_head, str(draft.dtype))
+    return hashlib.sha1(json.dumps(shape, default=str).encode()).hexdigest()[:16]
+
+
+def cached_costs(target, draft, rows: Sequence[int], progress: bool = True) -> EngineCosts:
+    """The costs of `target` on its device, dtype and thread count (and of `draft`'s pass) for `rows`: read from the
+    profile cache, and what is missing measured now (a few seconds per row count, shown as a bar) and added to it.
+
+    Measured at a short cached context, up to block_size + 1 verified tokens per row."""
+    key = _target_key(target)
+    path = profile_cache_dir() / (hashlib.sha1(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:20]
+                                  + ".json")
+    stored = json.loads(path.read_text()) if path.exists() else {"key": key, "verify": {}, "drafts": {}}
+    verify = {int(R): {int(n): v for n, v in row.items()} for R, row in stored["verify"].items()}
+    drafts = {int(R): v for R, v in stored["drafts"].get(_draft_key(draft), {}).items()}
+    tokens = draft.config.block_size + 1
+    needs_verify = sorted({R for R in rows if R not in verify or max(verify[R]) < tokens})
+    needs_draft = sorted({R for R in rows if R not in drafts} - set(needs_verify))
+    label = "profiling this machine (once)"
+    for missing, with_verify in ((needs_verify, True), (needs_draft, False)):
+        if not missing:
+            continue
+        measured = profile_sps(target, missing, tokens, AUTO_CONTEXT, AUTO_REPEATS, warmup=1, draft=draft,
+                               progress=label if progress else False, verify=with_verify)
+        verify.update({R: {n: 1.0 / sps for n, sps in row.items()} for R, row in measured["grid"].items()})
+        drafts.update(measured["draft_seconds"])
+    if needs_verify or needs_draft:
+        _merge_into(path, key, verify, _draft_key(draft), drafts)
+    return EngineCosts(verify, drafts)
+
+
+def _merge_into(path: Path, key: dict, verify: dict, draft_key: str, drafts: dict) -> None:
+    """Add what was measured to the cache file (re-read first: another process may have added to it), atomically."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    current = json.loads(path.read_text()) if path.exists() else {"key": key, "verify": {}, "drafts": {}}
+    current["verify"].update({str(R): {str(n): v for n, v in row.items()} for R, row in verify.items()})
+    current["drafts"].setdefault(draft_key, {}).update({str(R): v for R, v in drafts.items()})
+    partial = path.with_suffix(f".{os.getpid()}.partial")
+    partial.write_text(json.dumps(current, indent=1, default=str))
+    os.replace(partial, path)

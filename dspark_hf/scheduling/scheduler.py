@@ -29,6 +29,8 @@ from typing import Callable, Sequence
 
 import torch
 
+from .policies import Policy
+
 SPS = Sequence[float] | Callable[[int], float]
 
 
@@ -99,7 +101,7 @@ def topk_schedule(confidences, capacity: int) -> list[int]:
     return lengths
 
 
-class ThresholdPolicy:
+class ThresholdPolicy(Policy):
     """The reference baseline: verify up to the first position whose confidence is below `threshold`."""
 
     def __init__(self, threshold: float):
@@ -113,7 +115,7 @@ class ThresholdPolicy:
         return first.long()
 
 
-class Scheduled:
+class Scheduled(Policy):
     """Algorithm 1 every round, against a profiled engine (see `dspark profile` and [`Scheduled.from_profile`]).
 
     sps: SPS(B) of the verification forward (measured on rectangular R x T batches by `dspark profile`); padded:
@@ -167,7 +169,7 @@ class Scheduled:
         return True
 
 
-class AsyncScheduled:
+class AsyncScheduled(Policy):
     """Sec. 5.2: capacity K from a global search over the confidences of `lag` rounds earlier, then top-K
     admission over the current survival probabilities. Until `lag` rounds have passed, Algorithm 1 decides."""
 

@@ -1,0 +1,39 @@
+"""Verification policies by name, as the benchmarks and the CLI take them."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from .auto import AutoScheduled
+from .policies import FixedLength, FullBlock, Policy
+from .scheduler import AsyncScheduled, Scheduled, ThresholdPolicy
+
+POLICY_NAMES = ("auto", "full block", "fixed N", "threshold T", "scheduled", "async")
+
+
+def named_policy(name: str, profile: str | None = None) -> Callable[[], Policy]:
+    """A factory of fresh policies (they keep per-call state) for `name`: "auto" (the default, planning against
+    `profile` when given, else this machine's cached costs), "full block", "fixed N", "threshold T", "scheduled" or
+    "async" (Algorithm 1 against a `dspark profile` file, synchronous or two rounds behind; they need `profile`)."""
+    kind, _, value = name.partition(" ")
+    if name == "auto":
+        return lambda: AutoScheduled(profile=profile)
+    if name == "full block":
+        return FullBlock
+    if kind in ("fixed", "threshold") and value:
+        try:
+            number = int(value) if kind == "fixed" else float(value)
+        except ValueError:
+            number = None
+        if number is not None:
+            return (lambda: FixedLength(number)) if kind == "fixed" else (lambda: ThresholdPolicy(number))
+    if name in ("scheduled", "async"):
+        if profile is None:
+            raise ValueError(f"the {name} policy plans against a profile: pass --profile FILE from `dspark profile`.")
+        if name == "scheduled":
+            return lambda: Scheduled.from_profile(profile)
+        from .profile import load_profile
+
+        return lambda: AsyncScheduled(load_profile(profile))
+    raise ValueError(f"unknown verification policy {name!r}: choose from {', '.join(POLICY_NAMES)} (e.g. 'fixed 2', "
+                     "'threshold 0.5').")
