@@ -106,10 +106,13 @@ def cmd_bench_oracle(args) -> int:
     from .evaluation.bench_oracle import bench_oracle, format_oracle_table
     from .evaluation.machine import describe
 
+    from .scheduling.named import named_policy
+
+    policies = {name: named_policy(name, getattr(args, "profile", None)) for name in args.policy or ["full block"]}
     target, tokenizer, draft = _load(args)
     with tqdm(total=len(args.batch_sizes) * args.repeats, desc="oracle bench") as bar:
         report = bench_oracle(target, tokenizer, draft, tuple(args.batch_sizes), args.max_new_tokens, args.repeats,
-                              progress=bar)
+                              progress=bar, policies=policies)
     Path(args.output).write_text(json.dumps(report, indent=2))
     print(f"\n{describe(report['machine'])}; max_new_tokens={args.max_new_tokens}, median of {args.repeats}")
     print(format_oracle_table(report))
@@ -597,6 +600,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--policy", action="append", metavar="NAME",
+                   help="verification policy (default: 'full block', the ceiling); repeat to compare others in the "
+                        "same run, e.g. --policy 'full block' --policy auto")
     p.add_argument("--output", default="bench_oracle.json")
     p.set_defaults(func=cmd_bench_oracle)
 

@@ -184,6 +184,19 @@ def test_dspark_bench_oracle_checks_identity_in_float32_and_counts_it_in_bfloat1
         assert [r["identical_rows"] for r in results] == [1, 3]
 
 
+def test_bench_oracle_compares_policies_in_one_run(tiny_models, tmp_path):
+    out = tmp_path / "oracle.json"
+    assert main(["bench", "oracle", "--target", str(tiny_models / "target"), "--draft", str(tiny_models / "draft"),
+                 "--batch-sizes", "1", "3", "--max-new-tokens", "8", "--repeats", "1", "--output", str(out),
+                 "--policy", "full block", "--policy", "auto"]) == 0
+    report = json.loads(out.read_text())
+    assert report["policies"] == ["full block", "auto"]
+    for r in report["results"]:
+        assert set(r["policies"]) == {"full block", "auto"}
+        assert all(p["identical_rows"] == r["batch_size"] and p["speedup"] > 0 for p in r["policies"].values())
+        assert r["policies"]["full block"]["tokens_per_round"] == r["tokens_per_round"]
+
+
 @pytest.mark.parametrize("draft", ["draft", "adapter"])
 def test_the_dtype_option_loads_target_and_draft_in_that_dtype(tiny_models, tmp_path, draft):
     from argparse import Namespace

@@ -14,6 +14,7 @@ import torch
 from ..devices import clock
 from ..generation.eos import eos_token_ids
 from ..model.modeling_dspark import DSparkDraftModel
+from ..scheduling.policies import FullBlock
 from .evaluate import identical_rows
 from .machine import machine_info
 from .oracle import OracleDraft
@@ -50,8 +51,12 @@ def _new_tokens(sequences: torch.Tensor, prompt_len: int, pad_id: int, eos_ids: 
 
 
 def bench_oracle(target, tokenizer, draft: DSparkDraftModel, batch_sizes=(1, 8), max_new_tokens: int = 64,
-                 repeats: int = 3, prompts: list[str] | None = None, progress=None) -> dict:
-    """Run the benchmark; returns a JSON-ready dict with one entry per batch size."""
+                 repeats: int = 3, prompts: list[str] | None = None, progress=None,
+                 policies: dict | None = None) -> dict:
+    """Run the benchmark; returns a JSON-ready dict with one entry per batch size. policies: name -> factory of the
+    verification policy (default: the full block only); the first gives each entry's main figures, and every one
+    its speedup under "policies", all interleaved in one run."""
+    policies = policies or {"full block": FullBlock}
     prompts = prompts or DEFAULT_PROMPTS
     eos_ids = eos_token_ids(target.generation_config)
     pad_id = target.generation_config.pad_token_id
@@ -67,28 +72,35 @@ def bench_oracle(target, tokenizer, draft: DSparkDraftModel, batch_sizes=(1, 8),
         def plain():
             return target.generate(**inputs, **kw)
 
-        def dspark():
-            return target.generate(**inputs, **kw, assistant_model=oracle, return_dict_in_generate=True)
+        def dspark(make_policy):
+            return target.generate(**inputs, **kw, assistant_model=oracle, return_dict_in_generate=True,
+                                   verification_policy=make_policy())
 
-        plain(), dspark()  # warm-up
-        plain_s, dspark_s, splits, taus = [], [], [], []
+        plain(), [dspark(make) for make in policies.values()]  # warm-up (the default policy measures costs here)
+        plain_s, splits, taus = [], [], []
+        runs = {name: {"seconds": [], "taus": [], "same": batch} for name in policies}
         for _ in range(repeats):
             start = clock(target.device)
             plain()
             plain_s.append(clock(target.device) - start)
-            start = clock(target.device)
-            out = dspark()
-            dspark_s.append(clock(target.device) - start)
-            same = identical_rows([out.sequences[:, P:]], [reference[:, P:]], eos_ids)
-            if target.dtype == torch.float32 and same < batch:  # in bf16/fp16 near-ties may round either way
-                raise AssertionError("DSpark output differs from plain generate(): lossless decoding is broken.")
-            t = out.timings
-            rounds_s = t["total"] - t["prefill"]
-            splits.append({"draft": t["draft"] / rounds_s, "target": t["target"] / rounds_s,
-                           "other": (rounds_s - t["draft"] - t["target"]) / rounds_s})
-            taus.append(statistics.mean(r.tau for rows in out.rounds for r in rows))
+            for i, (name, make) in enumerate(policies.items()):
+                start = clock(target.device)
+                out = dspark(make)
+                runs[name]["seconds"].append(clock(target.device) - start)
+                same = identical_rows([out.sequences[:, P:]], [reference[:, P:]], eos_ids)
+                if target.dtype == torch.float32 and same < batch:  # in bf16/fp16 near-ties may round either way
+                    raise AssertionError("DSpark output differs from plain generate(): lossless decoding is broken.")
+                runs[name]["same"] = min(runs[name]["same"], same)
+                runs[name]["taus"].append(statistics.mean(r.tau for rows in out.rounds for r in rows))
+                if i == 0:
+                    t = out.timings
+                    rounds_s = t["total"] - t["prefill"]
+                    splits.append({"draft": t["draft"] / rounds_s, "target": t["target"] / rounds_s,
+                                   "other": (rounds_s - t["draft"] - t["target"]) / rounds_s})
             if progress is not None:
                 progress.update(1)
+        main = runs[next(iter(policies))]
+        dspark_s, taus, same = main["seconds"], main["taus"], main["same"]
         plain_med, dspark_med = statistics.median(plain_s), statistics.median(dspark_s)
         results.append({
             "batch_size": batch,
@@ -101,8 +113,12 @@ def bench_oracle(target, tokenizer, draft: DSparkDraftModel, batch_sizes=(1, 8),
             "round_split": {k: statistics.mean(s[k] for s in splits) for k in ("draft", "target", "other")},
             "plain_seconds": plain_s,
             "dspark_seconds": dspark_s,
+            "policies": {name: {"speedup": plain_med / statistics.median(r["seconds"]),
+                                "paired_speedup": statistics.median(p / s for p, s in zip(plain_s, r["seconds"])),
+                                "tokens_per_round": statistics.mean(r["taus"]), "identical_rows": r["same"],
+                                "dspark_seconds": r["seconds"]} for name, r in runs.items()},
         })
-    return {"benchmark": "oracle", "max_new_tokens": max_new_tokens, "repeats": repeats,
+    return {"benchmark": "oracle", "max_new_tokens": max_new_tokens, "repeats": repeats, "policies": list(policies),
             "block_size": draft.config.block_size, "draft_layers": draft.config.num_hidden_layers,
             "machine": machine_info(target, draft), "results": results}
 
@@ -115,4 +131,10 @@ def format_oracle_table(report: dict) -> str:
         lines.append(f"| {r['batch_size']} | {r['plain_tokens_per_s']:.1f} | {r['dspark_tokens_per_s']:.1f} | "
                      f"{r['speedup']:.2f}x | {r['tokens_per_round']:.2f} | {s['draft']:.0%} | {s['target']:.0%} | "
                      f"{s['other']:.0%} |")
+    if len(report.get("policies", [])) > 1:
+        lines += ["", "| batch | " + " | ".join(f"{p}: speedup (paired)" for p in report["policies"]) + " |",
+                  "|---:|" + "---:|" * len(report["policies"])]
+        for r in report["results"]:
+            cells = [f"{v['speedup']:.2f}x ({v['paired_speedup']:.2f}x)" for v in r["policies"].values()]
+            lines.append(f"| {r['batch_size']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
