@@ -189,6 +189,7 @@ def cmd_train(args) -> int:
                          warmup_ratio=args.warmup_ratio, time_budget=args.time_budget, stop_after=args.stop_after,
                          device=args.device, target_dtype=args.target_dtype,
                          auto_find_batch_size=args.auto_find_batch_size,
+                         gpu_memory_fraction=args.gpu_memory_fraction,
                          copy_target_layers=args.copy_target_layers, init_from=args.init_from, lora=args.lora,
                          lora_rank=args.lora_rank, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
                          lora_target_modules=args.lora_target_modules, lora_heads=args.lora_heads)
@@ -519,6 +520,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stop-after", type=float, metavar="MINUTES", help=config_help("stop_after"))
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--auto-find-batch-size", action="store_true", help=config_help("auto_find_batch_size"))
+    p.add_argument("--gpu-memory-fraction", type=float, help=config_help("gpu_memory_fraction"))
     p.add_argument("--anchors", type=int, default=48, help="random blocks per sequence")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--warmup-ratio", type=float, default=0.04, help=config_help("warmup_ratio"))

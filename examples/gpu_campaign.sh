@@ -51,11 +51,12 @@ BASE_MODEL=HuggingFaceTB/SmolLM2-135M-Instruct
 # the GPU recipe: the winners of the CPU recipe study (README, "Choosing the recipe"), at GPU batch sizes
 RECIPE=${CAMPAIGN_RECIPE:-"--layers 3 --target-layer-ids 1 14 27 --copy-target-layers --markov-rank 128
   --draft-vocab-size 8192 --block-size 7 --anchors 128 --batch-size 64 --auto-find-batch-size --lr 1e-3
-  --save-every 500"}
+  --save-every 500 --gpu-memory-fraction 0.45"}
 DEVICE_LIMIT_BYTES=$((64 * 1024 * 1024))  # what one device call may carry, the tracked tree included
 MARGIN_BYTES=$((1024 * 1024))
 dspark() { python3 -m dspark_hf "$@"; }  # the source tree itself: nothing to install on the device
 export PYTHONPATH="$STATE/site:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True  # two trainings share the GPU: less fragmentation
 log() { printf '[%s %4ds] %s\n' "$STEP" "$SECONDS" "$*"; }
 
 pack() {

@@ -78,6 +78,9 @@ class TrainConfig:
                               "'bfloat16'; a target passed to train() is converted too."})
     auto_find_batch_size: bool = field(default=False, metadata={"help": "Halve batch_size until one step on the "
                                        "longest sequences fits in GPU memory (says which size it took)."})
+    gpu_memory_fraction: float | None = field(default=None, metadata={"help": "Share of the GPU's memory this process "
+                                              "may take (e.g. 0.45 each for two trainings on one GPU); "
+                                              "auto_find_batch_size then fits the batch inside it."})
     save_every: int = field(default=200, metadata={"help": "Checkpoint every this many steps (resumable)."})
     seed: int = field(default=0, metadata={"help": "Seeds initialisation, shuffling and anchors."})
     draft: dict = field(default_factory=dict, metadata={"help": "DSparkDraftModel.from_target overrides for a fresh "
@@ -106,6 +109,8 @@ class TrainConfig:
         for name in ("time_budget", "stop_after"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ValueError(f"{name}={getattr(self, name)}: give a positive number of minutes, or leave it unset.")
+        if self.gpu_memory_fraction is not None and not 0 < self.gpu_memory_fraction <= 1:
+            raise ValueError(f"gpu_memory_fraction={self.gpu_memory_fraction}: give a share in (0, 1].")
         if self.target_dtype not in ("auto", "float32", "bfloat16"):
             raise ValueError(f"target_dtype={self.target_dtype!r}: choose 'auto', 'float32' or 'bfloat16'.")
         if self.copy_target_layers and (self.lora or self.init_from):
@@ -278,6 +283,8 @@ def train(config: TrainConfig, target=None, progress: bool = True):
     device = accelerator.device
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True  # fp32 matmuls outside autocast (the target in float32)
+        if config.gpu_memory_fraction is not None:
+            torch.cuda.set_per_process_memory_fraction(config.gpu_memory_fraction, device)
     default_target_used = target is None
     if target is None:
         from ..defaults import default_target
