@@ -24,10 +24,11 @@
 #   CAMPAIGN_PACK           where pack writes and the device reads what travels (default .campaign, git-ignored)
 #   CAMPAIGN_STATE          the device's working folder (default /tmp/dspark-campaign)
 #   OUT                     what comes back (set by the device tool; default $CAMPAIGN_STATE/out)
-#   CAMPAIGN_DATA_MINUTES   regeneration budget (default 4)      CAMPAIGN_SAMPLES   answers per prompt (default 2)
+#   CAMPAIGN_DATA_MINUTES   regeneration budget (default 4.5)    CAMPAIGN_SAMPLES   answers per prompt (default 4;
+#                           every prompt gets its first answer before any gets a second, so the budget cuts answers)
 #   CAMPAIGN_MAX_NEW_TOKENS longest regenerated answer (default 192, as for the shipped draft)
 #   CAMPAIGN_EVAL_TOKENS    new tokens per prompt in calibration and evaluation (default 128, as README's figures)
-#   CAMPAIGN_TRAIN_MINUTES  each draft's training budget, all calls together (default 13)
+#   CAMPAIGN_TRAIN_MINUTES  each draft's training budget, all calls together (default 12)
 #   CAMPAIGN_CALL_MINUTES   what one call may use, the device's 10-minute limit less a margin (default 9)
 #   CAMPAIGN_DTYPE          dtype of the target for regeneration and training (default bfloat16)
 #   CAMPAIGN_HELDOUT        share of prompts held out for the report and calibration (default 0.05)
@@ -39,10 +40,10 @@ STEP=${1:?usage: gpu_campaign.sh pack|receive|data|train|finish|unpack DIR}
 PACK=${CAMPAIGN_PACK:-.campaign}
 STATE=${CAMPAIGN_STATE:-/tmp/dspark-campaign}
 OUT=${OUT:-$STATE/out}
-DATA_MINUTES=${CAMPAIGN_DATA_MINUTES:-4}
-TRAIN_MINUTES=${CAMPAIGN_TRAIN_MINUTES:-13}
+DATA_MINUTES=${CAMPAIGN_DATA_MINUTES:-4.5}
+TRAIN_MINUTES=${CAMPAIGN_TRAIN_MINUTES:-12}
 CALL_MINUTES=${CAMPAIGN_CALL_MINUTES:-9}
-SAMPLES=${CAMPAIGN_SAMPLES:-2}
+SAMPLES=${CAMPAIGN_SAMPLES:-4}
 MAX_NEW_TOKENS=${CAMPAIGN_MAX_NEW_TOKENS:-192}
 EVAL_TOKENS=${CAMPAIGN_EVAL_TOKENS:-128}
 DTYPE=${CAMPAIGN_DTYPE:-bfloat16}

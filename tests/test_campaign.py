@@ -58,6 +58,7 @@ def test_the_campaign_runs_end_to_end_and_brings_back_a_loadable_draft(tmp_path)
            "CAMPAIGN_STATE": str(tmp_path / "device"), "OUT": str(tmp_path / "out"), "CAMPAIGN_DTYPE": "float32",
            "CAMPAIGN_DATA_MINUTES": "1", "CAMPAIGN_TRAIN_MINUTES": "0.5", "CAMPAIGN_CALL_MINUTES": "0.9",
            "CAMPAIGN_HELDOUT": "0.25", "CAMPAIGN_MAX_NEW_TOKENS": "24", "CAMPAIGN_EVAL_TOKENS": "16",
+           "CAMPAIGN_SAMPLES": "2",
            "CAMPAIGN_RECIPE": TOY_RECIPE, "CAMPAIGN_UNPACK": str(tmp_path / "back")}
 
     plan = run("pack", env)

@@ -264,6 +264,10 @@ def test_regeneration_stops_at_its_time_budget_and_resumes(tmp_path, monkeypatch
     kw = dict(batch_size=4, settings=GenerationSettings(max_new_tokens=8), progress=False)
     prepare_data(target, TinyTokenizer(), iter(prompts), path, None, time_budget=25, **kw)
     assert len(path.read_text().splitlines()) == 8  # a third batch would have ended after 25 s
+    twice = tmp_path / "twice.jsonl"
+    prepare_data(target, TinyTokenizer(), iter(prompts[:4]), twice, None, time_budget=15, batch_size=4,
+                 settings=GenerationSettings(max_new_tokens=8, samples_per_prompt=2), progress=False)
+    assert sorted(e.prompt_id for e in load_dataset(twice)) == ["p0", "p1", "p2", "p3"]  # first answers first
     assert json.loads(manifest_path(path).read_text())["complete"] is False
     prepare_data(target, TinyTokenizer(), iter(prompts), path, None, **kw)
     assert len(load_dataset(path)) == 12 and json.loads(manifest_path(path).read_text())["complete"] is True

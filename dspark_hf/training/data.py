@@ -65,8 +65,9 @@ def prepare_data(target, tokenizer, prompts: Iterator[dict], output: str | Path,
     `output`, `settings.samples_per_prompt` answers each; a manifest (sources, counts, token totals) is written next
     to it as ``<output>.manifest.json``.
 
-    Prompts are sorted by length, so each batch pads little however large it is (a GPU takes hundreds of rows), and
-    the samples of one prompt share a batch. Deterministic for a seed and batch size (batch i is sampled with seed +
+    Every prompt gets its first answer before any gets a second, so a time budget that stops the run early cuts
+    answers, not prompts; within each pass prompts are sorted by length, so a batch pads little however large it is
+    (a GPU takes hundreds of rows). Deterministic for a seed and batch size (batch i is sampled with seed +
     i) and resumable: batches already in `output` are skipped, so an interrupted run continues where it stopped.
     time_budget (seconds): no batch starts that would likely end after it; run again to continue.
     """
@@ -86,7 +87,7 @@ def prepare_data(target, tokenizer, prompts: Iterator[dict], output: str | Path,
             chosen.append((p, text, n_tokens))
         if len(chosen) == num_examples:
             break
-    rows = [(_sample_id(p["id"], k, settings.samples_per_prompt), p, text, n)
+    rows = [(_sample_id(p["id"], k, settings.samples_per_prompt), p, text, n, k)
             for p, text, n in chosen for k in range(settings.samples_per_prompt)]
     foreign = done - {r[0] for r in rows}
     if foreign:  # resuming would mix two selections of prompts into one file
@@ -94,7 +95,9 @@ def prepare_data(target, tokenizer, prompts: Iterator[dict], output: str | Path,
                          "this run regenerates (was it started with another --num-examples, --skip, "
                          "--samples-per-prompt or prompt file?). Resume it with the settings it was started with, or "
                          "write to a new --output.")
-    rows.sort(key=lambda r: (r[3], r[1]["id"]))  # similar lengths per batch: less padding
+    # every prompt's first answer before any second one (a time budget cuts answers, not prompts), and within each
+    # pass similar lengths per batch: less padding
+    rows.sort(key=lambda r: (r[4], r[3], r[1]["id"]))
     batches = [rows[i: i + batch_size] for i in range(0, len(rows), batch_size)]
 
     output.parent.mkdir(parents=True, exist_ok=True)
@@ -116,7 +119,7 @@ def prepare_data(target, tokenizer, prompts: Iterator[dict], output: str | Path,
             torch.manual_seed(seed + i)
             seqs = target.generate(**inputs, **decoding, max_new_tokens=settings.max_new_tokens).cpu()
             P = inputs["input_ids"].shape[1]
-            for (sid, p, text, _), mask, row in zip(batch, inputs["attention_mask"].cpu(), seqs):
+            for (sid, p, text, _, _), mask, row in zip(batch, inputs["attention_mask"].cpu(), seqs):
                 prompt_ids = row[:P][mask.bool()].tolist()
                 answer = until_eos(row[P:].tolist(), eos_ids)  # what follows EOS is padding
                 out.write(json.dumps({"id": sid, "prompt_id": p["id"], "domain": p.get("domain"),
