@@ -18,7 +18,7 @@ import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, NamedTuple
 
 import torch
 
@@ -87,9 +87,9 @@ def prepare_data(target, tokenizer, prompts: Iterator[dict], output: str | Path,
             chosen.append((p, text, n_tokens))
         if len(chosen) == num_examples:
             break
-    rows = [(_sample_id(p["id"], k, settings.samples_per_prompt), p, text, n, k)
+    rows = [_Row(_sample_id(p["id"], k, settings.samples_per_prompt), p, text, n, k)
             for p, text, n in chosen for k in range(settings.samples_per_prompt)]
-    foreign = done - {r[0] for r in rows}
+    foreign = done - {r.id for r in rows}
     if foreign:  # resuming would mix two selections of prompts into one file
         raise ValueError(f"{output} already holds {len(foreign)} examples that are not among the {len(rows)} "
                          "this run regenerates (was it started with another --num-examples, --skip, "
@@ -97,33 +97,34 @@ def prepare_data(target, tokenizer, prompts: Iterator[dict], output: str | Path,
                          "write to a new --output.")
     # every prompt's first answer before any second one (a time budget cuts answers, not prompts), and within each
     # pass similar lengths per batch: less padding
-    rows.sort(key=lambda r: (r[4], r[3], r[1]["id"]))
+    rows.sort(key=lambda r: (r.sample, r.tokens, r.prompt["id"]))
     batches = [rows[i: i + batch_size] for i in range(0, len(rows), batch_size)]
 
     output.parent.mkdir(parents=True, exist_ok=True)
-    bar = tqdm(total=len(rows), initial=sum(len(b) for b in batches if b[0][0] in done),
+    bar = tqdm(total=len(rows), initial=sum(len(b) for b in batches if b[0].id in done),
                desc="regenerating answers", disable=not progress)
     eos_ids = eos_token_ids(target.generation_config)
     slowest = 0.0
     with output.open("a", encoding="utf-8") as out:
         for i, batch in enumerate(batches):
-            if batch[0][0] in done:
+            if batch[0].id in done:
                 continue
             if time_budget is not None and time.perf_counter() - started + slowest > time_budget:
                 bar.write(f"time budget reached: {output} holds {bar.n} of {len(rows)} answers; run the same "
                           "command again to continue")
                 break
             batch_start = time.perf_counter()
-            inputs = tokenizer([r[2] for r in batch], return_tensors="pt", padding=True,
+            inputs = tokenizer([r.text for r in batch], return_tensors="pt", padding=True,
                                add_special_tokens=False).to(target.device)
             torch.manual_seed(seed + i)
             seqs = target.generate(**inputs, **decoding, max_new_tokens=settings.max_new_tokens).cpu()
             P = inputs["input_ids"].shape[1]
-            for (sid, p, text, _, _), mask, row in zip(batch, inputs["attention_mask"].cpu(), seqs):
+            for r, mask, row in zip(batch, inputs["attention_mask"].cpu(), seqs):
                 prompt_ids = row[:P][mask.bool()].tolist()
                 answer = until_eos(row[P:].tolist(), eos_ids)  # what follows EOS is padding
-                out.write(json.dumps({"id": sid, "prompt_id": p["id"], "domain": p.get("domain"),
-                                      "source": p.get("source"), "prompt": text, "input_ids": prompt_ids + answer,
+                out.write(json.dumps({"id": r.id, "prompt_id": r.prompt["id"], "domain": r.prompt.get("domain"),
+                                      "source": r.prompt.get("source"), "prompt": r.text,
+                                      "input_ids": prompt_ids + answer,
                                       "answer_start": len(prompt_ids)}) + "\n")
             out.flush()
             bar.update(len(batch))
@@ -131,6 +132,16 @@ def prepare_data(target, tokenizer, prompts: Iterator[dict], output: str | Path,
     bar.close()
     write_manifest(output, target, settings, seed, len(rows), time.perf_counter() - started)
     return output
+
+
+class _Row(NamedTuple):
+    """One answer to regenerate: its id, the prompt, the chat-templated text, its length in tokens, which draw."""
+
+    id: str
+    prompt: dict
+    text: str
+    tokens: int
+    sample: int
 
 
 def _sample_id(prompt_id: str, k: int, samples: int) -> str:
