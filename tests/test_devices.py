@@ -50,6 +50,7 @@ def test_default_draft_refuses_a_device_other_than_its_targets():
 
 
 POLICIES = {
+    "default": lambda: None,
     "full block": FullBlock,
     "fixed": lambda: FixedLength(2),
     "threshold": lambda: ThresholdPolicy(0.5),

@@ -86,7 +86,7 @@ class AutoScheduled(Policy):
             return
         verified, accepted = verified.cpu(), accepted.cpu()
         R, gamma = verified.shape[0], self._seen.shape[1]
-        k = torch.arange(1, gamma + 1)
+        k = torch.arange(1, gamma + 1, device="cpu")
         examined = (k <= verified[:, None]) & (k <= accepted[:, None] + 1)  # verified, all before it accepted
         took = k <= accepted[:, None]
         self._seen[0] += examined.sum(0)

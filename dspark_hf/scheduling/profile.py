@@ -53,16 +53,16 @@ def profile_sps(target, rows: int | Sequence[int] = 1, max_tokens_per_row: int =
                "profile", disable=not progress)
     device = target.device
     vocab = target.get_output_embeddings().weight.shape[0]
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator(device="cpu").manual_seed(0)
     grid, draft_seconds = {}, {}
     for R in rows:
-        prompt = torch.randint(0, vocab, (R, context), generator=g).to(device)
+        prompt = torch.randint(0, vocab, (R, context), generator=g, device="cpu").to(device)
         cache = DynamicCache()
         out = target(input_ids=prompt, past_key_values=cache, use_cache=True, logits_to_keep=1,
                      output_hidden_states=draft.hidden_states_request if draft is not None else None)
         grid[R] = {}
         for n in range(1, steps + 1):
-            new = torch.randint(0, vocab, (R, n), generator=g).to(device)
+            new = torch.randint(0, vocab, (R, n), generator=g, device="cpu").to(device)
             mask = torch.ones(R, context + n, dtype=torch.long, device=device)
             positions = torch.arange(context, context + n, device=device).expand(R, -1)
             grid[R][n] = 1.0 / _seconds(

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Does the default verification policy (AutoScheduled) keep generate(assistant_model=draft) from losing to plain
+# generate()? Every figure in one run each on this machine, greedy, float32 target; results in
+# examples/results/default_policy/.
+set -euo pipefail
+OUT=examples/results/default_policy
+mkdir -p "$OUT"
+
+# 1. the shipped draft at batch 1 on prompts never used in training, 96 new tokens: plain generate(), prompt lookup,
+#    DSpark with the default policy and with the full block, interleaved, paired ratios
+dspark bench speed --suite humaneval --suite mtbench --suite gsm --limit 3 --batch-size 1 --max-new-tokens 96 \
+  --repeats 3 --policy auto --policy "full block" --output "$OUT/bench_speed_b1.json"
+
+# 2. the ceiling: an oracle draft (every verified token accepted), the default policy against the full block
+dspark bench oracle --batch-sizes 1 8 --max-new-tokens 64 --repeats 3 --policy "full block" --policy auto \
+  --output "$OUT/bench_oracle.json"
+
+# 3. under load: every policy at 1-32 concurrent requests against no speculation, paired ratios
+dspark bench serve --batch-sizes 1 2 4 8 16 32 --max-new-tokens 32 --repeats 2 --output "$OUT/bench_serve.json" \
+  --plot "$OUT"
+
+# 4. what the first call costs when it measures this machine (an empty cost cache), against the same call cached
+python examples/profiling_overhead.py --batch-size 1 --max-new-tokens 96 --output "$OUT/profiling_overhead.json"
