@@ -341,6 +341,7 @@ def cmd_calibrate(args) -> int:
     """STS on held-out data: raw confidences of full-block rounds -> per-position temperatures saved with the draft."""
     from tqdm.auto import tqdm
 
+    from .scheduling import FullBlock
     from .scheduling.calibration import calibration_report, reliability_diagram, sequential_temperature_scaling
     from .training.data import load_dataset, split_heldout
 
@@ -354,7 +355,8 @@ def cmd_calibrate(args) -> int:
                            add_special_tokens=False).to(target.device)
         out = target.generate(**inputs, max_new_tokens=args.max_new_tokens, do_sample=args.temperature > 0,
                               **({"temperature": args.temperature} if args.temperature > 0 else {}),
-                              assistant_model=draft, return_dict_in_generate=True)
+                              assistant_model=draft, return_dict_in_generate=True,
+                              verification_policy=FullBlock())  # STS fits full-block rounds
         for r in (r for rows in out.rounds for r in rows):
             logits.append(torch.logit(torch.tensor(r.confidences, dtype=torch.double), eps=1e-12))
             verified.append(r.verified)

@@ -11,6 +11,7 @@ import torch
 from ..devices import clock
 from ..generation.eos import eos_token_ids, until_eos
 from ..generation.records import DSparkRound
+from ..scheduling.policies import FullBlock
 from .machine import machine_info
 from .metrics import summarize
 
@@ -33,7 +34,8 @@ def _sampling(temperature: float) -> dict:
 
 def run_eval(target, tokenizer, draft, prompts: list[dict], max_new_tokens: int = 128, temperature: float = 0.0,
              batch_size: int = 1, policy=None, progress: bool = True, seed: int = 0) -> dict:
-    """Generate every prompt with DSpark and collect the paper's metrics, overall and per domain."""
+    """Generate every prompt with DSpark and collect the paper's metrics, overall and per domain. They describe the
+    draft, so every drafted block is verified in full unless `policy` (a fresh one per batch) says otherwise."""
     from tqdm.auto import tqdm
 
     gamma = draft.config.block_size
@@ -43,7 +45,8 @@ def run_eval(target, tokenizer, draft, prompts: list[dict], max_new_tokens: int 
     for batch in _batches(prompts, batch_size):
         inputs = _inputs(tokenizer, batch, target.device)
         out = target.generate(**inputs, max_new_tokens=max_new_tokens, assistant_model=draft,
-                              return_dict_in_generate=True, verification_policy=policy, **_sampling(temperature))
+                              return_dict_in_generate=True, verification_policy=(policy or FullBlock)(),
+                              **_sampling(temperature))
         for p, rounds in zip(batch, out.rounds):
             new_tokens = 1 + sum(r.committed for r in rounds)  # + the prefill token
             records.append({"id": p["id"], "domain": p["domain"], **summarize(rounds, gamma, new_tokens),
