@@ -424,11 +424,14 @@ def test_an_invocation_that_reaches_stop_after_saves_and_the_next_one_finishes(t
     assert report["training"]["steps"] > state["step"] and report["training"]["minutes"] <= 0.8
 
 
-def test_the_learning_rate_warms_up_then_decays_to_zero():
+def test_the_learning_rate_warms_up_then_decays_to_zero_without_wasting_a_step():
     from dspark_hf.training.trainer import lr_factor
 
-    assert [lr_factor(p, 0.1) for p in (0.0, 0.05, 0.1)] == [0.0, 0.5, 1.0]
-    assert lr_factor(0.55, 0.1) == pytest.approx(0.5) and lr_factor(1.0, 0.1) == pytest.approx(0.0)
+    steps = [(s / 20, (s + 1) / 20) for s in range(20)]  # each step spans [start, end] of the run
+    factors = [lr_factor(a, b, 0.1) for a, b in steps]
+    assert factors[:2] == [0.5, 1.0] and lr_factor(0.55, 0.6, 0.1) == pytest.approx(0.5)
+    assert factors[2:] == sorted(factors[2:], reverse=True) and 0 < factors[-1] < 0.05
+    assert lr_factor(0.0, 1.0, 0.04) == 1.0  # a one-step run trains at full rate
 
 
 def test_forward_kl_to_the_target_is_added_when_weighted():

@@ -355,9 +355,10 @@ def train(config: TrainConfig, target=None, progress: bool = True):
                 break
             if not batch:
                 break
-            progress_at_end = (step + 1) / total_steps if total_steps is not None else timer.progress_after_step()
+            span = ((step / total_steps, (step + 1) / total_steps) if total_steps is not None
+                    else (timer.progress(), timer.progress_after_step()))
             for group in optimizer.param_groups:
-                group["lr"] = config.learning_rate * lr_factor(progress_at_end, config.warmup_ratio)
+                group["lr"] = config.learning_rate * lr_factor(*span, config.warmup_ratio)
             with accelerator.autocast():
                 losses, valid = train_step(core, target, batch, features, config.anchors_per_sequence, weights,
                                            generator, forward=draft)
@@ -400,12 +401,13 @@ def train(config: TrainConfig, target=None, progress: bool = True):
     return model
 
 
-def lr_factor(progress: float, warmup: float) -> float:
-    """Learning-rate multiplier at `progress` in [0, 1] of the run (steps, or time of a time budget): linear warm-up
-    over the first `warmup` of it, then cosine decay to 0."""
-    if progress < warmup:
-        return progress / warmup
-    return 0.5 * (1 + math.cos(math.pi * min(1.0, (progress - warmup) / max(1e-9, 1 - warmup))))
+def lr_factor(start: float, end: float, warmup: float) -> float:
+    """Learning-rate multiplier of a step spanning [start, end] of the run (steps, or time of a time budget): linear
+    warm-up over the first `warmup` of it, then cosine decay to 0. Warm-up reads the step's end and decay its start,
+    so that neither the first nor the last step of a run is wasted at rate 0 (a one-step run trains at full rate)."""
+    if end < warmup:
+        return end / warmup
+    return 0.5 * (1 + math.cos(math.pi * min(1.0, max(0.0, start - warmup) / max(1e-9, 1 - warmup))))
 
 
 def _interleave_domains(examples: list) -> list:
@@ -468,6 +470,9 @@ class RunClock:
         """Seconds of training loop the budget allows, all invocations."""
         left = self.budget - self.total_spent() - self.reserve()
         return max(self.loop_spent + left, 1e-9)
+
+    def progress(self) -> float:
+        return min(1.0, self.loop_spent / self.loop_total())
 
     def progress_after_step(self) -> float:
         return min(1.0, (self.loop_spent + self.step_seconds) / self.loop_total())
