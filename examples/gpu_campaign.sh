@@ -49,7 +49,7 @@ EVAL_TOKENS=${CAMPAIGN_EVAL_TOKENS:-128}
 DTYPE=${CAMPAIGN_DTYPE:-bfloat16}
 HELDOUT=${CAMPAIGN_HELDOUT:-0.05}
 BASE_MODEL=HuggingFaceTB/SmolLM2-135M-Instruct
-# the GPU recipe: the winners of the CPU recipe study (README, "Choosing the recipe"), at GPU batch sizes
+# the GPU recipe: the winners of the CPU recipe study (docs/training.md, "Choosing the recipe"), at GPU batch sizes
 # (no lever beat the base recipe beyond its seed noise, so its choices stand: target layers 1/14/27, 0.1 CE + 0.9 L1,
 # 48 anchors, lr 3e-3, the mixed data)
 RECIPE=${CAMPAIGN_RECIPE:-"--layers 3 --target-layer-ids 1 14 27 --copy-target-layers --markov-rank 128

@@ -7,7 +7,7 @@
 #   bash examples/recipe_study.sh            # STEPS=150 by default; RUNS=runs
 #
 # Results: examples/results/recipe/ (one held-out report per arm, the data manifest) and the table that
-# `python examples/recipe_table.py examples/results/recipe` prints (README, "Choosing the recipe").
+# `python examples/recipe_table.py examples/results/recipe` prints (docs/training.md, "Choosing the recipe").
 set -euo pipefail
 RUNS=${RUNS:-runs}
 R=$RUNS/recipe
@@ -41,7 +41,8 @@ wait
 # 3. the arms: base recipe = the shipped draft's (3 layers started from the target's last three, target layers
 #    1/14/27, 0.1 CE + 0.9 L1, 48 anchors per sequence, lr 3e-3, the mixed data), each arm changing one thing, and
 #    the base recipe again from another seed, which measures what the arms' differences are worth. (The run in
-#    README trained base-seed1 beside the kl / anchors96 pair, three processes on two cores; steps are the budget.)
+#    docs/training.md trained base-seed1 beside the kl / anchors96 pair, three processes on two cores; steps are
+#    the budget.)
 BASE="--layers 3 --copy-target-layers --markov-rank 128 --draft-vocab-size 8192 --batch-size 4 --max-steps $STEPS
       --heldout-fraction 0.1 --feature-cache $R/features --mixed-precision no --save-every 100000 --device cpu"
 declare -A ARMS=(

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# v1: the recipe of the first draft shipped for SmolLM2-135M-Instruct (until 2026-11-22; README, "Earlier recipes",
+# v1: the recipe of the first draft shipped for SmolLM2-135M-Instruct (until 2026-11-22; docs/training.md, "Earlier recipes",
 # has its results). examples/train_default_draft.sh is the recipe of the draft shipped now, and reuses this data.
 # Every step is resumable; on a 2-core CPU the whole recipe takes about an hour and a half.
 set -euo pipefail

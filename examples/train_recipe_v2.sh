@@ -2,7 +2,7 @@
 # The v1 recipe (examples/train_recipe_v1.sh, the first shipped draft) with two changes, same data and about the same
 # training wall-clock on a 2-core CPU (26 + 27 min): the draft's layers start from the target's last two layers
 # (--copy-target-layers) at a higher learning rate, and a step costs about 1.25 s instead of 2.3 s because the
-# target distribution is computed once per position (blocks overlap), so 8 epochs fit where 5 did. README ("Earlier
+# target distribution is computed once per position (blocks overlap), so 8 epochs fit where 5 did. docs/training.md ("Earlier
 # recipes") has the results. Reuses the data and feature cache of the v1 recipe.
 set -euo pipefail
 RUNS=${RUNS:-runs}

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The v2 recipe (examples/train_recipe_v2.sh) on three times the data at about the same training compute: 1,920
 # ShareGPT prompts instead of 640 (the first 640 plus 1,280 more, none shared with them), 3 epochs instead of 8.
-# Measures whether data is what holds the draft back, then (step 4) whether depth is (README, "Earlier recipes").
+# Measures whether data is what holds the draft back, then (step 4) whether depth is (docs/training.md, "Earlier recipes").
 # Resumable step by step; on a 2-core CPU: 26 min of new data, 8 min of feature cache, then the two trainings run
 # side by side on one thread each (two 1-thread processes get more out of 2 cores than one after the other).
 set -euo pipefail
