@@ -308,7 +308,31 @@ def test_a_draft_better_than_its_confidences_gets_its_full_block_verified():
     policy = auto(costs())
     lengths = []
     play(policy, torch.full((2, 7), 0.3), lambda ls: lengths.append(ls.tolist()) or ls.clone(), 12)
-    assert max(lengths[0]) < 7 and lengths[-1] == [7, 7]
+    assert max(lengths[0]) < 7 and all(row == [7, 7] for row in lengths[3:])
+
+
+def test_a_draft_algorithm_1_would_never_verify_at_batch_8_is_verified_and_found_out():
+    """At batch 8, Algorithm 1 on the raw confidences verifies nothing (one row's first token would pay every row's
+    padding), which would teach it nothing: every row verifies the common length, which grows with the acceptance
+    seen until the whole block is verified."""
+    engine = costs(verify=lambda n: 0.05 + 0.03 * n, rows=(1, 8))
+    confidences = torch.full((8, 7), 0.3)
+    cost = lambda b: 1 / (engine.draft(8) + engine.verify(8, b // 8))  # noqa: E731
+    assert prefix_schedule(confidences, cost, padded=True) == [0] * 8
+    policy, lengths = auto(engine), []
+    drafted = play(policy, confidences, lambda ls: lengths.append(ls.tolist()) or ls.clone(), 10)
+    assert min(lengths[0]) >= 1 and all(row == [7] * 8 for row in lengths[2:])
+    assert all(drafted) and policy.gain > 1
+
+
+def test_probes_verify_at_least_one_token_and_are_judged_by_what_the_plan_would_have_gained():
+    policy = auto(costs(draft=0.04))
+    lengths = []
+    drafted = play(policy, torch.full((1, 7), 0.05),
+                   lambda ls: lengths.append(int(ls)) or torch.zeros_like(ls), 40)
+    probes = [i for i, d in enumerate(drafted) if d]
+    assert all(n >= 1 for n in lengths), "a plan of zero tokens would never learn otherwise"
+    assert len(probes) >= 3 and policy.gain < 1
 
 
 def test_without_a_confidence_head_the_default_policy_plans_with_the_acceptance_seen():
@@ -317,7 +341,7 @@ def test_without_a_confidence_head_the_default_policy_plans_with_the_acceptance_
         for _ in range(10):
             lengths = policy(None, 7, 1)
             policy.observe(lengths, accept(lengths), drafted=True)
-    assert int(always(None, 7, 1)) == 7 and int(never(None, 7, 1)) == 0
+    assert int(always._plan(None, 1)) == 7 and int(never._plan(None, 1)) == 0
 
 
 def test_the_default_policy_measures_costs_once_and_later_processes_reuse_them(tmp_path):
@@ -365,3 +389,14 @@ def test_the_default_policy_can_plan_against_a_dspark_profile_file(tmp_path):
         save_profile(profile_sps(target, rows=[1], max_tokens_per_row=2, context=8, repeats=1, warmup=0,
                                  progress=False), tmp_path / "no_draft.json")
         AutoScheduled(profile=tmp_path / "no_draft.json").prepare(target, draft, 1)
+
+
+def test_a_probe_is_counted_in_the_gain_as_the_plan_would_have_done_not_at_what_exploring_cost():
+    engine = costs(draft=0.04, verify=lambda n: 0.05 + 0.03 * n)
+    policy = auto(engine)
+    policy._seen[0, 0] = 20  # position 1 verified 20 times, never accepted: the plan verifies nothing
+    lengths = policy(torch.full((1, 7), 0.05), 7, 1)
+    assert int(lengths) == 1, "the probe verifies one token all the same"
+    policy.observe(lengths, torch.ones(1, dtype=torch.long), drafted=True)  # and it is accepted
+    plan_would = engine.verify(1, 1) / (engine.draft(1) + engine.verify(1, 1))  # one token, nothing verified
+    assert int(policy._plan(None, 1)) == 0 and policy.gain == pytest.approx(plan_would)

@@ -26,8 +26,13 @@ class AutoScheduled(Policy):
       confidence head is planned with the acceptance rates seen so far.
     - Between rounds: a running estimate of what drafting gains, each drafted round's committed tokens per second
       of its measured cost over plain decoding's R / t_verify(R, 1), smoothed over rounds. While it is below 1,
-      drafting pauses and probes again after `probe_every` rounds; a probe that itself lost doubles the pause (up to
-      `max_pause`), so one unlucky round neither stops drafting nor keeps it stopped.
+      drafting pauses and probes again after `probe_every` rounds, and each probe that leaves the estimate below 1
+      doubles the pause (up to `max_pause`): one unlucky round does not stop drafting, one lucky probe does not
+      restart it.
+    - Rows verify at least a common length, the one that maximises tokens per second by the acceptance rates
+      of past rounds (Algorithm 1's early stop cannot find it on a padded batch); probes (the first drafted round,
+      and the first after a pause) verify at least one token, so that a draft better than its confidence head says
+      gets found out. The gain estimate counts a probe as the plan would have done in it.
 
     Decisions read the costs and the acceptance seen so far, never a clock: greedy output is plain generate()'s,
     and a seed gives the same sampled output every run with the same cached costs. One instance per generate() call.
@@ -42,6 +47,7 @@ class AutoScheduled(Policy):
         self._skip, self._pause = 0, probe_every
         self._seen = None  # per position: (rounds examined, tokens accepted, confidence spent), (3, gamma)
         self._planned = None  # this round's raw confidences (R, gamma), or None
+        self._probing = True  # is the next drafted round a probe: the first one, or the first after a pause
 
     def prepare(self, target, draft, batch_size: int) -> None:
         if self.costs is None:
@@ -59,17 +65,37 @@ class AutoScheduled(Policy):
         if self.costs is None:
             raise RuntimeError("AutoScheduled.prepare(target, draft, batch_size) must run before the first round "
                                "(generate() does it).")
-        if confidences is None:  # no confidence head: the acceptance rates seen so far, the same for every row
-            planned = None
-            c = self._rates(prior=0.5, weight=2.0, against=self._seen[0]).expand(num_rows, -1)
-        else:
-            planned = confidences.detach().to("cpu", torch.float64)
-            c = (planned * self._rates(prior=1.0, weight=1.0, against=self._seen[2])).clamp(0, 1)
-        self._planned = planned
+        self._planned = None if confidences is None else confidences.detach().to("cpu", torch.float64)
+        lengths = self._plan(self._planned, num_rows)
+        # A plan learns only at the positions it verifies: a probe (the first drafted round, and the first after each
+        # pause) verifies at least one token, so that a draft planned at zero can still be found out. The gain
+        # estimate counts a probe as the plan would have done in it, not at what exploring cost.
+        return lengths.clamp_min(1) if self._probing else lengths
+
+    def _plan(self, planned: torch.Tensor | None, num_rows: int) -> torch.Tensor:
+        """This round's (R,) lengths on the CPU: every row verifies at least `_common_length`, and further where
+        Algorithm 1 (with its lossless early stop) over the recalibrated confidences finds it pays."""
+        common = self._common_length(num_rows)
+        if planned is None:  # no confidence head: the acceptance seen is all there is to plan with
+            return torch.full((num_rows,), common, dtype=torch.long, device="cpu")
+        c = (planned * self._rates(prior=1.0, weight=1.0, against=self._seen[2])).clamp(0, 1)
         t_draft = self.costs.draft(num_rows)
         lengths = prefix_schedule(c, lambda b: 1.0 / (t_draft + self.costs.verify(num_rows, b // num_rows)),
                                   padded=True)
-        return torch.tensor(lengths, dtype=torch.long, device="cpu")
+        return torch.tensor(lengths, dtype=torch.long, device="cpu").clamp_min(common)
+
+    def _common_length(self, num_rows: int) -> int:
+        """The length that maximises expected tokens per second when every row verifies it, by the acceptance rates
+        seen in past rounds. Algorithm 1 alone cannot find it on a padded batch: its first admission pays the
+        padding of every row for one row's token, so its early stop ends the search there. Reading only past
+        rounds, never this block, it is lossless as it is."""
+        survival = torch.cumprod(self._rates(prior=0.5, weight=2.0, against=self._seen[0]), 0).tolist()
+        t_draft, best, best_rate = self.costs.draft(num_rows), 0, 0.0
+        for length in range(len(survival) + 1):
+            rate = (1 + sum(survival[:length])) / (t_draft + self.costs.verify(num_rows, 1 + length))
+            if rate > best_rate:
+                best, best_rate = length, rate
+        return best
 
     def _rates(self, prior: float, weight: float, against: torch.Tensor) -> torch.Tensor:
         """Per position, tokens accepted over `against` (rounds examined, or confidence spent), shrunk towards the
@@ -94,12 +120,23 @@ class AutoScheduled(Policy):
         if self._planned is not None:
             self._seen[2] += (self._planned * examined).sum(0)
 
+        if self._probing:
+            verified, accepted = self._counterfactual(verified, accepted)
+            self._probing = False
         plain_rate = R / self.costs.verify(R, 1)
         round_seconds = self.costs.draft(R) + self.costs.verify(R, 1 + int(verified.max()))
-        probe = float((accepted + 1).sum()) / round_seconds / plain_rate
-        self.gain = probe if self.gain is None else (1 - self.smoothing) * self.gain + self.smoothing * probe
+        this_round = float((accepted + 1).sum()) / round_seconds / plain_rate
+        self.gain = this_round if self.gain is None else (1 - self.smoothing) * self.gain + self.smoothing * this_round
         if self.gain >= 1:
             self._pause = self.probe_every
         else:
             self._skip = self._pause
-            self._pause = min(2 * self._pause, self.max_pause) if probe < 1 else self.probe_every
+            self._pause = min(2 * self._pause, self.max_pause)  # the next pause, should the estimate stay below 1
+            self._probing = True  # the next drafted round ends a pause
+
+    def _counterfactual(self, verified: torch.Tensor, accepted: torch.Tensor):
+        """What the plan, knowing this round's outcome, would have verified and accepted in it: at most what was
+        verified, and the same prefix accepted (a shorter verification accepts min(accepted, length), greedy or
+        sampled, since each position's test reads only its own token)."""
+        planned = torch.minimum(self._plan(self._planned, verified.shape[0]), verified)
+        return planned, torch.minimum(accepted, planned)

@@ -26,7 +26,7 @@ from ..devices import clock
 from ..evaluation.machine import machine_info
 
 
-def _seconds(fn, device, warmup: int, repeats: int, after=None) -> float:
+def _seconds(fn, device, warmup: int, repeats: int, after=None, statistic=statistics.median) -> float:
     times = []
     for i in range(warmup + repeats):
         start = clock(device)
@@ -35,16 +35,17 @@ def _seconds(fn, device, warmup: int, repeats: int, after=None) -> float:
             times.append(clock(device) - start)
         if after is not None:
             after()
-    return statistics.median(times)
+    return statistic(times)
 
 
 @torch.no_grad()
 def profile_sps(target, rows: int | Sequence[int] = 1, max_tokens_per_row: int = 8, context: int = 256,
                 repeats: int = 7, warmup: int = 2, draft=None, progress: bool | str = True,
-                verify: bool = True) -> dict:
+                verify: bool = True, statistic=statistics.median) -> dict:
     """Median seconds of verification forwards of R x n tokens after `context` cached tokens, for R in `rows` and
     n = 1..max_tokens_per_row, as SPS(B = R n); with a `draft`, also the seconds of one draft pass per R (verify=False:
-    only those). progress: show a bar (a string: its label)."""
+    only those). progress: show a bar (a string: its label). statistic: of the repeats (`min` ignores load spikes
+    when few repeats are affordable)."""
     from tqdm.auto import tqdm
 
     rows = [rows] if isinstance(rows, int) else list(rows)
@@ -68,14 +69,15 @@ def profile_sps(target, rows: int | Sequence[int] = 1, max_tokens_per_row: int =
             grid[R][n] = 1.0 / _seconds(
                 lambda: target(input_ids=new, attention_mask=mask, position_ids=positions, past_key_values=cache,
                                use_cache=True, logits_to_keep=0),
-                device, warmup, repeats, after=lambda: cache.crop(-n))
+                device, warmup, repeats, after=lambda: cache.crop(-n), statistic=statistic)
             bar.update(1)
         if draft is not None:
             positions = torch.arange(context, device=device).expand(R, -1)
             ctx = draft.encode_context(draft.target_features(out.hidden_states), positions,
                                        torch.ones_like(positions, dtype=torch.bool))
             anchor, anchor_pos = prompt[:, -1], torch.full((R,), context, device=device)
-            draft_seconds[R] = _seconds(lambda: draft.draft_block(anchor, anchor_pos, ctx), device, warmup, repeats)
+            draft_seconds[R] = _seconds(lambda: draft.draft_block(anchor, anchor_pos, ctx), device, warmup, repeats,
+                                        statistic=statistic)
             bar.update(1)
     bar.close()
     grid = {R: row for R, row in grid.items() if row}
@@ -132,7 +134,8 @@ def load_draft_cost(path: str | Path) -> Callable[[int], float] | None:
 
 # -- the cost model the default policy plans against, measured once per machine and cached on disk ----------------
 AUTO_CONTEXT = 16  # cached tokens under the measured forwards: the cost of a small target barely depends on it
-AUTO_REPEATS = 2
+AUTO_REPEATS = 3  # the fastest of three: a cost measured once is kept, so a load spike must not make it
+AUTO_METHOD = "fastest of 3, monotone in tokens"  # part of the cache key: costs measured otherwise are re-measured
 
 
 @dataclass
@@ -142,6 +145,9 @@ class EngineCosts:
 
     verify_seconds: dict[int, dict[int, float]]
     draft_seconds: dict[int, float]
+
+    def __post_init__(self):
+        self.verify_seconds = {R: _monotone(row) for R, row in self.verify_seconds.items()}
 
     def verify(self, rows: int, tokens: int) -> float:
         def at(row):  # beyond the longest measured verification, proportional to the tokens
@@ -177,7 +183,7 @@ def _machine_key(target) -> dict:
     device = target.device
     return {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu: {cpu_model()}",
             "threads": torch.get_num_threads(), "dtype": str(target.dtype), "torch": torch.__version__,
-            "dspark_hf": __version__}
+            "dspark_hf": __version__, "method": AUTO_METHOD}
 
 
 def _target_key(target) -> dict:
@@ -212,12 +218,21 @@ def cached_costs(target, draft, rows: Sequence[int], progress: bool = True) -> E
         if not missing:
             continue
         measured = profile_sps(target, missing, tokens, AUTO_CONTEXT, AUTO_REPEATS, warmup=1, draft=draft,
-                               progress=label if progress else False, verify=with_verify)
+                               progress=label if progress else False, verify=with_verify, statistic=min)
         verify.update({R: {n: 1.0 / sps for n, sps in row.items()} for R, row in measured["grid"].items()})
         drafts.update(measured["draft_seconds"])
     if needs_verify or needs_draft:
         _merge_into(path, key, verify, _draft_key(draft), drafts)
     return EngineCosts(verify, drafts)
+
+
+def _monotone(seconds: dict[int, float]) -> dict[int, float]:
+    """Seconds by tokens, never less for more tokens: a forward of n + 1 tokens does all the work of n, so a
+    measurement saying otherwise is noise, and a plan trusting it would verify more for free."""
+    out, slowest = {}, 0.0
+    for n in sorted(seconds):
+        slowest = out[n] = max(slowest, seconds[n])
+    return out
 
 
 def _merge_into(path: Path, key: dict, verify: dict, draft_key: str, drafts: dict) -> None:
