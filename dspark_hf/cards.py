@@ -182,9 +182,10 @@ def render_model_card(config, base_model: str | None, repo_id: str = "<your-repo
     vocab = (f"{config.draft_vocab_size} most frequent answer tokens of {config.target_vocab_size}"
              if config.draft_vocab_size else f"all {config.target_vocab_size} target tokens")
     target = base_model or _UNKNOWN_TARGET
+    title = target if is_hub_model_id(target) or not base_model else Path(base_model).name  # no machine's paths
     return _template().format(
         front_matter=front_matter(base_model, license, tags), generated_mark=GENERATED_MARK,
-        base_model=target, name=name or f"DSpark draft for {target}", repo_id=repo_id or "<your-repo/draft>",
+        base_model=target, name=name or f"DSpark draft for {title}", repo_id=repo_id or "<your-repo/draft>",
         head_type=config.head_type, markov_rank=config.markov_rank, num_hidden_layers=config.num_hidden_layers,
         hidden_size=config.hidden_size, block_size=config.block_size, target_layer_ids=config.target_layer_ids,
         draft_vocab=vocab, confidence="calibrated (STS)" if config.confidence_temperatures else

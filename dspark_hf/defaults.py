@@ -19,6 +19,7 @@ import torch
 from .devices import resolve_device
 
 DEFAULT_TARGET_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_TARGET_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # what drafts built for it record as their target
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SHIPPED_DRAFT_DIR = Path(__file__).parent / "assets" / "dspark-smollm2-135m-instruct"
 
@@ -82,6 +83,8 @@ def default_target(dtype: torch.dtype = torch.float32, device: str | torch.devic
 
     path = default_target_path()
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(resolve_device(device)).eval()
+    # the same weights as on the Hub: a draft built for it, its card and its base_model name the Hub id, not the cache
+    model.config._name_or_path = DEFAULT_TARGET_HUB_ID
     tokenizer = AutoTokenizer.from_pretrained(path)
     tokenizer.padding_side = "left"
     return model, tokenizer

@@ -103,3 +103,19 @@ class _nothing:
 
     def __exit__(self, *exc):
         return False
+
+
+def test_the_shipped_draft_saved_again_names_its_target_by_hub_id_and_no_local_path(smollm2, tmp_path):
+    from huggingface_hub import ModelCard
+
+    from dspark_hf import default_draft
+    from dspark_hf.defaults import cache_dir
+
+    target, _ = smollm2
+    default_draft(target).save_pretrained(tmp_path / "draft")
+    card = (tmp_path / "draft" / "README.md").read_text()
+    assert ModelCard(card).data.to_dict()["base_model"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert "# DSpark draft for HuggingFaceTB/SmolLM2-135M-Instruct" in card
+    assert str(cache_dir()) not in card and str(cache_dir()) not in (tmp_path / "draft" / "config.json").read_text()
+    from_target = DSparkDraftModel.from_target(target, num_hidden_layers=1)
+    assert from_target.config.target_name_or_path == "HuggingFaceTB/SmolLM2-135M-Instruct"
