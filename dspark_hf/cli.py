@@ -411,6 +411,7 @@ def config_help(name: str) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dspark", description="DSpark speculative decoding for transformers.")
+    parser.add_argument("--debug", action="store_true", help="on an error, show its traceback (anywhere on the line)")
     sub = parser.add_subparsers(dest="command", required=True)
 
     def models(p):
@@ -644,9 +645,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# What a user can fix (a missing or malformed file, a bad value, a draft built for another target) ends the command
+# with one line and status 2, as argparse does for bad flags; a bug anywhere else keeps its traceback.
+USER_ERRORS = (ValueError, TypeError, OSError, ImportError)
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return args.func(args)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv  # accepted anywhere on the line, before or after the command
+    args = build_parser().parse_args([a for a in argv if a != "--debug"])
+    if debug:
+        return args.func(args)
+    try:
+        return args.func(args)
+    except USER_ERRORS as e:
+        message = " ".join(str(e).split()) or type(e).__name__
+        command = " ".join(filter(None, (args.command, getattr(args, "bench", None))))
+        print(f"dspark {command}: error: {message} (run with --debug for the traceback)", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

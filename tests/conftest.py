@@ -81,3 +81,15 @@ def has_smollm2() -> bool:
 @pytest.fixture(params=FAMILIES)
 def family(request):
     return request.param
+
+
+def cli_error(capsys, argv: list[str]) -> str:
+    """The line `dspark` prints for an error the user can fix: exit status 2, one line, no traceback."""
+    from dspark_hf.cli import main
+
+    capsys.readouterr()
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    line = err.strip().splitlines()[-1]  # after the progress bars of model loading
+    assert line.startswith("dspark ") and "error: " in line and "Traceback" not in err, err
+    return line

@@ -1,12 +1,13 @@
 """Evaluation: the metric definitions on hand-made rounds, and the CLI end to end on a tiny random model."""
 
 import json
+import re
 
 import pytest
 import torch
 from transformers import PreTrainedTokenizerFast
 
-from conftest import VOCAB, tiny_draft, tiny_target
+from conftest import VOCAB, cli_error, tiny_draft, tiny_target
 from dspark_hf import DSparkDraftModel
 from dspark_hf.cli import main
 from dspark_hf.evaluation.evaluate import threshold_sweep
@@ -141,7 +142,7 @@ def test_dspark_bench_speed_reports_every_method(tiny_models, tmp_path, dtype):
     assert report["machine"]["torch_threads"] >= 1
 
 
-def test_bench_speed_runs_the_default_policy_and_others_side_by_side_and_says_which(tiny_models, tmp_path):
+def test_bench_speed_runs_the_default_policy_and_others_side_by_side_and_says_which(tiny_models, tmp_path, capsys):
     out = tmp_path / "bench.json"
     assert main(["bench", "speed", "--target", str(tiny_models / "target"), "--draft", str(tiny_models / "draft"),
                  "--policy", "auto", "--policy", "full block", "--policy", "fixed 2", "--prompts",
@@ -151,13 +152,12 @@ def test_bench_speed_runs_the_default_policy_and_others_side_by_side_and_says_wh
     assert report["settings"]["policies"] == {"dspark": "auto", "dspark (full block)": "full block",
                                               "dspark (fixed 2)": "fixed 2"}
     assert all(report["methods"][m]["identical_rows"] == 2 for m in report["settings"]["policies"])
-    with pytest.raises(ValueError, match="unknown verification policy 'fastest'"):
-        main(["bench", "speed", "--target", str(tiny_models / "target"), "--policy", "fastest"])
-    with pytest.raises(ValueError, match="scheduled policy plans against a profile"):
-        main(["bench", "speed", "--target", str(tiny_models / "target"), "--policy", "scheduled"])
+    bench = ["bench", "speed", "--target", str(tiny_models / "target")]
+    assert "unknown verification policy 'fastest'" in cli_error(capsys, [*bench, "--policy", "fastest"])
+    assert "scheduled policy plans against a profile" in cli_error(capsys, [*bench, "--policy", "scheduled"])
 
 
-def test_bench_speed_runs_a_single_token_draft_beside_dspark(tiny_models, tmp_path):
+def test_bench_speed_runs_a_single_token_draft_beside_dspark(tiny_models, tmp_path, capsys):
     from transformers import AutoModelForCausalLM
 
     target = AutoModelForCausalLM.from_pretrained(tiny_models / "target")
@@ -170,9 +170,9 @@ def test_bench_speed_runs_a_single_token_draft_beside_dspark(tiny_models, tmp_pa
     methods = json.loads(out.read_text())["methods"]
     assert set(methods) == {"plain", "prompt_lookup", "dspark", "single_token"}
     assert methods["single_token"]["identical_rows"] == 2 and 1 <= methods["single_token"]["acceptance_length"] <= 2
-    with pytest.raises(ValueError, match="NAME=PATH"):
-        main(["bench", "speed", "--target", str(tiny_models / "target"), "--draft", str(tiny_models / "draft"),
-              "--also-draft", "dspark=x", "--prompts", str(tiny_models / "prompts.jsonl"), "--limit", "1"])
+    assert "NAME=PATH" in cli_error(capsys, [
+        "bench", "speed", "--target", str(tiny_models / "target"), "--draft", str(tiny_models / "draft"),
+        "--also-draft", "dspark=x", "--prompts", str(tiny_models / "prompts.jsonl"), "--limit", "1"])
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -249,23 +249,22 @@ def test_dspark_bench_serve_compares_every_policy_at_every_concurrency(tiny_mode
         assert (tmp_path / "plots" / png).stat().st_size > 1000
 
 
-def test_bench_serve_can_run_a_few_policies_against_no_speculation(tiny_models, tmp_path):
+def test_bench_serve_can_run_a_few_policies_against_no_speculation(tiny_models, tmp_path, capsys):
     out = tmp_path / "serve.json"
     args = ["bench", "serve", "--target", str(tiny_models / "target"), "--draft", str(tiny_models / "draft"),
             "--prompts", str(tiny_models / "prompts.jsonl"), "--batch-sizes", "2", "--max-new-tokens", "4",
             "--repeats", "1", "--output", str(out)]
     assert main([*args, "--policies", "fixed 1"]) == 0
     assert list(json.loads(out.read_text())["results"]["2"]) == ["no speculation", "fixed 1"]
-    with pytest.raises(ValueError, match="no policy \\['scheduled'\\].*needs a profile"):
-        main([*args, "--policies", "scheduled"])
+    error = cli_error(capsys, [*args, "--policies", "scheduled"])
+    assert re.search(r"no policy \['scheduled'\].*needs a profile", error)
 
 
-def test_bad_prompt_files_and_suites_fail_clearly(tiny_models, tmp_path):
+def test_bad_prompt_files_and_suites_fail_clearly(tiny_models, tmp_path, capsys):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"id": 1}\n')
-    with pytest.raises(ValueError, match="bad.jsonl:1"):
-        main(["eval", "--target", str(tiny_models / "target"), "--draft", str(tiny_models / "draft"),
-              "--prompts", str(bad)])
+    assert "bad.jsonl:1" in cli_error(capsys, ["eval", "--target", str(tiny_models / "target"), "--draft",
+                                              str(tiny_models / "draft"), "--prompts", str(bad)])
 
 
 def test_export_writes_a_small_checkpoint_and_a_card_from_the_results(tiny_models, tmp_path):
@@ -307,3 +306,21 @@ def test_dspark_calibrate_saves_temperatures_a_report_and_a_diagram(tiny_models,
     card = tmp_path / "exported" / "README.md"
     assert main(["export", str(out), "--output", str(card.parent), "--base-model", "org/tiny-target"]) == 0
     assert "| after STS |" in card.read_text(), "export finds the calibration report next to the draft"
+
+
+def test_cli_errors_a_user_can_fix_are_one_line_with_status_2_and_the_traceback_is_behind_debug(tiny_models,
+                                                                                                  tmp_path, capsys):
+    models = ["--target", str(tiny_models / "target"), "--draft", str(tiny_models / "draft")]
+    missing = ["eval", *models, "--prompts", str(tmp_path / "missing.jsonl")]
+    assert "missing.jsonl: no such file" in cli_error(capsys, missing)
+    (tmp_path / "garbled.jsonl").write_text('{"id": "a", "prompt": "hi"}\n{"id": "b", "prompt": \n')
+    assert "garbled.jsonl:2: not valid JSON" in cli_error(capsys, ["eval", *models, "--prompts",
+                                                                     str(tmp_path / "garbled.jsonl")])
+    other = tiny_target("llama", hidden_size=48)  # another target, of another shape
+    other.save_pretrained(tmp_path / "other")
+    tiny_tokenizer().save_pretrained(tmp_path / "other")
+    error = cli_error(capsys, ["eval", "--target", str(tmp_path / "other"), "--draft", str(tiny_models / "draft"),
+                               "--prompts", str(tiny_models / "prompts.jsonl")])
+    assert "does not fit" in error and "hidden size 48" in error
+    with pytest.raises(ValueError, match="no such file"):  # --debug: the exception itself
+        main([*missing, "--debug"])

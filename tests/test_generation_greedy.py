@@ -362,3 +362,26 @@ def test_padding_tokens_fill_finished_rows():
     new = out.sequences[2, ids.shape[1]:].tolist()
     end = new.index(eos)
     assert end < len(new) - 1 and set(new[end + 1:]) == {PAD}
+
+
+def test_an_empty_prompt_is_refused_with_a_message_that_says_so():
+    target = tiny_target("llama")
+    draft = tiny_draft(target)
+    with pytest.raises(ValueError, match="the prompt is empty"):
+        target.generate(input_ids=torch.zeros(1, 0, dtype=torch.long), max_new_tokens=4, assistant_model=draft)
+    ids, mask = left_padded_prompts(3)
+    mask[1] = 0
+    with pytest.raises(ValueError, match=r"rows \[1\] of the prompt are all padding"):
+        target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, assistant_model=draft)
+
+
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_a_draft_whose_weights_went_non_finite_says_so_instead_of_failing_inside_sampling(do_sample):
+    target = tiny_target("llama")
+    draft = tiny_draft(target)
+    with torch.no_grad():
+        next(p for name, p in draft.named_parameters() if name.endswith("weight")).fill_(float("nan"))
+    ids, mask = left_padded_prompts(2)
+    with pytest.raises(FloatingPointError, match="non-finite probabilities"):
+        target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=do_sample,
+                        assistant_model=draft, verification_policy=FullBlock())

@@ -4,6 +4,7 @@ import json
 import math
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -301,3 +302,32 @@ def test_the_shipped_drafts_remote_code_is_the_librarys_own():
         assert (SHIPPED_DRAFT_DIR / name).read_bytes() == (model_dir / name).read_bytes(), (
             f"{SHIPPED_DRAFT_DIR / name} differs from dspark_hf/model/{name}: copy it over (the asset loads with "
             "trust_remote_code=True where dspark-hf is not installed)")
+
+
+def test_a_draft_bound_to_a_target_of_its_shape_but_other_weights_warns_once_naming_both():
+    from dspark_hf.model.modeling_dspark import OtherTargetWarning
+
+    target, other = tiny_target("llama"), tiny_target("llama", seed=5)
+    target.config._name_or_path, other.config._name_or_path = "org/trained-for", "org/other-weights"
+    draft = tiny_draft(target)
+    assert draft.config.target_fingerprint and draft.config.target_name_or_path == "org/trained-for"
+    ids = torch.randint(1, VOCAB, (1, 6))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            other.generate(input_ids=ids, max_new_tokens=4, do_sample=False, assistant_model=draft)
+    (warning,) = [w for w in caught if issubclass(w.category, OtherTargetWarning)]
+    assert "org/trained-for" in str(warning.message) and "org/other-weights" in str(warning.message)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", OtherTargetWarning)  # its own weights in another dtype: no warning
+        draft.bind_target(target.to(torch.bfloat16))
+
+
+def test_the_shipped_draft_carries_the_package_s_own_modeling_and_configuration_files():
+    """trust_remote_code loads them from the draft's folder: a stale copy would model another draft."""
+    from dspark_hf.defaults import SHIPPED_DRAFT_DIR
+
+    for name in ("modeling_dspark.py", "configuration_dspark.py"):
+        package = Path(dspark_hf.__file__).parent / "model" / name
+        assert (SHIPPED_DRAFT_DIR / name).read_bytes() == package.read_bytes(), name

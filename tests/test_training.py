@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import BatchEncoding
 
-from conftest import VOCAB, tiny_draft, tiny_target
+from conftest import VOCAB, cli_error, tiny_draft, tiny_target
 from dspark_hf import DSparkDraftModel
 from dspark_hf.training import DataFileError, GenerationSettings, load_dataset, prepare_data, read_prompts
 from dspark_hf.training.data import Example, manifest_path, split_heldout
@@ -515,7 +515,7 @@ def test_fine_tuning_refuses_a_draft_shape_it_would_ignore(tmp_path):
     assert not (tmp_path / "run").exists(), "refused before anything is written"
 
 
-def test_dspark_train_flags_shape_a_fresh_draft_and_are_refused_when_fine_tuning(tmp_path, monkeypatch):
+def test_dspark_train_flags_shape_a_fresh_draft_and_are_refused_when_fine_tuning(tmp_path, monkeypatch, capsys):
     from dspark_hf.cli import main
 
     monkeypatch.setattr("transformers.AutoTokenizer.from_pretrained", lambda *a, **k: None)  # tiny target: none
@@ -530,8 +530,8 @@ def test_dspark_train_flags_shape_a_fresh_draft_and_are_refused_when_fine_tuning
     assert (config["head_type"], config["markov_rank"], config["block_size"]) == ("markov", 128, 7)  # defaults
 
     assert main(run + ["--output-dir", str(tmp_path / "tuned"), "--init-from", str(tmp_path / "fresh")]) == 0
-    with pytest.raises(ValueError, match="num_hidden_layers"):
-        main(run + ["--output-dir", str(tmp_path / "bad"), "--init-from", str(tmp_path / "fresh"), "--layers", "2"])
+    assert "num_hidden_layers" in cli_error(capsys, run + ["--output-dir", str(tmp_path / "bad"), "--init-from",
+                                                        str(tmp_path / "fresh"), "--layers", "2"])
 
 
 def test_fine_tuning_a_bf16_checkpoint_trains_fp32_weights(tmp_path):

@@ -110,6 +110,12 @@ def _check_request(model, draft, cfg, synced_gpus, model_kwargs, input_ids, stre
     unknown = set(k for k, v in model_kwargs.items() if v is not None) - _KNOWN_MODEL_KWARGS
     if unknown:
         raise ValueError(f"DSpark decoding does not accept these generate() arguments: {sorted(unknown)}.")
+    mask = model_kwargs.get("attention_mask")
+    if input_ids.shape[1] == 0 or (mask is not None and not bool(mask.bool().any(1).all())):
+        empty = "the prompt is empty" if input_ids.shape[1] == 0 else \
+            f"rows {mask.bool().any(1).logical_not().nonzero().flatten().tolist()} of the prompt are all padding"
+        raise ValueError(f"DSpark decoding needs at least one prompt token in every row, but {empty}: start each "
+                         "prompt with a token (e.g. the BOS token, or apply the chat template).")
     if streamer is not None and input_ids.shape[0] > 1:
         raise ValueError("Streamers support batch size 1, as in transformers.")
     if mode == GenerationMode.GREEDY_SEARCH and model.dtype in (torch.bfloat16, torch.float16):

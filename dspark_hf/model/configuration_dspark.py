@@ -90,6 +90,11 @@ class DSparkConfig(PreTrainedConfig):
     target_vocab_size: int | None = field(default=None, metadata={"help": "Target vocabulary size."})
     target_hidden_size: int | None = field(default=None, metadata={"help": "Target hidden size."})
     target_num_hidden_layers: int | None = field(default=None, metadata={"help": "Target decoder layers."})
+    target_fingerprint: list[float] | None = field(
+        default=None,
+        metadata={"help": "Projections of sampled rows of the target's embedding and LM head, recorded when the draft "
+                  "is built; binding to a target whose projections do not match warns (see `target_fingerprint`)."},
+    )
     final_logit_softcapping: float | None = field(
         default=None,
         metadata={"help": "The target's final-logit soft cap (Gemma), applied to the draft's base logits "

@@ -279,6 +279,7 @@ class DSparkDraftModel(DSparkPreTrainedModel):
             target_vocab_size=vocab,
             target_hidden_size=t.hidden_size,
             target_num_hidden_layers=t.num_hidden_layers,
+            target_fingerprint=target_fingerprint(target),
             final_logit_softcapping=getattr(t, "final_logit_softcapping", None),
         )
         fields.update(overrides)
@@ -326,6 +327,12 @@ class DSparkDraftModel(DSparkPreTrainedModel):
         if c.target_model_type is not None and c.target_model_type != t.model_type:
             warnings.warn(f"Draft built for a {c.target_model_type!r} target is bound to a {t.model_type!r} target "
                           "with the same geometry; acceptance will likely be poor.", stacklevel=3)
+        elif c.target_fingerprint and not same_fingerprint(c.target_fingerprint, target_fingerprint(target)):
+            warnings.warn(OtherTargetWarning(
+                f"This DSpark draft was built for {c.target_name_or_path or 'another target'}, and "
+                f"{getattr(target.config, '_name_or_path', '') or 'this target'} has the same shape but other "
+                "embedding and LM head weights: output stays lossless, but the draft will be accepted rarely. Use "
+                "a draft trained for this target."), stacklevel=3)
 
     def bind_target(self, target: PreTrainedModel) -> "DSparkDraftModel":
         """Borrow the target's frozen input embedding and LM head (not registered as submodules, never saved)."""
@@ -549,12 +556,42 @@ class DSparkDraftModel(DSparkPreTrainedModel):
                 prefix = torch.stack(tokens, 1) if tokens else anchor_ids.new_zeros(N, 0)
                 logits = process_logits(prefix, logits)
             p = torch.softmax(logits, dim=-1)
+            if not bool(torch.isfinite(p).all()):
+                raise FloatingPointError(f"The draft produced non-finite probabilities (NaN or inf) at block position "
+                                         f"{k + 1}: its weights or the logits processors' output are not finite. "
+                                         "Reload the draft (or check training for divergence).")
             x = torch.multinomial(p, 1, generator=generator).squeeze(1) if do_sample else logits.argmax(-1)
             tokens.append(x)
             probs.append(p)
             prev = x
         confidences = self.calibrated(torch.stack(conf_logits, 1).float()) if conf_logits else None
         return DraftBlock(torch.stack(tokens, 1), torch.stack(probs, 1), confidences)
+
+
+class OtherTargetWarning(UserWarning):
+    """A draft bound to a target of its shape whose embedding and LM head are not the ones it was built for."""
+
+
+def target_fingerprint(target: PreTrainedModel, rows: int = 8) -> list[float]:
+    """2 x `rows` numbers identifying a target's embedding and LM head: fixed random projections of evenly spaced
+    rows. They survive a change of dtype or light quantisation (compared by correlation, [`same_fingerprint`]),
+    and cost one small matmul, unlike a hash of 100+ MB of weights."""
+    numbers = []
+    for module in (target.get_input_embeddings(), target.get_output_embeddings()):
+        weight = module.weight.detach()
+        picked = torch.linspace(0, weight.shape[0] - 1, rows, device=weight.device).long()
+        direction = torch.randn(weight.shape[1], generator=torch.Generator().manual_seed(0))
+        numbers += (weight[picked].float().cpu() @ direction / math.sqrt(weight.shape[1])).tolist()
+    return [round(x, 5) for x in numbers]
+
+
+def same_fingerprint(a: list[float], b: list[float]) -> bool:
+    """Whether two fingerprints come from the same weights, up to dtype rounding and quantisation noise."""
+    x, y = torch.tensor(a, dtype=torch.float64), torch.tensor(b, dtype=torch.float64)
+    if x.shape != y.shape:
+        return False
+    x, y = x - x.mean(), y - y.mean()
+    return float((x * y).sum()) >= 0.9 * float(x.norm() * y.norm())
 
 
 def _dspark_hub(card_data=None):
