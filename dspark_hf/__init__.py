@@ -7,12 +7,12 @@
 from transformers import AutoConfig, AutoModel
 
 from .generation import DSparkGenerateOutput, DSparkRound, HalfPrecisionGreedyWarning, dspark_generate
-from .generation.streamers import DSparkRoundStreamer, DSparkStep
+from .generation.streamers import DSparkRoundStreamer, DSparkStep, RoundStreamer
 from .generation.integration import install as _install_generate_hook
 from .defaults import default_draft, default_target, fast_draft_dtype
 from .model import DSparkConfig, DSparkContext, DSparkDraftModel, DraftBlock
 from .scheduling import (AsyncScheduled, AutoScheduled, FixedLength, FullBlock, Policy, Scheduled, ThresholdPolicy,
-                         prefix_schedule)
+                         VerificationPolicy, prefix_schedule)
 
 __version__ = "0.1.0"
 
@@ -31,10 +31,12 @@ __all__ = [
     "DSparkRound",
     "DSparkRoundStreamer",
     "DSparkStep",
+    "RoundStreamer",
     "dspark_generate",
     "HalfPrecisionGreedyWarning",
     "AutoScheduled",
     "Policy",
+    "VerificationPolicy",
     "FullBlock",
     "FixedLength",
     "ThresholdPolicy",

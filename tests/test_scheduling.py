@@ -400,3 +400,33 @@ def test_a_probe_is_counted_in_the_gain_as_the_plan_would_have_done_not_at_what_
     policy.observe(lengths, torch.ones(1, dtype=torch.long), drafted=True)  # and it is accepted
     plan_would = engine.verify(1, 1) / (engine.draft(1) + engine.verify(1, 1))  # one token, nothing verified
     assert int(policy._plan(None, 1)) == 0 and policy.gain == pytest.approx(plan_would)
+
+
+def test_any_object_with_the_four_policy_methods_is_a_policy_without_subclassing():
+    from dspark_hf import VerificationPolicy
+    from dspark_hf.scheduling import as_policy
+
+    class Mine:  # drafts every other round, verifies two tokens
+        def __init__(self):
+            self.rounds = 0
+
+        def prepare(self, target, draft, batch_size):
+            pass
+
+        def draft_this_round(self, num_rows):
+            self.rounds += 1
+            return self.rounds % 2 == 0
+
+        def __call__(self, confidences, gamma, num_rows):
+            return torch.full((num_rows,), 2)
+
+        def observe(self, verified, accepted, drafted):
+            pass
+
+    mine = Mine()
+    assert isinstance(mine, VerificationPolicy) and as_policy(mine) is mine
+    target = tiny_target("llama")
+    ids, mask = left_padded_prompts(2)
+    out = target.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=10,
+                          assistant_model=tiny_draft(target), verification_policy=mine, return_dict_in_generate=True)
+    assert mine.rounds > 1 and [len(r.drafted) for r in out.rounds[0][:2]] == [0, 4]

@@ -24,6 +24,7 @@ from ..scheduling.policies import as_policy
 from . import verify
 from .ragged import Commit, leading_padding
 from .records import DSparkGenerateOutput, DSparkRound
+from .streamers import RoundStreamer
 
 _UNSUPPORTED_OUTPUTS = ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
 # processors that read only the scores: safe to apply to any subset of rows in one call
@@ -302,19 +303,19 @@ class _Decoder:
             # how much of the block each row verifies: the policy's choice, never past the length limit
             remaining = self.max_new - self.n_gen[rows]
             verify_len = torch.minimum(self.policy(block.confidences, gamma, R).to(rows.device), remaining - 1)
-        else:
-            block, verify_len = None, torch.zeros_like(rows)
+        else:  # an empty block: the round below verifies nothing and adds the target's own next token
+            block = self.draft.empty_block(anchor)
+            verify_len = torch.zeros_like(rows)
+        drafted = block.tokens.shape[1] > 0
         L = int(verify_len.max())
-        x = block.tokens[:, :L] if block is not None else anchor.new_zeros(R, 0)
+        x = block.tokens[:, :L]
 
         inputs = torch.cat([anchor[:, None], x], 1)
         positions = anchor_pos[:, None] + torch.arange(L + 1, device=rows.device)
         out = self._forward(inputs, torch.cat([mask, mask.new_ones(R, L + 1)], 1), positions, self.cache, 0)
         scores = torch.stack([self._process(rows, x[:, :j], out.logits[:, j]) for j in range(L + 1)], 1)
 
-        if block is None:
-            n, nxt = torch.zeros_like(rows), self._pick(scores[:, 0])
-        elif self.do_sample:
+        if self.do_sample:
             n, nxt = verify.verify_sampling(torch.softmax(scores, -1), block.probs[:, :L], x, verify_len)
         else:
             n, nxt = verify.verify_greedy(scores, x, verify_len)
@@ -324,9 +325,9 @@ class _Decoder:
         stop_at = self._stop_index(rows, chunk, counts, scores)
         if self.pads_finished:
             counts = torch.where(stop_at > 0, stop_at, counts)
-        self.policy.observe(verify_len, n, drafted=block is not None)
+        self.policy.observe(verify_len, n, drafted=drafted)
         self._record(block, verify_len, n, nxt, counts)
-        if hasattr(self.streamer, "put_round"):  # a round streamer (batch size 1) gets the record before the tokens
+        if isinstance(self.streamer, RoundStreamer):  # batch size 1: the record comes before the tokens
             self.streamer.put_round(self.rounds[0][-1])
         done = self._finish(rows, chunk, counts, stop_at)
 
@@ -336,7 +337,7 @@ class _Decoder:
             layer.keys, layer.values = commit(layer.keys, 2), commit(layer.values, 2)
         self.mask = commit(torch.cat([mask, mask.new_ones(R, L + 1)], 1), 1)
         features = self.draft.target_features(out.hidden_states)
-        if block is None:  # every row keeps its one token; nothing reads the draft context before the next draft
+        if not drafted:  # every row keeps its one token; nothing reads the draft context before the next draft
             self.pending = torch.cat([self.pending, features], 1)
             self.pending_positions = torch.cat([self.pending_positions, positions], 1)
         else:
@@ -354,13 +355,9 @@ class _Decoder:
         self.pending, self.pending_positions = self.pending[:, :0], self.pending_positions[:, :0]
 
     def _record(self, block, verify_len, n, nxt, counts):
-        R = n.shape[0]
-        if block is None:  # drafting was switched off this round
-            tokens, q_x, conf = [[]] * R, [[]] * R, None
-        else:
-            tokens = block.tokens.tolist()
-            q_x = block.probs.gather(-1, block.tokens[..., None]).squeeze(-1).tolist()
-            conf = block.confidences.tolist() if block.confidences is not None else None
+        tokens = block.tokens.tolist()
+        q_x = block.probs.gather(-1, block.tokens[..., None]).squeeze(-1).tolist()
+        conf = block.confidences.tolist() if block.confidences is not None else None
         for i, (r, drafted, q, v, a, t, c) in enumerate(zip(
                 self.rows.tolist(), tokens, q_x, verify_len.tolist(), n.tolist(), nxt.tolist(), counts.tolist())):
             self.rounds[r].append(DSparkRound(drafted, q, conf[i] if conf else None, v, a, t, c))

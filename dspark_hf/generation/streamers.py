@@ -1,8 +1,8 @@
 """Streaming DSpark decoding round by round, across threads.
 
-transformers' streamers receive token ids only. DSpark decoding also offers each round's record to a streamer
-that has a ``put_round`` method: ``put_round(round)`` is called once per round, right after the round is recorded
-and before its committed tokens reach ``put``. [`DSparkRoundStreamer`] pairs the two, so a consumer sees what the
+transformers' streamers receive token ids only. DSpark decoding also offers each round's record to a
+[`RoundStreamer`]: ``put_round(round)`` is called once per round, right after the round is recorded and before its
+committed tokens reach ``put``. [`DSparkRoundStreamer`] pairs the two, so a consumer sees what the
 draft proposed, what the target kept and what the scheduler never sent, as it happens.
 """
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from queue import Queue
+from typing import Protocol, runtime_checkable
 
 import torch
 from transformers.generation.streamers import BaseStreamer
@@ -30,6 +31,18 @@ class DSparkStep:
 
     tokens: list[int]
     round: DSparkRound | None
+
+
+@runtime_checkable
+class RoundStreamer(Protocol):
+    """A transformers streamer that also receives each DSpark round's record (batch size 1)."""
+
+    def put(self, value: torch.Tensor) -> None: ...
+
+    def end(self) -> None: ...
+
+    def put_round(self, round: DSparkRound) -> None:
+        """The record of the round whose tokens the next `put` carries."""
 
 
 _END = object()

@@ -520,6 +520,12 @@ class DSparkDraftModel(DSparkPreTrainedModel):
         conf = self.confidence_logit(h, prev_emb) if self.confidence is not None else None
         return DSparkOutput(logits=logits + bias, confidence_logits=conf, hidden_states=h)
 
+    def empty_block(self, anchor_ids: torch.Tensor) -> DraftBlock:
+        """The block of a round without a draft: no tokens for each of the (N,) anchors."""
+        N = anchor_ids.shape[0]
+        return DraftBlock(anchor_ids.new_zeros(N, 0), torch.zeros(N, 0, self.config.target_vocab_size,
+                                                                  device=anchor_ids.device), None)
+
     # -- sampling ------------------------------------------------------------------------------------------------
     @torch.no_grad()
     def draft_block(

@@ -1,16 +1,9 @@
 """Verification policies: how much of each drafted block a row sends to the target.
 
-A policy is a [`Policy`] (or any callable, adapted by [`as_policy`]):
-
-    policy(confidences: Tensor (R, gamma) | None, gamma: int, num_rows: int) -> LongTensor (R,) in [0, gamma]
-
-on any device (policies that decide on the host return CPU tensors; the decoding loop moves them). confidences is
-None for a draft without a confidence head. Around the rounds of one generate() call the loop also calls
-
-    prepare(target, draft, batch_size)             once, before the first round
-    draft_this_round(num_rows) -> bool             before each round's draft; False decodes one plain token per row
-                                                   (decided from past rounds only, so it cannot depend on the block)
-    observe(verified (R,), accepted (R,), drafted) after each round: how many tokens each row verified and accepted
+A policy is anything that implements [`VerificationPolicy`] (subclass [`Policy`] for its defaults), or a plain
+callable `(confidences, gamma, num_rows) -> lengths`, adapted by [`as_policy`]. confidences is None for a draft
+without a confidence head; lengths are (R,) in [0, gamma], on any device (policies that decide on the host return
+CPU tensors; the decoding loop moves them).
 
 Drafting always uses the full trained block; only verification is trimmed, which never changes the output
 distribution as long as a row's length is decided before its tokens are revealed to the decision (see the
@@ -19,7 +12,27 @@ scheduler's early stop). A policy keeps state across the rounds of one call: use
 
 from __future__ import annotations
 
+from typing import Protocol, runtime_checkable
+
 import torch
+
+
+@runtime_checkable
+class VerificationPolicy(Protocol):
+    """What generate() calls around the rounds of one call; one instance per call (a policy keeps state)."""
+
+    def prepare(self, target, draft, batch_size: int) -> None:
+        """Once, before the first round."""
+
+    def draft_this_round(self, num_rows: int) -> bool:
+        """Before each round's draft; False decodes one plain token per row. Decided from past rounds only, so it
+        cannot depend on the block."""
+
+    def __call__(self, confidences: torch.Tensor | None, gamma: int, num_rows: int) -> torch.Tensor:
+        """(R,) lengths in [0, gamma]: how many of its drafted tokens each row verifies."""
+
+    def observe(self, verified: torch.Tensor, accepted: torch.Tensor, drafted: bool) -> None:
+        """After each round: how many tokens each row verified and accepted (zeros when nothing was drafted)."""
 
 
 class Policy:
@@ -65,15 +78,16 @@ class _Callable(Policy):
         return self.fn(confidences, gamma, num_rows)
 
 
-def as_policy(policy) -> Policy:
-    """`policy` itself if it is a [`Policy`]; a plain callable becomes one that drafts every round."""
-    if isinstance(policy, Policy):
+def as_policy(policy) -> VerificationPolicy:
+    """`policy` itself if it implements [`VerificationPolicy`]; a plain callable becomes one that drafts every
+    round."""
+    if isinstance(policy, VerificationPolicy):
         return policy
     if not callable(policy):
         raise TypeError(f"verification_policy must be a dspark_hf policy or a callable (confidences, gamma, num_rows) "
                         f"-> lengths, got {type(policy).__name__}.")
     hooks = [name for name in ("prepare", "draft_this_round", "observe") if name in dir(policy)]
     if hooks:  # a plain callable would silently lose them
-        raise TypeError(f"{type(policy).__name__} defines {', '.join(hooks)}: subclass dspark_hf.Policy so that "
-                        "generate() calls them.")
+        raise TypeError(f"{type(policy).__name__} defines {', '.join(hooks)} but not all of prepare, "
+                        "draft_this_round and observe: subclass dspark_hf.Policy so that generate() calls them.")
     return _Callable(policy)
