@@ -323,6 +323,22 @@ def cmd_export(args) -> int:
     from .hub import folder_calibration
     from .model import DSparkDraftModel
 
+    if args.format == "deepspec":
+        from .model.convert import export_deepspec
+
+        if not args.target:
+            raise ValueError("--format deepspec writes copies of the target's embedding and LM head: pass --target.")
+        from transformers import AutoModelForCausalLM
+
+        target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32)
+        draft = _load_draft(args.draft, target, getattr(torch, args.dtype))
+        export_deepspec(draft, target, args.output)
+        print(f"exported to {args.output} in DeepSpec's Qwen3DSparkModel layout (dspark convert --from deepspec "
+              "reads it back)")
+        return 0
+    if not args.base_model:
+        raise ValueError("--base-model is needed for the model card: the target's Hub id, e.g. "
+                         "HuggingFaceTB/SmolLM2-135M-Instruct.")
     draft = DSparkDraftModel.from_pretrained(args.draft).to(getattr(torch, args.dtype))
     eval_results = json.loads(Path(args.eval).read_text()) if args.eval else None
     recipe = Path(args.recipe).read_text() if args.recipe else None
@@ -544,7 +560,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("draft", help="trained draft directory")
     p.add_argument("--output", required=True)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    p.add_argument("--base-model", required=True, help="hub id of the target, for the card")
+    p.add_argument("--format", default="transformers", choices=["transformers", "deepspec"],
+                   help="transformers: a DSparkDraftModel folder with a model card; deepspec: DeepSpec's "
+                        "Qwen3DSparkModel layout, as the serving engines load it (needs --target)")
+    p.add_argument("--target", help="the target's path or hub id (--format deepspec)")
+    p.add_argument("--base-model", help="hub id of the target, for the card (--format transformers)")
     p.add_argument("--repo-id", default="<your-repo/draft>", help="where the draft will live, for the card")
     p.add_argument("--eval", help="results.json from `dspark eval`, for the card's results")
     p.add_argument("--calibration", help="calibration.json from `dspark calibrate`, for the card "

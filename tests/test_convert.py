@@ -298,3 +298,33 @@ def test_dspark_convert_cli_checks_against_the_target_and_writes_a_loadable_draf
                  "--target", str(tmp_path / "target")]) == 0
     assert "head markov, block 4" in capsys.readouterr().out
     assert_same_weights(DSparkDraftModel.from_pretrained(tmp_path / "dst"), original)
+
+
+@pytest.mark.parametrize("head_type", ["markov", "rnn", "none"])
+def test_a_draft_exported_in_deepspec_layout_converts_back_to_the_same_draft(tmp_path, target, head_type):
+    from dspark_hf.model.convert import export_deepspec
+
+    original = tiny_draft(target, head_type=head_type, confidence_head=head_type != "none")
+    export_deepspec(original, target, tmp_path / "deepspec")
+    assert json.loads((tmp_path / "deepspec" / "config.json").read_text())["architectures"] == ["Qwen3DSparkModel"]
+    check_conversion(tmp_path / "deepspec", tmp_path / "back", "deepspec", original, target)
+
+
+def test_dspark_export_deepspec_from_the_cli_and_what_deepspec_cannot_express(tmp_path, target, capsys):
+    from conftest import cli_error
+    from dspark_hf.cli import main
+
+    original = tiny_draft(target)
+    target.save_pretrained(tmp_path / "target")
+    original.save_pretrained(tmp_path / "draft")
+    assert main(["export", str(tmp_path / "draft"), "--format", "deepspec", "--target", str(tmp_path / "target"),
+                 "--dtype", "float32", "--output", str(tmp_path / "deepspec")]) == 0
+    back = convert_checkpoint(tmp_path / "deepspec", tmp_path / "back", "deepspec", target=target)
+    assert_same_weights(back, original)
+
+    llama = tiny_target("llama")  # per-head q/k norms are Qwen3's: a Llama target's draft has none
+    llama.save_pretrained(tmp_path / "llama")
+    tiny_draft(llama).save_pretrained(tmp_path / "llama-draft")
+    error = cli_error(capsys, ["export", str(tmp_path / "llama-draft"), "--format", "deepspec", "--target",
+                               str(tmp_path / "llama"), "--output", str(tmp_path / "no")])
+    assert "cannot be written in DeepSpec's layout" in error and "qk_norm=False" in error

@@ -1,4 +1,5 @@
-"""Convert public DSpark / DFlash draft checkpoints into a [`DSparkDraftModel`] (``dspark convert``).
+"""Convert public DSpark / DFlash draft checkpoints into a [`DSparkDraftModel`] (``dspark convert``), and a
+DSparkDraftModel back into DeepSpec's layout (``dspark export --format deepspec``), which serving engines load.
 
 The layouts, as read from the public code (all three use a Qwen3-style backbone: fc -> ``hidden_norm`` on the
 concatenated target features, layers whose k/v projections (+ k_norm, RoPE) also run on the context, final norm):
@@ -28,7 +29,7 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from transformers import PreTrainedModel
 
 from .configuration_dspark import DSparkConfig
@@ -274,5 +275,64 @@ def convert_checkpoint(src: str | Path, dst: str | Path, source: str,
     draft.eval().save_pretrained(dst)
     return draft
 
-__all__ = ["convert_checkpoint", "SOURCES", "deepspec_config", "specforge_config", "dflash_config",
+# ---------------------------------------------------------------------------------------------------------------
+# export: the reverse of --from deepspec
+# ---------------------------------------------------------------------------------------------------------------
+def public_name(key: str) -> str:
+    """Our parameter name -> DeepSpec's (the reverse of [`rename`])."""
+    for theirs, ours in _RENAMES.items():
+        if key.startswith(ours):
+            return theirs + key[len(ours):]
+    return key
+
+
+def deepspec_blockers(draft: DSparkDraftModel) -> list[str]:
+    """What DeepSpec's Qwen3DSparkModel cannot express about this draft (empty when it can be exported)."""
+    c = draft.config
+    return [why for why, blocks in (
+        ("its layers do not norm queries and keys per head (qk_norm=False; DeepSpec's Qwen3 layers always do)",
+         not c.qk_norm),
+        (f"it drafts from a reduced vocabulary of {c.draft_vocab_size} tokens (DeepSpec drafts from the full LM head)",
+         bool(c.draft_vocab_size)),
+        ("it is a DFlash-style draft (anchor_predicts=False)", not c.anchor_predicts),
+        ("its logits are soft-capped (final_logit_softcapping)", c.final_logit_softcapping is not None),
+    ) if blocks]
+
+
+def export_deepspec(draft: DSparkDraftModel, target: PreTrainedModel, dst: str | Path) -> Path:
+    """Write `draft` in DeepSpec's ``Qwen3DSparkModel`` layout at `dst`: its config (a copy of the target's with the
+    draft's fields, as DeepSpec's build_draft_config writes it) and weights under DeepSpec's names, with the copies
+    of the target's embedding and LM head it stores. [`convert_checkpoint`] with ``source="deepspec"`` reads it back
+    to the same weights."""
+    blockers = deepspec_blockers(draft)
+    if blockers:
+        raise ValueError("This draft cannot be written in DeepSpec's layout: " + "; ".join(blockers) + ". Train a "
+                         "draft for a Qwen3 target with the full vocabulary (dspark train --draft-vocab-size 0).")
+    draft.check_target(target)
+    c, dst = draft.config, Path(dst)
+    raw = target.config.get_text_config().to_dict()
+    raw.update(architectures=[_ARCHITECTURES["deepspec"]], model_type="qwen3",
+               num_target_layers=raw["num_hidden_layers"], num_hidden_layers=c.num_hidden_layers,
+               hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+               num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
+               head_dim=c.head_dim, hidden_act=c.hidden_act, rms_norm_eps=c.rms_norm_eps,
+               max_position_embeddings=c.max_position_embeddings, attention_bias=c.attention_bias,
+               rope_parameters={"rope_theta": c.rope_theta, "rope_type": "default"}, rope_scaling=None,
+               rope_theta=c.rope_theta, layer_types=["full_attention"] * c.num_hidden_layers,
+               use_sliding_window=False, tie_word_embeddings=False, block_size=c.block_size,
+               mask_token_id=c.mask_token_id, target_layer_ids=list(c.target_layer_ids),
+               markov_rank=c.markov_rank if c.head_type != "none" else 0,
+               enable_confidence_head=c.confidence_head, confidence_head_with_markov=c.head_type != "none")
+    if c.head_type != "none":
+        raw["markov_head_type"] = {"markov": "vanilla", "rnn": "rnn"}[c.head_type]
+    tensors = {public_name(k): v for k, v in draft.state_dict().items()}
+    for key, of_target in _TARGET_COPIES.items():
+        tensors[key] = of_target(target).to(draft.dtype)  # one dtype per checkpoint, as DeepSpec saves
+    dst.mkdir(parents=True, exist_ok=True)
+    (dst / "config.json").write_text(json.dumps(raw, indent=2, default=str))
+    save_file({k: v.detach().cpu().contiguous().clone() for k, v in tensors.items()}, dst / "model.safetensors")
+    return dst
+
+
+__all__ = ["convert_checkpoint", "export_deepspec", "deepspec_blockers", "SOURCES", "deepspec_config", "specforge_config", "dflash_config",
            "load_safetensors", "map_state_dict", "drop_target_copies"]
