@@ -7,6 +7,8 @@ token is accepted: the ceiling our decoding loop allows. For greedy decoding onl
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from ..model.modeling_dspark import DraftBlock, DSparkDraftModel
@@ -23,8 +25,8 @@ class OracleDraft(DSparkDraftModel):
     def from_draft(cls, draft: DSparkDraftModel) -> "OracleDraft":
         oracle = cls(draft.config).to(device=draft.device, dtype=draft.dtype)
         oracle.load_state_dict(draft.state_dict())
-        oracle.__dict__.update({k: draft.__dict__.get(k) for k in ("_target_embed", "_target_lm_head", "_bound_to")})
-        oracle.__dict__["_lm_weight"] = None
+        if draft.binding is not None:
+            oracle.binding = replace(draft.binding, lm_weight=None)
         return oracle
 
     @torch.no_grad()

@@ -190,6 +190,20 @@ class DraftBlock:
     confidences: torch.Tensor | None
 
 
+@dataclass
+class TargetBinding:
+    """What a draft borrows from its target: the frozen input embedding and LM head (never saved with the draft),
+    and `lm_weight`, the LM-head rows the draft proposes in its compute dtype, converted once and kept."""
+
+    embed: nn.Module
+    lm_head: nn.Module
+    lm_weight: torch.Tensor | None = None
+
+    def serves(self, target: PreTrainedModel) -> bool:
+        """Whether these are `target`'s own modules (identity, not equality: a target is bound, not its copy)."""
+        return self.embed is target.get_input_embeddings() and self.lm_head is target.get_output_embeddings()
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # the model
 # ---------------------------------------------------------------------------------------------------------------
@@ -216,6 +230,7 @@ class DSparkDraftModel(DSparkPreTrainedModel):
         if config.target_layer_ids is None or config.target_vocab_size is None:
             raise ValueError("DSparkConfig needs target_layer_ids and target_vocab_size: build the draft with "
                              "DSparkDraftModel.from_target(target) or load a saved one with from_pretrained.")
+        self.binding: TargetBinding | None = None  # set by bind_target
         d, r = config.hidden_size, config.markov_rank
         feature_size = len(config.target_layer_ids) * (config.target_hidden_size or d)
         self.fc = nn.Linear(feature_size, d, bias=False)
@@ -299,7 +314,8 @@ class DSparkDraftModel(DSparkPreTrainedModel):
         self.draft_vocab.copy_(ids)
         self.target_to_draft.fill_(ids.numel())
         self.target_to_draft[ids] = torch.arange(ids.numel(), device=ids.device)
-        self._lm_weight = None
+        if self.binding is not None:
+            self.binding.lm_weight = None
 
     def check_target(self, target: PreTrainedModel) -> None:
         """Raise a ValueError that says what differs if this draft was not built for `target`."""
@@ -337,17 +353,14 @@ class DSparkDraftModel(DSparkPreTrainedModel):
     def bind_target(self, target: PreTrainedModel) -> "DSparkDraftModel":
         """Borrow the target's frozen input embedding and LM head (not registered as submodules, never saved)."""
         self.check_target(target)
-        self.__dict__["_target_embed"] = target.get_input_embeddings()
-        self.__dict__["_target_lm_head"] = target.get_output_embeddings()
-        self.__dict__["_lm_weight"] = None
-        self.__dict__["_bound_to"] = id(target)
+        self.binding = TargetBinding(target.get_input_embeddings(), target.get_output_embeddings())
         return self
 
     def is_bound_to(self, target: PreTrainedModel) -> bool:
-        return self.__dict__.get("_bound_to") == id(target)
+        return self.binding is not None and self.binding.serves(target)
 
     def _require_target(self):
-        if self.__dict__.get("_target_embed") is None:
+        if self.binding is None:
             raise RuntimeError("This draft is not bound to a target: call draft.bind_target(target) first (generate() "
                                "does it for you).")
 
@@ -416,7 +429,7 @@ class DSparkDraftModel(DSparkPreTrainedModel):
         rows = gamma if self.config.anchor_predicts else gamma + 1  # DFlash layout: one more row, anchor output unused
         block_ids = anchor_ids.new_full((N, A, rows), self.config.mask_token_id)
         block_ids[..., 0] = anchor_ids
-        x = self._target_embed(block_ids.view(N, A * rows)).to(self.fc.weight.dtype)
+        x = self.binding.embed(block_ids.view(N, A * rows)).to(self.fc.weight.dtype)
         offsets = torch.arange(rows, device=anchor_ids.device)
         positions = (anchor_positions[..., None] + offsets).view(N, A * rows)
         cos, sin = self.rotary_emb(positions, x.dtype)
@@ -433,16 +446,17 @@ class DSparkDraftModel(DSparkPreTrainedModel):
 
     def base_logits(self, h: torch.Tensor) -> torch.Tensor:
         """U_k over the draft vocabulary, soft-capped like the target's final logits."""
-        if self.config.draft_vocab_size is None and h.dtype == self._target_lm_head.weight.dtype:
-            logits = self._target_lm_head(h)
+        lm_head = self.binding.lm_head
+        if self.config.draft_vocab_size is None and h.dtype == lm_head.weight.dtype:
+            logits = lm_head(h)
         else:
             # the LM-head rows the draft proposes, in the draft's compute dtype (a bf16 draft may serve a fp32
             # target): sliced and converted once, not every pass
-            w = self.__dict__.get("_lm_weight")
+            w = self.binding.lm_weight
             if w is None or w.device != h.device or w.dtype != h.dtype:
-                w = self._target_lm_head.weight
+                w = lm_head.weight
                 w = (w if self.config.draft_vocab_size is None else w[self.draft_vocab]).detach().to(h.dtype)
-                self.__dict__["_lm_weight"] = w
+                self.binding.lm_weight = w
             logits = F.linear(h, w)
         cap = self.config.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap
