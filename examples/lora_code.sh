@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Domain adaptation with LoRA: the shipped SmolLM2-135M-Instruct draft, tuned on code prompts, evaluated on
 # HumanEval against the draft without the adapter. Every step is resumable; on a 2-core CPU the whole script
-# takes about 50 minutes (README, "Adapting a draft to a domain with LoRA", has the times).
+# takes about 50 minutes (docs/sharing.md, "Adapting a draft to a domain with LoRA", has the times).
 set -euo pipefail
 RUNS=${RUNS:-runs/lora}
 mkdir -p $RUNS

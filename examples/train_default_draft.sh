@@ -2,7 +2,7 @@
 # The recipe of the draft shipped for SmolLM2-135M-Instruct (dspark_hf/assets/dspark-smollm2-135m-instruct), from
 # nothing to the exported draft. Every step is resumable. On a 2-core CPU with bf16 matrix units (AVX512-BF16) it
 # takes about 2 h 30 min: 50 min of data, 13 min of feature cache, 65 min of training (the DSpark draft and its
-# DFlash-style ablation side by side), then evaluation, calibration and export (README has the times).
+# DFlash-style ablation side by side), then evaluation, calibration and export (docs/training.md ("The shipped draft") has the times).
 set -euo pipefail
 RUNS=${RUNS:-runs}
 

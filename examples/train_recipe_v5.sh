@@ -8,7 +8,7 @@ RUNS=${RUNS:-runs}
 
 # 1. 640 new first-turn ShareGPT prompts, answers regenerated as for v4. They start at conversation 4,017, past
 #    both v4's prompts (conversations 0-2,462) and the code prompts of examples/lora_code.sh (up to #4,016).
-#    The run in README has 768: it began as a 1,280-prompt run, was stopped after 288 (the shortest of those
+#    The run in docs/training.md ("Earlier recipes") has 768: it began as a 1,280-prompt run, was stopped after 288 (the shortest of those
 #    1,280) and resumed with 640, which appended the 480 of its own not yet made (prepare-data now refuses such a
 #    mixed resume). Its sharegpt-2560.jsonl holds 2,688 prompts; every later command is as written.
 dspark prepare-data --output $RUNS/data/sharegpt-v5-640.jsonl --num-examples 640 --skip 4017 --max-new-tokens 192
