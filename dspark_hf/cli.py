@@ -62,7 +62,7 @@ def _write_json(path: str, data: dict) -> None:
 def cmd_generate(args) -> int:
     """The main job: answer prompts with DSpark, check the output against plain generate(), report speed."""
     from .devices import clock
-    from .evaluation.bench_oracle import DEFAULT_PROMPTS, chat_inputs
+    from .evaluation.suites import DEFAULT_PROMPTS, chat_inputs
     from .evaluation.evaluate import identical_rows
     from .generation.eos import eos_token_ids
 
@@ -205,18 +205,8 @@ def cmd_train(args) -> int:
     return 0
 
 
-def _summary_table(results: dict) -> str:
-    rows = [("overall", results["overall"])] + list(results["domains"].items())
-    lines = ["| domain | tau | rounds | new tokens | conditional acceptance by position |", "|---|---:|---:|---:|---|"]
-    for name, m in rows:
-        ca = " ".join("-" if v is None else f"{v:.2f}" for v in m["conditional_acceptance"])
-        lines.append(f"| {name} | {m['acceptance_length']:.2f} | {m['rounds']} | {m['new_tokens']} | {ca} |")
-    lines.append(f"| macro | {results['macro_acceptance_length']:.2f} | | | |")
-    return "\n".join(lines)
-
-
 def cmd_eval(args) -> int:
-    from .evaluation.evaluate import run_eval, threshold_sweep
+    from .evaluation.evaluate import run_eval, summary_table, threshold_sweep
     from .evaluation.machine import describe
     from .evaluation.suites import load_prompts
 
@@ -229,7 +219,7 @@ def cmd_eval(args) -> int:
     _write_json(args.output, results)
     print(f"\n{describe(results['machine'])}; {len(prompts)} prompts, max_new_tokens={args.max_new_tokens}, "
           f"temperature={args.temperature}")
-    print(_summary_table(results))
+    print(summary_table(results))
     if args.plot:
         from .evaluation.plots import plot_eval, plot_threshold_sweep
 

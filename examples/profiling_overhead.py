@@ -23,7 +23,7 @@ args = parser.parse_args()
 
 os.environ["DSPARK_HF_PROFILE_CACHE"] = tempfile.mkdtemp(prefix="dspark-profiles-")
 import dspark_hf  # noqa: E402  (after the cache folder is chosen)
-from dspark_hf.evaluation.bench_oracle import DEFAULT_PROMPTS, chat_inputs  # noqa: E402
+from dspark_hf.evaluation.suites import DEFAULT_PROMPTS, chat_inputs  # noqa: E402
 from dspark_hf.evaluation.machine import machine_info  # noqa: E402
 
 target, tokenizer = dspark_hf.default_target(device="cpu")

@@ -6,7 +6,7 @@
 import json
 import sys
 
-from dspark_hf.cli import _summary_table
+from dspark_hf.evaluation.evaluate import summary_table
 from dspark_hf.evaluation.bench_oracle import format_oracle_table
 from dspark_hf.evaluation.evaluate import format_speed_table
 from dspark_hf.evaluation.machine import describe
@@ -25,7 +25,7 @@ for path in sys.argv[1:]:
         s = data["settings"]
         print(f"{describe(data['machine'])}; {s['prompts']} prompts, max_new_tokens={s['max_new_tokens']}, "
               f"temperature={s['temperature']}\n")
-        print(_summary_table(data))
+        print(summary_table(data))
     elif "before" in data:
         b, a = data["before"], data["after"]
         print(f"STS on {data['rounds']} held-out rounds ({data['prompts']} prompts): ECE {b['ece']:.2%} -> "

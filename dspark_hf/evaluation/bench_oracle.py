@@ -18,24 +18,7 @@ from ..scheduling.policies import FullBlock
 from .evaluate import identical_rows
 from .machine import machine_info
 from .oracle import OracleDraft
-
-DEFAULT_PROMPTS = [
-    "Write a Python function that returns the n-th Fibonacci number.",
-    "A farmer has 17 sheep and buys 5 more. How many sheep does he have?",
-    "Give me three tips for staying focused while studying.",
-    "Explain what a hash map is in two sentences.",
-    "Write a haiku about autumn rain.",
-    "What is the capital of Australia, and why is it not Sydney?",
-    "Convert 3.5 hours into minutes and explain the steps.",
-    "Write a SQL query that counts orders per customer.",
-]
-
-
-def chat_inputs(tokenizer, prompts: list[str], device="cpu"):
-    texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
-                                           add_generation_prompt=True) for p in prompts]
-    return tokenizer(texts, return_tensors="pt", padding=True).to(device)
-
+from .suites import DEFAULT_PROMPTS, chat_inputs
 
 def _new_tokens(sequences: torch.Tensor, prompt_len: int, pad_id: int, eos_ids: set[int]) -> int:
     """Tokens a user receives: each row up to and including its EOS."""

@@ -21,7 +21,8 @@ def _batches(prompts, size):
         yield prompts[i: i + size]
 
 
-def _inputs(tokenizer, prompts, device):
+def chat_batch(tokenizer, prompts: list[dict], device):
+    """Left-padded model inputs (B, T) for prompts given as {"messages": [...]}, through the chat template."""
     texts = [tokenizer.apply_chat_template(p["messages"], tokenize=False, add_generation_prompt=True)
              for p in prompts]
     return tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
@@ -43,7 +44,7 @@ def run_eval(target, tokenizer, draft, prompts: list[dict], max_new_tokens: int 
     torch.manual_seed(seed)
     bar = tqdm(total=len(prompts), desc="eval", disable=not progress)
     for batch in _batches(prompts, batch_size):
-        inputs = _inputs(tokenizer, batch, target.device)
+        inputs = chat_batch(tokenizer, batch, target.device)
         out = target.generate(**inputs, max_new_tokens=max_new_tokens, assistant_model=draft,
                               return_dict_in_generate=True, verification_policy=(policy or FullBlock)(),
                               **_sampling(temperature))
@@ -112,7 +113,7 @@ def bench_speed(target, tokenizer, draft, prompts: list[dict], batch_size: int =
     if batch_size == 1:  # transformers' prompt lookup decoding refuses batch size > 1
         methods["prompt_lookup"] = {"prompt_lookup_num_tokens": 10}
     methods.update(extra_methods or {})
-    batches = [_inputs(tokenizer, b, target.device) for b in _batches(prompts, batch_size)]
+    batches = [chat_batch(tokenizer, b, target.device) for b in _batches(prompts, batch_size)]
     sampling = _sampling(temperature)
 
     def fresh(kw):
@@ -124,7 +125,7 @@ def bench_speed(target, tokenizer, draft, prompts: list[dict], batch_size: int =
             out = target.generate(**inputs, max_new_tokens=max_new_tokens, **sampling, **fresh(kw),
                                   **({"return_dict_in_generate": True} if "assistant_model" in kw else {}))
             seqs = out.sequences if hasattr(out, "sequences") else out
-            tokens += _user_tokens(seqs[:, inputs["input_ids"].shape[1]:], eos_ids)
+            tokens += user_tokens(seqs[:, inputs["input_ids"].shape[1]:], eos_ids)
             outputs.append(seqs[:, inputs["input_ids"].shape[1]:])
             if collect is not None and hasattr(out, "rounds"):
                 collect.extend(r for rows in out.rounds for r in rows)
@@ -183,6 +184,17 @@ def format_speed_table(report: dict) -> str:
     return "\n".join(lines)
 
 
-def _user_tokens(new: torch.Tensor, eos_ids: set[int]) -> int:
+def user_tokens(new: torch.Tensor, eos_ids: set[int]) -> int:
     """New tokens a user receives: each row's up to its first EOS (the rest is padding)."""
     return sum(len(until_eos(row, eos_ids)) for row in new.tolist())
+
+
+def summary_table(results: dict) -> str:
+    """The markdown table `dspark eval` prints: tau, rounds, new tokens and conditional acceptance by domain."""
+    rows = [("overall", results["overall"])] + list(results["domains"].items())
+    lines = ["| domain | tau | rounds | new tokens | conditional acceptance by position |", "|---|---:|---:|---:|---|"]
+    for name, m in rows:
+        ca = " ".join("-" if v is None else f"{v:.2f}" for v in m["conditional_acceptance"])
+        lines.append(f"| {name} | {m['acceptance_length']:.2f} | {m['rounds']} | {m['new_tokens']} | {ca} |")
+    lines.append(f"| macro | {results['macro_acceptance_length']:.2f} | | | |")
+    return "\n".join(lines)

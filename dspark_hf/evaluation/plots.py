@@ -5,7 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 
-def _pyplot():
+def pyplot():
+    """matplotlib.pyplot on the file-only Agg backend (no display needed)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -17,7 +18,7 @@ def _pyplot():
 def plot_eval(results: dict | list[tuple[str, dict]], out_dir: str | Path) -> list[Path]:
     """Position-wise conditional acceptance per domain (paper Fig. 2) and tau per domain. `results` is one eval
     result or a list of (label, result) to compare drafts (e.g. DSpark vs the DFlash-style ablation)."""
-    plt = _pyplot()
+    plt = pyplot()
     runs = results if isinstance(results, list) else [("draft", results)]
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -61,7 +62,7 @@ def plot_heldout_acceptance(reports: list[tuple[str, dict]], out_dir: str | Path
     the suffix decay a sequential head removes, without the few-sample noise of greedy acceptance at late positions."""
     if not reports:
         raise ValueError("plot_heldout_acceptance needs at least one (label, heldout report).")
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(5, 3.4))
     for label, r in reports:
         acc = r["acceptance_per_position"]
@@ -83,7 +84,7 @@ def plot_heldout_acceptance(reports: list[tuple[str, dict]], out_dir: str | Path
 
 def plot_threshold_sweep(sweep: dict, out_dir: str | Path) -> Path:
     """Paper Fig. 5: accepted and rejected tokens per step (bars) and acceptance rate (line) per threshold."""
-    plt = _pyplot()
+    plt = pyplot()
     domains = list(sweep)
     fig, axes = plt.subplots(1, len(domains), figsize=(4 * len(domains), 3.4), squeeze=False)
     for ax, domain in zip(axes[0], domains):

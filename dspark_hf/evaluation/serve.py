@@ -19,7 +19,7 @@ from typing import Callable
 from ..devices import clock
 from ..generation.eos import eos_token_ids
 from ..scheduling.named import named_policy
-from .evaluate import _inputs, _user_tokens
+from .evaluate import chat_batch, user_tokens
 from .machine import machine_info
 
 
@@ -55,7 +55,7 @@ def bench_serve(target, tokenizer, draft, prompts: list[dict], batch_sizes=(1, 2
     prompts = _round_robin(prompts)
     for R in batch_sizes:
         batch = [prompts[i % len(prompts)] for i in range(R)]
-        inputs = _inputs(tokenizer, batch, target.device)
+        inputs = chat_batch(tokenizer, batch, target.device)
         prompt_len = inputs["input_ids"].shape[1]
         for make in methods.values():  # warm-up
             target.generate(**inputs, max_new_tokens=4, do_sample=False, **make())
@@ -68,7 +68,7 @@ def bench_serve(target, tokenizer, draft, prompts: list[dict], batch_sizes=(1, 2
                 out = target.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False,
                                       return_dict_in_generate=True, **kwargs)
                 seconds = clock(target.device) - start
-                tokens = _user_tokens(out.sequences[:, prompt_len:], eos_ids)
+                tokens = user_tokens(out.sequences[:, prompt_len:], eos_ids)
                 rounds = [r for rows in getattr(out, "rounds", None) or [] for r in rows]
                 runs[name].append((tokens / seconds, rounds))
                 bar.update(1)
@@ -130,9 +130,9 @@ def format_serve_table(report: dict) -> str:
 def plot_serve(report: dict, out_dir: str | Path) -> list[Path]:
     """Pareto plot (total throughput vs per-user speed, paper Fig. 7) and the verification budget by concurrency
     (mean verified draft tokens per request per round, Fig. 8)."""
-    from .plots import _pyplot
+    from .plots import pyplot
 
-    plt = _pyplot()
+    plt = pyplot()
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     results = {int(R): v for R, v in report["results"].items()}

@@ -17,6 +17,25 @@ from ..training.prompts import read_prompts, reasoning_gym_module
 
 SUITES = {"humaneval": "code", "mtbench": "chat", "gsm": "math"}
 
+# what `dspark generate` answers and the oracle benchmark decodes when no prompts are given
+DEFAULT_PROMPTS = [
+    "Write a Python function that returns the n-th Fibonacci number.",
+    "A farmer has 17 sheep and buys 5 more. How many sheep does he have?",
+    "Give me three tips for staying focused while studying.",
+    "Explain what a hash map is in two sentences.",
+    "Write a haiku about autumn rain.",
+    "What is the capital of Australia, and why is it not Sydney?",
+    "Convert 3.5 hours into minutes and explain the steps.",
+    "Write a SQL query that counts orders per customer.",
+]
+
+
+def chat_inputs(tokenizer, prompts: list[str], device="cpu"):
+    """Left-padded model inputs (B, T) for plain-text user prompts, through the chat template."""
+    texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                           add_generation_prompt=True) for p in prompts]
+    return tokenizer(texts, return_tensors="pt", padding=True).to(device)
+
 
 def _package_dir(module: str, pip_name: str) -> Path:
     spec = importlib.util.find_spec(module)

@@ -91,9 +91,9 @@ def calibration_report(logits, verified, accepted, temperatures) -> dict:
 
 def reliability_diagram(logits, verified, accepted, before, after, path, bins: int = 10) -> None:
     """Predicted prefix-survival vs observed acceptance, before and after STS (paper Fig. 6)."""
-    from ..evaluation.plots import _pyplot
+    from ..evaluation.plots import pyplot
 
-    plt = _pyplot()
+    plt = pyplot()
     logits = torch.as_tensor(logits, dtype=torch.double)
     y, mask = survival_targets(logits, torch.as_tensor(verified), torch.as_tensor(accepted))
     fig, ax = plt.subplots(figsize=(4.2, 4.2))
