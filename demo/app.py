@@ -25,7 +25,7 @@ from pathlib import Path
 
 import gradio as gr
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, StoppingCriteria, StoppingCriteriaList
+from transformers import StoppingCriteria, StoppingCriteriaList
 
 import dspark_hf
 from dspark_hf import AutoScheduled, DSparkDraftModel, DSparkRoundStreamer, FullBlock, Scheduled, ThresholdPolicy
@@ -58,21 +58,10 @@ class Models:
 def load_models(target: str | None = None, draft: str | None = None, device: str | None = None) -> Models:
     """Load a target (hub id or path; None: the embedded SmolLM2-135M-Instruct) and a DSpark draft (hub id or
     path; None: the draft shipped for SmolLM2, which refuses a target it does not fit)."""
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = torch.float32  # the demo compares greedy output with plain generate(): bf16 matches only up to rounding
-    if target is None:
-        model, tokenizer = dspark_hf.default_target(dtype=dtype, device=device)
-        target_name = dspark_hf.defaults.DEFAULT_TARGET_NAME
-    else:
-        model = AutoModelForCausalLM.from_pretrained(target, dtype=dtype).to(device).eval()
-        tokenizer = AutoTokenizer.from_pretrained(target)
-        target_name = target
-    if draft is None:
-        drafter, draft_name = dspark_hf.default_draft(model), "shipped dspark-smollm2-135m-instruct"
-    else:
-        drafter = DSparkDraftModel.from_pretrained(draft, dtype=dspark_hf.fast_draft_dtype(model)).to(device)
-        drafter = drafter.bind_target(model).eval()  # the draft's dtype changes speed only, never the output
-        draft_name = draft
+    # float32: the demo compares greedy output with plain generate(); bf16 matches only up to rounding
+    model, tokenizer, drafter = dspark_hf.load_models(target, draft, torch.float32, device=device or "auto")
+    target_name = target or dspark_hf.defaults.DEFAULT_TARGET_NAME
+    draft_name = draft or "shipped dspark-smollm2-135m-instruct"
     return Models(model, tokenizer, drafter, target_name, draft_name)
 
 

@@ -10,6 +10,7 @@ from .generation import DSparkGenerateOutput, DSparkRound, HalfPrecisionGreedyWa
 from .generation.streamers import DSparkRoundStreamer, DSparkStep, RoundStreamer
 from .generation.integration import install as _install_generate_hook
 from .defaults import default_draft, default_target, fast_draft_dtype
+from .loading import load_draft, load_models, load_target
 from .model import DSparkConfig, DSparkContext, DSparkDraftModel, DraftBlock
 from .scheduling import (AsyncScheduled, AutoScheduled, FixedLength, FullBlock, Policy, Scheduled, ThresholdPolicy,
                          VerificationPolicy, prefix_schedule)
@@ -46,4 +47,7 @@ __all__ = [
     "default_target",
     "default_draft",
     "fast_draft_dtype",
+    "load_target",
+    "load_draft",
+    "load_models",
 ]

@@ -17,41 +17,16 @@ FRESH_DRAFT_DEFAULTS = {"head_type": "markov", "num_hidden_layers": 2, "markov_r
 
 
 def _load(args, draft: bool = True):
-    from .defaults import default_draft, default_target, fast_draft_dtype
-    from .devices import resolve_device
+    """(target, tokenizer, draft or None) from the --target / --draft / --dtype / --draft-dtype / --device flags."""
+    from .loading import load_draft, load_target
 
-    dtype = getattr(torch, getattr(args, "dtype", None) or "float32")
-    device = resolve_device(getattr(args, "device", "auto"))
-    if args.target:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        target = AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype).to(device).eval()
-        tokenizer = AutoTokenizer.from_pretrained(args.target, padding_side="left")
-    else:
-        target, tokenizer = default_target(dtype=dtype, device=device)
+    target, tokenizer = load_target(args.target, getattr(torch, getattr(args, "dtype", None) or "float32"),
+                                    getattr(args, "device", "auto"))
     if not draft:
         return target, tokenizer, None
     draft_dtype = getattr(args, "draft_dtype", None) or "auto"
-    draft_dtype = fast_draft_dtype(target) if draft_dtype == "auto" else getattr(torch, draft_dtype)
-    if getattr(args, "draft", None):
-        return target, tokenizer, _load_draft(args.draft, target, draft_dtype)
-    return target, tokenizer, default_draft(target, draft_dtype)
-
-
-def _load_draft(path: str, target, dtype: torch.dtype):
-    """A saved draft, or a LoRA adapter folder (`dspark train --lora`) merged into its base, bound to `target`."""
-    from .model import DSparkDraftModel
-
-    if (Path(path) / "adapter_config.json").exists():
-        from peft import PeftConfig, PeftModel
-
-        base = PeftConfig.from_pretrained(path).base_model_name_or_path
-        draft = DSparkDraftModel.from_pretrained(base, dtype=dtype).to(target.device)
-        # merged, every command sees a plain draft (calibrate and export save a full one); same function
-        draft = PeftModel.from_pretrained(draft, path).merge_and_unload()
-    else:
-        draft = DSparkDraftModel.from_pretrained(path, dtype=dtype).to(target.device)
-    return draft.bind_target(target).eval()
+    return target, tokenizer, load_draft(getattr(args, "draft", None), target,
+                                         draft_dtype if draft_dtype == "auto" else getattr(torch, draft_dtype))
 
 
 def _write_json(path: str, data: dict) -> None:
@@ -241,6 +216,8 @@ def cmd_bench_speed(args) -> int:
     policies = {name: named_policy(name, args.profile) for name in args.policy or ["auto"]}  # checked first
     prompts = load_prompts(args.prompts, args.suite, args.limit)
     target, tokenizer, draft = _load(args)
+    from .loading import load_draft
+
     extra = {f"dspark ({name})": {"assistant_model": draft, "verification_policy": make}
              for name, make in list(policies.items())[1:]}
     for spec in args.also_draft or []:
@@ -248,7 +225,7 @@ def cmd_bench_speed(args) -> int:
         if not path or name in ("plain", "dspark", "prompt_lookup") or name.startswith("dspark ("):
             raise ValueError(f"--also-draft {spec}: write NAME=PATH with a name of your own, e.g. "
                              "single_token=runs/recipe/block1.")
-        extra[name] = {"assistant_model": _load_draft(path, target, draft.dtype),
+        extra[name] = {"assistant_model": load_draft(path, target, draft.dtype),
                        "verification_policy": next(iter(policies.values()))}
     report = bench_speed(target, tokenizer, draft, prompts, args.batch_size, args.max_new_tokens, args.repeats,
                          args.temperature, extra_methods=extra, policy=next(iter(policies.values())))
@@ -318,10 +295,10 @@ def cmd_export(args) -> int:
 
         if not args.target:
             raise ValueError("--format deepspec writes copies of the target's embedding and LM head: pass --target.")
-        from transformers import AutoModelForCausalLM
+        from .loading import load_draft, load_target
 
-        target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32)
-        draft = _load_draft(args.draft, target, getattr(torch, args.dtype))
+        target, _ = load_target(args.target, torch.float32, "cpu")
+        draft = load_draft(args.draft, target, getattr(torch, args.dtype))
         export_deepspec(draft, target, args.output)
         print(f"exported to {args.output} in DeepSpec's Qwen3DSparkModel layout (dspark convert --from deepspec "
               "reads it back)")

@@ -1,0 +1,51 @@
+"""A target and its draft by name, loaded the way the CLI and the demo both load them (one place, so that a fix to
+dtypes, devices or adapters reaches both)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from .defaults import default_draft, default_target, fast_draft_dtype
+from .devices import resolve_device
+
+
+def load_target(name_or_path: str | None = None, dtype: torch.dtype = torch.float32,
+                device: str | torch.device = "auto"):
+    """(model, tokenizer) of a Hub id or local path, or of the embedded SmolLM2-135M-Instruct when None, in `dtype`
+    on `device` ("auto": a CUDA GPU when present, else the CPU). The tokenizer pads on the left, for batches."""
+    if name_or_path is None:
+        return default_target(dtype=dtype, device=device)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype).to(resolve_device(device)).eval()
+    return model, AutoTokenizer.from_pretrained(name_or_path, padding_side="left")
+
+
+def load_draft(name_or_path: str | None, target, dtype: torch.dtype | str = "auto"):
+    """A draft bound to `target`, on its device: a saved draft (Hub id or path), a LoRA adapter folder (`dspark
+    train --lora`) merged into its base, or the draft shipped for SmolLM2 when None. dtype "auto":
+    [`fast_draft_dtype`]; a draft's dtype changes speed only, never what generate() returns."""
+    from .model import DSparkDraftModel
+
+    dtype = fast_draft_dtype(target) if dtype == "auto" else dtype
+    if name_or_path is None:
+        return default_draft(target, dtype)
+    if (Path(name_or_path) / "adapter_config.json").exists():
+        from peft import PeftConfig, PeftModel
+
+        base = PeftConfig.from_pretrained(name_or_path).base_model_name_or_path
+        draft = DSparkDraftModel.from_pretrained(base, dtype=dtype).to(target.device)
+        # merged, every caller sees a plain draft (calibrate and export save a full one); same function
+        draft = PeftModel.from_pretrained(draft, name_or_path).merge_and_unload()
+    else:
+        draft = DSparkDraftModel.from_pretrained(name_or_path, dtype=dtype).to(target.device)
+    return draft.bind_target(target).eval()
+
+
+def load_models(target: str | None = None, draft: str | None = None, dtype: torch.dtype = torch.float32,
+                draft_dtype: torch.dtype | str = "auto", device: str | torch.device = "auto"):
+    """(target, tokenizer, draft): [`load_target`] then [`load_draft`]; None names the embedded defaults."""
+    model, tokenizer = load_target(target, dtype, device)
+    return model, tokenizer, load_draft(draft, model, draft_dtype)
