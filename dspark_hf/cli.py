@@ -11,11 +11,6 @@ from pathlib import Path
 import torch
 
 
-# `dspark train`'s draft shape when no flag says otherwise (the Python API's are DSparkDraftModel.from_target's)
-FRESH_DRAFT_DEFAULTS = {"head_type": "markov", "num_hidden_layers": 2, "markov_rank": 128, "block_size": 7,
-                        "draft_vocab_size": 8192}
-
-
 def _load(args, draft: bool = True):
     """(target, tokenizer, draft or None) from the --target / --draft / --dtype / --draft-dtype / --device flags."""
     from .loading import load_draft, load_target
@@ -151,23 +146,7 @@ def cmd_train(args) -> int:
              "block_size": args.block_size, "draft_vocab_size": args.draft_vocab_size,
              "target_layer_ids": args.target_layer_ids, "intermediate_size": args.intermediate_size}
     draft = {k: v for k, v in flags.items() if v is not None}
-    if not (args.init_from or args.lora):  # fine-tuning keeps the saved draft's shape; TrainConfig refuses flags
-        draft = {**FRESH_DRAFT_DEFAULTS, **draft}
-        if draft["draft_vocab_size"] == 0:
-            del draft["draft_vocab_size"]  # the full target vocabulary
-    config = TrainConfig(dataset=args.dataset, output_dir=args.output_dir, epochs=args.epochs,
-                         max_steps=args.max_steps, batch_size=args.batch_size, anchors_per_sequence=args.anchors,
-                         learning_rate=args.lr,
-                         max_length=args.max_length, heldout_fraction=args.heldout_fraction,
-                         feature_cache=args.feature_cache, mixed_precision=args.mixed_precision,
-                         save_every=args.save_every, seed=args.seed, draft=draft, loss_kl=args.loss_kl,
-                         warmup_ratio=args.warmup_ratio, time_budget=args.time_budget, stop_after=args.stop_after,
-                         device=args.device, target_dtype=args.target_dtype,
-                         auto_find_batch_size=args.auto_find_batch_size,
-                         gpu_memory_fraction=args.gpu_memory_fraction,
-                         copy_target_layers=args.copy_target_layers, init_from=args.init_from, lora=args.lora,
-                         lora_rank=args.lora_rank, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
-                         lora_target_modules=args.lora_target_modules, lora_heads=args.lora_heads)
+    config = TrainConfig(**config_values(args, TrainConfig, skip={"draft"}), draft=draft)
     target = None
     if args.target:
         from transformers import AutoModelForCausalLM
@@ -383,6 +362,45 @@ def cmd_profile(args) -> int:
     return 0
 
 
+def add_config_flags(parser, config_class, aliases: dict[str, str] = {}, skip=()) -> None:
+    """One flag per field of the dataclass `config_class` (``--field-name``, or its alias), with the field's type,
+    default, `choices` and help from its metadata: the defaults and their explanations live in one place."""
+    from dataclasses import MISSING, fields
+
+    for f in fields(config_class):
+        if f.name in skip:
+            continue
+        flag = aliases.get(f.name, "--" + f.name.replace("_", "-"))
+        default = f.default_factory() if f.default_factory is not MISSING else f.default
+        kwargs = {"dest": f.name, "help": f.metadata.get("help", "").replace("%", "%%")}
+        kind = str(f.type).split(" | ")[0]
+        if default is MISSING:
+            kwargs["required"] = True
+        elif kind == "bool":
+            parser.add_argument(flag, action="store_true", **kwargs)
+            continue
+        else:
+            kwargs["default"] = default
+            kwargs["help"] += "" if default is None else f" (default: {default})"
+        if kind.startswith("list["):
+            kwargs.update(nargs="+", type=_TYPES[kind[5:-1]])
+        elif kind in _TYPES:
+            kwargs["type"] = _TYPES[kind]
+        if "choices" in f.metadata:
+            kwargs["choices"] = list(f.metadata["choices"])
+        parser.add_argument(flag, **kwargs)
+
+
+_TYPES = {"int": int, "float": float, "str": str}
+
+
+def config_values(args, config_class, skip=()) -> dict:
+    """The fields of `config_class` as parsed by the flags of [`add_config_flags`]."""
+    from dataclasses import fields
+
+    return {f.name: getattr(args, f.name) for f in fields(config_class) if f.name not in skip}
+
+
 def config_help(name: str) -> str:
     """The help text TrainConfig's field `name` carries (one source for the API and the CLI)."""
     from dataclasses import fields
@@ -471,56 +489,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_prepare_data)
 
-    from .training.trainer import LORA_HEADS, LORA_TARGET_MODULES  # one source for the LoRA defaults
+    from .training.trainer import TrainConfig
 
     p = sub.add_parser("train", help="train a DSpark draft (also under `accelerate launch`)")
     p.add_argument("--target", help="target model path or hub id (default: embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--dataset", required=True, help="JSONL written by `dspark prepare-data`")
-    p.add_argument("--output-dir", required=True)
-    p.add_argument("--init-from", help="start from this saved draft (fine-tuning; the base draft with --lora)")
-    p.add_argument("--copy-target-layers", action="store_true", help="start the draft's layers from the target's "
-                   "last ones instead of random weights (Llama / Qwen3-style targets)")
-    p.add_argument("--lora", action="store_true", help="domain adaptation: train LoRA adapters on --init-from "
-                   "(default: the shipped draft) and save a peft adapter; draft-shape options are refused")
-    p.add_argument("--lora-rank", type=int, default=16)
-    p.add_argument("--lora-alpha", type=float, default=32.0, help="updates scale by alpha / rank")
-    p.add_argument("--lora-dropout", type=float, default=0.0)
-    p.add_argument("--lora-target-modules", nargs="+", default=list(LORA_TARGET_MODULES),
-                   help="draft linear layers that get adapters (default: attention and MLP of every layer)")
-    p.add_argument("--lora-heads", default="all", choices=list(LORA_HEADS),
-                   help="heads trained in full and saved in the adapter: all (default: Markov/RNN and "
-                        "confidence), confidence, or none")
+    add_config_flags(p, TrainConfig, aliases={"anchors_per_sequence": "--anchors", "learning_rate": "--lr"},
+                     skip={"draft"})
     # draft shape: a fresh draft's only (refused with --init-from / --lora, which keep the saved draft's)
-    d = FRESH_DRAFT_DEFAULTS
-    p.add_argument("--head-type", choices=["markov", "rnn", "none"], help=f"default: {d['head_type']}")
-    p.add_argument("--layers", type=int, help=f"draft decoder layers (default: {d['num_hidden_layers']})")
+    from .model import DSparkConfig
+    from .training.trainer import DEFAULT_DRAFT_VOCAB_SIZE
+
+    shape = DSparkConfig()
+    p.add_argument("--head-type", choices=["markov", "rnn", "none"], help=f"default: {shape.head_type}")
+    p.add_argument("--layers", type=int, help=f"draft decoder layers (default: {shape.num_hidden_layers})")
     p.add_argument("--intermediate-size", type=int, help="draft MLP width (default: the target's)")
-    p.add_argument("--markov-rank", type=int, help=f"default: {d['markov_rank']}")
-    p.add_argument("--block-size", type=int, help=f"default: {d['block_size']}")
+    p.add_argument("--markov-rank", type=int, help=f"default: {shape.markov_rank}")
+    p.add_argument("--block-size", type=int, help=f"default: {shape.block_size}")
     p.add_argument("--draft-vocab-size", type=int,
-                   help=f"0 = the full target vocabulary (default: {d['draft_vocab_size']})")
+                   help=f"0 = the full target vocabulary (default: {DEFAULT_DRAFT_VOCAB_SIZE})")
     p.add_argument("--target-layer-ids", type=int, nargs="+", help="default: the reference rule")
-    p.add_argument("--epochs", type=float, default=4.0)
-    p.add_argument("--max-steps", type=int, help=config_help("max_steps"))
-    p.add_argument("--time-budget", type=float, metavar="MINUTES", help=config_help("time_budget"))
-    p.add_argument("--stop-after", type=float, metavar="MINUTES", help=config_help("stop_after"))
-    p.add_argument("--batch-size", type=int, default=4)
-    p.add_argument("--auto-find-batch-size", action="store_true", help=config_help("auto_find_batch_size"))
-    p.add_argument("--gpu-memory-fraction", type=float, help=config_help("gpu_memory_fraction"))
-    p.add_argument("--anchors", type=int, default=48, help="random blocks per sequence")
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--warmup-ratio", type=float, default=0.04, help=config_help("warmup_ratio"))
-    p.add_argument("--loss-kl", type=float, default=0.0, help=config_help("loss_kl"))
-    p.add_argument("--max-length", type=int, default=640)
-    p.add_argument("--heldout-fraction", type=float, default=0.05)
-    p.add_argument("--feature-cache", help="directory for an on-disk cache of target features (default: online)")
-    p.add_argument("--mixed-precision", default="auto", choices=["auto", "bf16", "fp16", "no"],
-                   help="auto: bf16 on GPU, fp32 on CPU; bf16 also pays on CPUs with AVX512-BF16 or AMX; fp16: GPU only")
-    p.add_argument("--save-every", type=int, default=200)
-    p.add_argument("--seed", type=int, default=0)
-    device_option(p)
-    p.add_argument("--target-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-                   help=config_help("target_dtype"))
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("export", help="save a trained draft for sharing, with a generated model card")

@@ -555,3 +555,31 @@ def test_a_feature_cache_serves_any_subset_of_its_layers_and_refuses_others(tmp_
         CachedFeatures(tmp_path / "cache", target, [3], examples, progress=False)
     with pytest.raises(ValueError, match="in torch.bfloat16"):
         CachedFeatures(tmp_path / "cache", target.to(torch.bfloat16), [0], examples, progress=False)
+
+
+def test_dspark_train_flags_are_train_config_s_fields_with_its_defaults():
+    from dataclasses import fields
+
+    from dspark_hf.cli import build_parser
+
+    args = build_parser().parse_args(["train", "--dataset", "d.jsonl", "--output-dir", "out"])
+    config = TrainConfig(dataset="d.jsonl", output_dir="out")
+    for f in fields(TrainConfig):
+        if f.name != "draft":
+            assert getattr(args, f.name) == getattr(config, f.name), f.name
+    tuned = build_parser().parse_args(["train", "--dataset", "d", "--output-dir", "o", "--lr", "3e-3", "--anchors",
+                                       "96", "--loss-ce", "0.5", "--lora-heads", "confidence", "--lora"])
+    assert (tuned.learning_rate, tuned.anchors_per_sequence, tuned.loss_ce, tuned.lora_heads, tuned.lora) == \
+        (3e-3, 96, 0.5, "confidence", True)
+
+
+def test_a_fresh_draft_has_one_default_shape_from_the_api_and_from_training(tmp_path):
+    from dspark_hf import DSparkConfig
+
+    target = tiny_target("llama")
+    defaults = DSparkConfig()
+    from_api = DSparkDraftModel.from_target(target).config
+    trained = make_draft(target, TrainConfig(dataset="d", output_dir="o"), []).config
+    for config in (from_api, trained):
+        assert (config.num_hidden_layers, config.markov_rank, config.block_size, config.head_type) == \
+            (defaults.num_hidden_layers, defaults.markov_rank, defaults.block_size, defaults.head_type)

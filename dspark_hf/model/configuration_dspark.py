@@ -49,7 +49,7 @@ class DSparkConfig(PreTrainedConfig):
                   "(eq. 6, gated recurrent state over the block) or 'none' (DFlash-style parallel ablation)."},
     )
     markov_rank: int = field(
-        default=256,
+        default=128,
         metadata={"help": "Rank r of the transition factorisation B = W1 W2 (and RNN state size)."},
     )
     confidence_head: bool = field(

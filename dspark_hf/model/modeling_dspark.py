@@ -258,11 +258,12 @@ class DSparkDraftModel(DSparkPreTrainedModel):
         """A fresh, untrained draft sized for `target` (any HF decoder-only causal LM), already bound to it.
 
         Feature layers follow the reference rule (one per draft layer, spread uniformly over [1, L - 3]); the mask
-        token is the target's pad token when it is not also EOS/BOS, else the last vocabulary id. Every config
-        field can be overridden, e.g. ``from_target(target, num_hidden_layers=1, markov_rank=16, block_size=4)``.
+        token is the target's pad token when it is not also EOS/BOS, else the last vocabulary id. The shape is
+        DSparkConfig's defaults (the one default shape: 2 layers, a Markov head of rank 128, blocks of 7); every
+        config field can be overridden, e.g. ``from_target(target, num_hidden_layers=1, markov_rank=16)``.
         """
         t = target.config.get_text_config()
-        n_layers = overrides.get("num_hidden_layers", 5)
+        n_layers = overrides.get("num_hidden_layers", DSparkConfig.num_hidden_layers)
         lo = min(1, t.num_hidden_layers - 2)
         hi = max(lo, t.num_hidden_layers - 3)
         layer_ids = sorted({round(lo + i * (hi - lo) / max(n_layers - 1, 1)) for i in range(n_layers)})
@@ -275,7 +276,6 @@ class DSparkDraftModel(DSparkPreTrainedModel):
             rope = rope["full_attention"]
         has_qk_norm = any(name.endswith("k_norm") for name, _ in target.named_modules())
         fields = dict(
-            block_size=7,
             mask_token_id=mask_token_id,
             target_layer_ids=layer_ids,
             hidden_size=t.hidden_size,

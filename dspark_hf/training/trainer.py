@@ -60,7 +60,8 @@ class TrainConfig:
     position_decay: float = field(default=4.0, metadata={"help": "w_k = exp(-k / position_decay)."})
     feature_cache: str | None = field(default=None, metadata={"help": "Directory for an on-disk cache of target "
                                                                         "features; None computes them online."})
-    mixed_precision: str = field(default="auto", metadata={"help": "'auto': bf16 on GPU, fp32 on CPU; 'bf16' also "
+    mixed_precision: str = field(default="auto", metadata={"choices": ("auto", "bf16", "fp16", "no"), "help":
+                                 "'auto': bf16 on GPU, fp32 on CPU; 'bf16' also "
                                  "on a CPU with bf16 matrix units (AVX512-BF16, AMX: several times the fp32 "
                                  "throughput); 'fp16': GPU only; 'no': fp32. Autocast: weights and optimizer "
                                  "state stay fp32. accelerate keeps one setting per process."})
@@ -73,7 +74,8 @@ class TrainConfig:
                                      "limit a command's wall time)."})
     device: str = field(default="auto", metadata={"help": "'auto' (the CUDA GPU when torch sees one, else the CPU), "
                         "'cpu', 'cuda' or 'cuda:N'; under `accelerate launch` each process takes its own GPU."})
-    target_dtype: str = field(default="auto", metadata={"help": "dtype of the frozen target that gives features and "
+    target_dtype: str = field(default="auto", metadata={"choices": ("auto", "float32", "bfloat16"), "help":
+                              "dtype of the frozen target that gives features and "
                               "the target distribution: 'auto' (bfloat16 on a GPU, float32 on a CPU), 'float32' or "
                               "'bfloat16'; a target passed to train() is converted too."})
     auto_find_batch_size: bool = field(default=False, metadata={"help": "Halve batch_size until one step on the "
@@ -83,10 +85,10 @@ class TrainConfig:
                                               "auto_find_batch_size then fits the batch inside it."})
     save_every: int = field(default=200, metadata={"help": "Checkpoint every this many steps (resumable)."})
     seed: int = field(default=0, metadata={"help": "Seeds initialisation, shuffling and anchors."})
-    draft: dict = field(default_factory=dict, metadata={"help": "DSparkDraftModel.from_target overrides for a fresh "
-                        "draft, e.g. {'num_hidden_layers': 2, 'markov_rank': 128, 'head_type': 'markov', "
-                        "'draft_vocab_size': 8192}. draft_vocab_size picks the most frequent answer tokens. Refused "
-                        "with init_from / lora, which keep the saved draft's shape."})
+    draft: dict = field(default_factory=dict, metadata={"help": "DSparkDraftModel.from_target overrides of a fresh "
+                        "draft's shape (default: DSparkConfig's), e.g. {'num_hidden_layers': 3, 'head_type': 'rnn'}; "
+                        "draft_vocab_size (default 8192, 0: the full vocabulary) picks the most frequent answer "
+                        "tokens. Refused with init_from / lora, which keep the saved draft's shape."})
     copy_target_layers: bool = field(default=False, metadata={"help": "Start a fresh draft from the target's last "
                                      "decoder layers instead of random weights (see copy_target_layers); needs "
                                      "draft layers with the target's shapes and parameter names (Llama, Qwen3)."})
@@ -99,7 +101,8 @@ class TrainConfig:
     lora_dropout: float = field(default=0.0, metadata={"help": "Dropout on the LoRA branch's input."})
     lora_target_modules: list[str] = field(default_factory=lambda: list(LORA_TARGET_MODULES), metadata={
         "help": "Names of the draft's linear layers that get adapters (default: attention and MLP of every layer)."})
-    lora_heads: str = field(default="all", metadata={"help": "Heads trained in full and saved in the adapter: "
+    lora_heads: str = field(default="all", metadata={"choices": tuple(LORA_HEADS), "help":
+                            "Heads trained in full and saved in the adapter: "
                             "'all' (default: the Markov/RNN head, where a domain's token transitions live, and "
                             "the confidence head; ~2M weights for the shipped draft, and on code the whole of the "
                             "measured gain); 'confidence' (a few hundred weights); 'none'."})
@@ -157,11 +160,18 @@ def target_distribution_at(target, last: torch.Tensor, anchors: torch.Tensor, ga
     return p_t[where].view(*idx.shape, -1), outside[where].view(idx.shape), top[where].view(idx.shape)
 
 
+DEFAULT_DRAFT_VOCAB_SIZE = 8192  # a fresh draft proposes this many of the most frequent answer tokens
+
+
 def make_draft(target, config: TrainConfig, train: list[Example]) -> DSparkDraftModel:
+    """A fresh draft for `target`: DSparkConfig's default shape with `config.draft`'s overrides, proposing the
+    DEFAULT_DRAFT_VOCAB_SIZE most frequent answer tokens of `train` unless draft_vocab_size says otherwise (0 or
+    None: the full vocabulary)."""
     overrides = dict(config.draft)
-    vocab = overrides.pop("draft_vocab_size", None)
-    if vocab is not None:
-        freq = token_frequencies(train, target.get_output_embeddings().weight.shape[0])
+    vocab = overrides.pop("draft_vocab_size", DEFAULT_DRAFT_VOCAB_SIZE)
+    target_vocab = target.get_output_embeddings().weight.shape[0]
+    if vocab and vocab < target_vocab:  # as many tokens as the target has is the full vocabulary
+        freq = token_frequencies(train, target_vocab)
         overrides["draft_vocab"] = freq.argsort(descending=True)[:vocab].sort().values
     torch.manual_seed(config.seed)
     draft = DSparkDraftModel.from_target(target, **overrides)
