@@ -401,15 +401,6 @@ def config_values(args, config_class, skip=()) -> dict:
     return {f.name: getattr(args, f.name) for f in fields(config_class) if f.name not in skip}
 
 
-def config_help(name: str) -> str:
-    """The help text TrainConfig's field `name` carries (one source for the API and the CLI)."""
-    from dataclasses import fields
-
-    from .training.trainer import TrainConfig
-
-    return next(f.metadata["help"] for f in fields(TrainConfig) if f.name == name).replace("%", "%%")
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dspark", description="DSpark speculative decoding for transformers.")
     parser.add_argument("--debug", action="store_true", help="on an error, show its traceback (anywhere on the line)")
