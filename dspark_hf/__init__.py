@@ -9,6 +9,7 @@ from transformers import AutoConfig, AutoModel
 from .generation import DSparkGenerateOutput, DSparkRound, HalfPrecisionGreedyWarning, dspark_generate
 from .generation.streamers import DSparkRoundStreamer, DSparkStep, RoundStreamer
 from .generation.integration import install as _install_generate_hook
+from . import hub as _hub
 from .defaults import default_draft, default_target, fast_draft_dtype
 from .loading import load_draft, load_models, load_target
 from .model import DSparkConfig, DSparkContext, DSparkDraftModel, DraftBlock
@@ -22,6 +23,7 @@ AutoModel.register(DSparkConfig, DSparkDraftModel, exist_ok=True)
 DSparkConfig.register_for_auto_class()
 DSparkDraftModel.register_for_auto_class("AutoModel")
 _install_generate_hook()
+_hub.install()  # model cards on save_pretrained / push_to_hub
 
 __all__ = [
     "DSparkConfig",

@@ -1,10 +1,11 @@
 """Sharing DSpark drafts on the Hugging Face Hub: a model card on every save, `push_to_hub`, and `push_draft`
 (what `dspark push` runs).
 
-`DSparkDraftModel.save_pretrained` and `push_to_hub` hand over to [`save_pretrained`] and [`push_to_hub`] here.
-They live in this module, not in model/modeling_dspark.py, because that file is copied next to saved weights for
-``trust_remote_code`` loading where dspark_hf may not be installed: it imports this module lazily and, without it,
-saves and pushes as plain transformers does (no card). Downloading needs nothing from us:
+`DSparkDraftModel.save_pretrained` and `push_to_hub` hand over to [`save_pretrained`] and [`push_to_hub`] here,
+once [`install`] (run by `import dspark_hf`) sets this module as the model's `sharing`. They live here, not in
+model/modeling_dspark.py, because that file is copied next to saved weights for ``trust_remote_code`` loading
+where dspark_hf may not be installed: there it saves and pushes as plain transformers does (no card). The model
+never imports this module; this module imports the model. Downloading needs nothing from us:
 ``DSparkDraftModel.from_pretrained(repo_id, revision=..., token=..., cache_dir=...)`` is transformers' own, with the
 Hub cache, ``HF_HUB_OFFLINE=1`` and private repos.
 
@@ -21,6 +22,7 @@ import warnings
 from pathlib import Path
 
 from .cards import GENERATED_MARK, CardData, is_hub_model_id, render_card_data, training_recipe
+from .model.modeling_dspark import DSparkDraftModel
 
 README = "README.md"
 DEFAULT_COMMIT_MESSAGE = "Upload DSpark draft"
@@ -112,8 +114,6 @@ def push_draft(folder: str | Path, repo_id: str, base_model: str | None = None,
     rendered from ``folder/train_config.json`` (and ``heldout.json``) if present. The rest as in [`push_to_hub`].
     Only the draft's own files are sent (not checkpoints, training state or result files).
     """
-    from .model import DSparkDraftModel
-
     folder = Path(folder)
     if not (folder / "config.json").is_file():
         raise FileNotFoundError(f"{folder} holds no saved draft (no config.json): pass the --output-dir of "
@@ -209,3 +209,10 @@ def _is_file(text: str) -> bool:
         return Path(text).is_file()
     except OSError:  # markdown too long to be a file name
         return False
+
+
+def install() -> None:
+    """Make this module what DSparkDraftModel's save_pretrained, push_to_hub and from_pretrained hand over to."""
+    import sys
+
+    DSparkDraftModel.sharing = sys.modules[__name__]

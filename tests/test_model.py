@@ -331,3 +331,17 @@ def test_the_shipped_draft_carries_the_package_s_own_modeling_and_configuration_
     for name in ("modeling_dspark.py", "configuration_dspark.py"):
         package = Path(dspark_hf.__file__).parent / "model" / name
         assert (SHIPPED_DRAFT_DIR / name).read_bytes() == package.read_bytes(), name
+
+
+def test_the_model_package_imports_nothing_of_hub_cards_or_generation():
+    """model/ models; sharing (hub.py, cards.py) imports the model, never the reverse: no cycle."""
+    import ast
+
+    allowed = {"configuration_dspark", "modeling_dspark", "convert"}
+    for path in (Path(dspark_hf.__file__).parent / "model").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level > 0:
+                assert node.level == 1 and (node.module or "").split(".")[0] in allowed | {""}, (path.name, node.module)
+            names = [a.name for a in node.names] if isinstance(node, (ast.Import, ast.ImportFrom)) else []
+            module = getattr(node, "module", None) or ""
+            assert not any(n.startswith("dspark_hf") for n in names) and not module.startswith("dspark_hf"), path.name

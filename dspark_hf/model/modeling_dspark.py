@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -365,6 +365,11 @@ class DSparkDraftModel(DSparkPreTrainedModel):
                                "does it for you).")
 
     # -- saving and sharing --------------------------------------------------------------------------------------
+    # What dspark_hf adds to plain transformers here (a model card written beside the weights, a clearer error when
+    # an offline load misses the cache) lives in dspark_hf.hub, which `import dspark_hf` installs as `sharing`. This
+    # file also runs alone, as remote code where dspark_hf is absent: then `sharing` stays None and saving is plain.
+    sharing: ClassVar[Any] = None
+
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
         """transformers' `from_pretrained` (hub ids, revisions, cache, tokens); under ``HF_HUB_OFFLINE=1`` a draft
@@ -372,8 +377,8 @@ class DSparkDraftModel(DSparkPreTrainedModel):
         try:
             return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
         except OSError as error:
-            hub = _dspark_hub()
-            clearer = None if hub is None else hub.offline_load_error(pretrained_model_name_or_path, kwargs)
+            clearer = None if cls.sharing is None else cls.sharing.offline_load_error(pretrained_model_name_or_path,
+                                                                                       kwargs)
             if clearer is None:
                 raise
             raise clearer from error
@@ -383,19 +388,19 @@ class DSparkDraftModel(DSparkPreTrainedModel):
         unless the folder holds a README.md that dspark-hf did not generate, or ``model_card=False``. `card_data`
         (a `dspark_hf.cards.CardData` or dict: base_model, repo_id, eval_results, calibration, recipe, ...) feeds
         it. Without dspark_hf installed (remote code), no card is written."""
-        hub = _dspark_hub(card_data)
-        if hub is None:
+        if self.sharing is None:
+            _refuse_card_data(card_data)
             return super().save_pretrained(save_directory, *args, **kwargs)
-        return hub.save_pretrained(self, super().save_pretrained, save_directory, *args, model_card=model_card,
-                                   card_data=card_data, **kwargs)
+        return self.sharing.save_pretrained(self, super().save_pretrained, save_directory, *args,
+                                            model_card=model_card, card_data=card_data, **kwargs)
 
     def push_to_hub(self, repo_id: str, *, model_card: bool = True, card_data=None, **kwargs):
         """transformers' `push_to_hub` (same arguments), with the card of [`save_pretrained`] as README.md
         (`dspark_hf.hub.push_to_hub`; ``model_card=False`` leaves the Hub's README.md alone)."""
-        hub = _dspark_hub(card_data)
-        if hub is None:
+        if self.sharing is None:
+            _refuse_card_data(card_data)
             return super().push_to_hub(repo_id, **kwargs)
-        return hub.push_to_hub(self, repo_id, model_card=model_card, card_data=card_data, **kwargs)
+        return self.sharing.push_to_hub(self, repo_id, model_card=model_card, card_data=card_data, **kwargs)
 
     # -- pieces of the forward pass ----------------------------------------------------------------------------
     @property
@@ -614,18 +619,9 @@ def same_fingerprint(a: list[float], b: list[float]) -> bool:
     return float((x * y).sum()) >= 0.9 * float(x.norm() * y.norm())
 
 
-def _dspark_hub(card_data=None):
-    """dspark_hf.hub (cards and pushing), imported on use: this file is also copied next to saved weights and
-    runs as remote code where dspark_hf may be absent; then None, and saving works as in plain transformers."""
-    try:
-        from dspark_hf import hub
-    except ModuleNotFoundError as error:
-        if error.name != "dspark_hf":
-            raise
-        if card_data is not None:
-            raise ImportError("card_data needs dspark-hf to render the model card: pip install dspark-hf") from error
-        return None
-    return hub
+def _refuse_card_data(card_data) -> None:
+    if card_data is not None:
+        raise ImportError("card_data needs dspark-hf to render the model card: pip install dspark-hf")
 
 
 def _as_list(x) -> list:
