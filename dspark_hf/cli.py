@@ -140,7 +140,8 @@ def cmd_prepare_data(args) -> int:
 
 
 def cmd_train(args) -> int:
-    from .training.trainer import TrainConfig, train
+    from .training.config import TrainConfig
+    from .training.trainer import train
 
     flags = {"head_type": args.head_type, "num_hidden_layers": args.layers, "markov_rank": args.markov_rank,
              "block_size": args.block_size, "draft_vocab_size": args.draft_vocab_size,
@@ -480,7 +481,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_prepare_data)
 
-    from .training.trainer import TrainConfig
+    from .training.config import TrainConfig
 
     p = sub.add_parser("train", help="train a DSpark draft (also under `accelerate launch`)")
     p.add_argument("--target", help="target model path or hub id (default: embedded SmolLM2-135M-Instruct)")
@@ -488,7 +489,7 @@ def build_parser() -> argparse.ArgumentParser:
                      skip={"draft"})
     # draft shape: a fresh draft's only (refused with --init-from / --lora, which keep the saved draft's)
     from .model import DSparkConfig
-    from .training.trainer import DEFAULT_DRAFT_VOCAB_SIZE
+    from .training.drafts import DEFAULT_DRAFT_VOCAB_SIZE
 
     shape = DSparkConfig()
     p.add_argument("--head-type", choices=["markov", "rnn", "none"], help=f"default: {shape.head_type}")

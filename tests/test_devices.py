@@ -17,7 +17,8 @@ from dspark_hf.devices import resolve_device
 from dspark_hf.training.data import load_dataset
 from dspark_hf.training.features import CachedFeatures, OnlineFeatures
 from dspark_hf.training.losses import LossWeights
-from dspark_hf.training.trainer import evaluate_heldout, train_step
+from dspark_hf.training.heldout import evaluate_heldout
+from dspark_hf.training.objective import train_step
 from test_training import tiny_dataset
 
 

@@ -207,7 +207,8 @@ def test_the_dtype_option_loads_target_and_draft_in_that_dtype(tiny_models, tmp_
     from dspark_hf.cli import _load
 
     if draft == "adapter":  # a LoRA adapter folder: its base draft is loaded, then the adapter merged
-        from dspark_hf.training.trainer import TrainConfig, add_lora
+        from dspark_hf.training.config import TrainConfig
+        from dspark_hf.training.drafts import add_lora
 
         base = DSparkDraftModel.from_pretrained(tiny_models / "draft")
         add_lora(base, TrainConfig(dataset="", output_dir=""), str(tiny_models / "draft")).save_pretrained(

@@ -22,7 +22,7 @@ from dspark_hf import DSparkDraftModel
 from dspark_hf.cards import GENERATED_MARK
 from dspark_hf.hub import push_draft
 from dspark_hf.scheduling.calibration import calibration_report, sequential_temperature_scaling
-from dspark_hf.training.trainer import TrainConfig
+from dspark_hf.training.config import TrainConfig
 
 from conftest import has_smollm2, tiny_draft, tiny_target
 from hub_stub import HubStub, go_offline, use_hub

@@ -14,7 +14,9 @@ from dspark_hf.evaluation import OracleDraft
 from dspark_hf.training import load_dataset
 from dspark_hf.training.features import OnlineFeatures
 from dspark_hf.training.losses import LossWeights
-from dspark_hf.training.trainer import TrainConfig, train, train_step
+from dspark_hf.training.config import TrainConfig
+from dspark_hf.training.objective import train_step
+from dspark_hf.training.trainer import train
 from test_training import tiny_dataset
 
 

@@ -14,8 +14,11 @@ from dspark_hf.training.data import Example, manifest_path, split_heldout
 from dspark_hf.training.features import CachedFeatures, OnlineFeatures
 from dspark_hf.training.losses import (LossWeights, dspark_losses, position_weights, sample_anchors,
                                       target_distribution_on)
-from dspark_hf.training.trainer import (TrainConfig, evaluate_heldout, gather_blocks, make_draft, target_distribution_at,
-                                       target_logits, train)
+from dspark_hf.training.config import TrainConfig
+from dspark_hf.training.drafts import make_draft
+from dspark_hf.training.heldout import evaluate_heldout
+from dspark_hf.training.objective import gather_blocks, target_distribution_at, target_logits
+from dspark_hf.training.trainer import train
 
 
 def test_position_weights_follow_the_reference_decay():
@@ -345,14 +348,12 @@ def test_a_short_training_run_lowers_the_loss_and_saves_a_loadable_draft(tmp_pat
     examples = load_dataset(data)
 
     def loss_of(draft):
-        from dspark_hf.training.trainer import train_step
+        from dspark_hf.training.objective import train_step
 
         torch.manual_seed(0)
         losses, _ = train_step(draft, target, examples, OnlineFeatures(target, draft.config.target_layer_ids), 8,
                                LossWeights(), torch.Generator().manual_seed(0))
         return float(losses["total"].detach())
-
-    from dspark_hf.training.trainer import make_draft
 
     before = loss_of(make_draft(target, config, examples))
     draft = train(config, target=target, progress=False)

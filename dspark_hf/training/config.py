@@ -1,0 +1,103 @@
+"""What a training run depends on: [`TrainConfig`] (saved next to the checkpoints as train_config.json), whose
+fields and help text `dspark train`'s flags are generated from."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# the backbone's linear layers (attention and MLP of every draft layer); `fc` (the context projection) may be added
+LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+# heads trained in full next to the adapters (peft `modules_to_save`: copies stored in the adapter file)
+LORA_HEADS = {"none": (), "confidence": ("confidence",), "all": ("w1", "w2", "rnn_proj", "confidence")}
+
+
+@dataclass
+class TrainConfig:
+    """Everything a training run depends on (saved next to the checkpoints as train_config.json)."""
+
+    dataset: str = field(metadata={"help": "JSONL written by `dspark prepare-data`."})
+    output_dir: str = field(metadata={"help": "Where checkpoints and the final draft are saved."})
+    epochs: float = field(default=4.0, metadata={"help": "Passes over the training split (fresh anchors each)."})
+    max_steps: int | None = field(default=None, metadata={"help": "Optimizer steps to take, overriding epochs (a "
+                                  "fixed budget across datasets of different sizes)."})
+    batch_size: int = field(default=4, metadata={"help": "Sequences per optimizer step (per process)."})
+    anchors_per_sequence: int = field(default=48, metadata={"help": "Random blocks per sequence (reference: 512)."})
+    learning_rate: float = field(default=1e-3, metadata={"help": "AdamW peak learning rate."})
+    weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay."})
+    warmup_ratio: float = field(default=0.04, metadata={"help": "Linear warm-up share of the run (its steps, or its "
+                                                               "time under a time budget), then cosine decay."})
+    max_length: int = field(default=640, metadata={"help": "Sequences are cut to this many tokens."})
+    heldout_fraction: float = field(default=0.05, metadata={"help": "Share of examples kept for validation and "
+                                                                    "calibration (by hashed id)."})
+    loss_ce: float = field(default=0.1, metadata={"help": "alpha_ce (eq. 12)."})
+    loss_l1: float = field(default=0.9, metadata={"help": "alpha_tv (eq. 12); the term is the full L1 norm."})
+    loss_confidence: float = field(default=1.0, metadata={"help": "alpha_conf (eq. 12)."})
+    loss_kl: float = field(default=0.0, metadata={"help": "Weight of the forward KL(p_t || p_d) to the target's "
+                           "distribution over the draft vocabulary (0: off; not in the paper)."})
+    position_decay: float = field(default=4.0, metadata={"help": "w_k = exp(-k / position_decay)."})
+    feature_cache: str | None = field(default=None, metadata={"help": "Directory for an on-disk cache of target "
+                                                                        "features; None computes them online."})
+    mixed_precision: str = field(default="auto", metadata={"choices": ("auto", "bf16", "fp16", "no"), "help":
+                                 "'auto': bf16 on GPU, fp32 on CPU; 'bf16' also "
+                                 "on a CPU with bf16 matrix units (AVX512-BF16, AMX: several times the fp32 "
+                                 "throughput); 'fp16': GPU only; 'no': fp32. Autocast: weights and optimizer "
+                                 "state stay fp32. accelerate keeps one setting per process."})
+    time_budget: float | None = field(default=None, metadata={"help": "Minutes for the whole run (features, training, "
+                                      "held-out report, saving; resumed invocations count together): the "
+                                      "learning-rate schedule follows the time spent instead of the steps, and "
+                                      "epochs and max_steps are ignored."})
+    stop_after: float | None = field(default=None, metadata={"help": "Minutes after which this invocation saves a "
+                                     "checkpoint and returns unfinished; run it again to resume (for machines that "
+                                     "limit a command's wall time)."})
+    device: str = field(default="auto", metadata={"help": "'auto' (the CUDA GPU when torch sees one, else the CPU), "
+                        "'cpu', 'cuda' or 'cuda:N'; under `accelerate launch` each process takes its own GPU."})
+    target_dtype: str = field(default="auto", metadata={"choices": ("auto", "float32", "bfloat16"), "help":
+                              "dtype of the frozen target that gives features and "
+                              "the target distribution: 'auto' (bfloat16 on a GPU, float32 on a CPU), 'float32' or "
+                              "'bfloat16'; a target passed to train() is converted too."})
+    auto_find_batch_size: bool = field(default=False, metadata={"help": "Halve batch_size until one step on the "
+                                       "longest sequences fits in GPU memory (says which size it took)."})
+    gpu_memory_fraction: float | None = field(default=None, metadata={"help": "Share of the GPU's memory this process "
+                                              "may take (e.g. 0.45 each for two trainings on one GPU); "
+                                              "auto_find_batch_size then fits the batch inside it."})
+    save_every: int = field(default=200, metadata={"help": "Checkpoint every this many steps (resumable)."})
+    seed: int = field(default=0, metadata={"help": "Seeds initialisation, shuffling and anchors."})
+    draft: dict = field(default_factory=dict, metadata={"help": "DSparkDraftModel.from_target overrides of a fresh "
+                        "draft's shape (default: DSparkConfig's), e.g. {'num_hidden_layers': 3, 'head_type': 'rnn'}; "
+                        "draft_vocab_size (default 8192, 0: the full vocabulary) picks the most frequent answer "
+                        "tokens. Refused with init_from / lora, which keep the saved draft's shape."})
+    copy_target_layers: bool = field(default=False, metadata={"help": "Start a fresh draft from the target's last "
+                                     "decoder layers instead of random weights (see copy_target_layers); needs "
+                                     "draft layers with the target's shapes and parameter names (Llama, Qwen3)."})
+    init_from: str | None = field(default=None, metadata={"help": "Start from this saved draft instead of a fresh "
+                                                                    "one (fine-tuning); the base draft with lora."})
+    lora: bool = field(default=False, metadata={"help": "Adapt init_from (default: the shipped draft, for the "
+                       "default target) with LoRA: its weights stay frozen and the run saves a peft adapter."})
+    lora_rank: int = field(default=16, metadata={"help": "LoRA rank r."})
+    lora_alpha: float = field(default=32.0, metadata={"help": "LoRA scaling numerator (updates scale by alpha / r)."})
+    lora_dropout: float = field(default=0.0, metadata={"help": "Dropout on the LoRA branch's input."})
+    lora_target_modules: list[str] = field(default_factory=lambda: list(LORA_TARGET_MODULES), metadata={
+        "help": "Names of the draft's linear layers that get adapters (default: attention and MLP of every layer)."})
+    lora_heads: str = field(default="all", metadata={"choices": tuple(LORA_HEADS), "help":
+                            "Heads trained in full and saved in the adapter: "
+                            "'all' (default: the Markov/RNN head, where a domain's token transitions live, and "
+                            "the confidence head; ~2M weights for the shipped draft, and on code the whole of the "
+                            "measured gain); 'confidence' (a few hundred weights); 'none'."})
+
+    def __post_init__(self):
+        # checked before train() touches output_dir, so a refused command leaves an existing run as it was
+        for name in ("time_budget", "stop_after"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                raise ValueError(f"{name}={getattr(self, name)}: give a positive number of minutes, or leave it unset.")
+        if self.gpu_memory_fraction is not None and not 0 < self.gpu_memory_fraction <= 1:
+            raise ValueError(f"gpu_memory_fraction={self.gpu_memory_fraction}: give a share in (0, 1].")
+        if self.target_dtype not in ("auto", "float32", "bfloat16"):
+            raise ValueError(f"target_dtype={self.target_dtype!r}: choose 'auto', 'float32' or 'bfloat16'.")
+        if self.copy_target_layers and (self.lora or self.init_from):
+            raise ValueError("copy_target_layers initialises a fresh draft: drop it, or drop init_from / lora.")
+        if self.draft and (self.lora or self.init_from):
+            raise ValueError(f"The draft shape {self.draft} (--layers, --head-type, ...) applies to a fresh draft; "
+                             "fine-tuning (init_from / lora) keeps the saved draft's shape. Drop those settings, or "
+                             "train a fresh draft without init_from.")

@@ -1,0 +1,100 @@
+"""The draft a run trains: fresh (DSparkConfig's default shape, optionally started from the target's last layers),
+fine-tuned from a saved one, LoRA-adapted, or resumed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ..model.modeling_dspark import DSparkDraftModel
+from .config import LORA_HEADS, TrainConfig
+from .data import Example, token_frequencies
+
+DEFAULT_DRAFT_VOCAB_SIZE = 8192  # a fresh draft proposes this many of the most frequent answer tokens
+
+
+def make_draft(target, config: TrainConfig, train: list[Example]) -> DSparkDraftModel:
+    """A fresh draft for `target`: DSparkConfig's default shape with `config.draft`'s overrides, proposing the
+    DEFAULT_DRAFT_VOCAB_SIZE most frequent answer tokens of `train` unless draft_vocab_size says otherwise (0 or
+    None: the full vocabulary)."""
+    overrides = dict(config.draft)
+    vocab = overrides.pop("draft_vocab_size", DEFAULT_DRAFT_VOCAB_SIZE)
+    target_vocab = target.get_output_embeddings().weight.shape[0]
+    if vocab and vocab < target_vocab:  # as many tokens as the target has is the full vocabulary
+        freq = token_frequencies(train, target_vocab)
+        overrides["draft_vocab"] = freq.argsort(descending=True)[:vocab].sort().values
+    torch.manual_seed(config.seed)
+    draft = DSparkDraftModel.from_target(target, **overrides)
+    return copy_target_layers(draft, target) if config.copy_target_layers else draft
+
+
+@torch.no_grad()
+def copy_target_layers(draft: DSparkDraftModel, target) -> DSparkDraftModel:
+    """Initialise a fresh draft's n decoder layers from the target's last n, so training starts from attention and
+    MLP weights that already read the target's hidden states; the context projection starts as the identity on
+    the deepest feature layer (the hidden state those layers read in the target), the context norm as the first
+    copied layer's input norm, and the final norm as the target's. Raises ValueError where the target's decoder
+    layers do not have the draft's parameter names and shapes (e.g. Gemma's extra norms)."""
+    decoder = target.get_decoder()
+    layers = list(getattr(decoder, "layers", []))
+    n, d = len(draft.layers), draft.config.hidden_size
+    if len(layers) < n:
+        raise ValueError(f"copy_target_layers needs at least {n} target decoder layers, found {len(layers)}.")
+    for own, theirs in zip(draft.layers, layers[-n:]):
+        mine, source = own.state_dict(), theirs.state_dict()
+        wrong = sorted(set(mine) ^ set(source)) + [k for k in mine if k in source and mine[k].shape != source[k].shape]
+        if wrong:
+            raise ValueError(f"copy_target_layers: the target's decoder layers ({type(theirs).__name__}) do not "
+                             f"match the draft's ({', '.join(wrong[:6])}{' ...' if len(wrong) > 6 else ''}); "
+                             "train without --copy-target-layers, or keep the draft's sizes equal to the target's.")
+        own.load_state_dict(source)
+    draft.fc.weight.zero_()
+    draft.fc.weight[:, -d:] = torch.eye(d, dtype=draft.fc.weight.dtype)
+    draft.context_norm.weight.copy_(draft.layers[0].input_layernorm.weight)
+    if getattr(decoder, "norm", None) is not None:
+        draft.norm.weight.copy_(decoder.norm.weight)
+    return draft
+
+
+def add_lora(draft: DSparkDraftModel, config: TrainConfig, base_name_or_path: str | None = None):
+    """Freeze `draft` and wrap it in a peft ``PeftModel`` with trainable LoRA adapters on
+    ``config.lora_target_modules``; the heads ``config.lora_heads`` names are trained in full and saved with the
+    adapter. The adapter records `base_name_or_path` (default: where `draft` was loaded from) as its base."""
+    from peft import LoraConfig, get_peft_model
+
+    if config.lora_heads not in LORA_HEADS:
+        raise ValueError(f"lora_heads={config.lora_heads!r}: choose one of {sorted(LORA_HEADS)}.")
+    heads = [name for name in LORA_HEADS[config.lora_heads] if getattr(draft, name, None) is not None]
+    lora = LoraConfig(r=config.lora_rank, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
+                      target_modules=list(config.lora_target_modules), modules_to_save=heads or None,
+                      base_model_name_or_path=base_name_or_path or draft.name_or_path or None)
+    return get_peft_model(draft, lora)
+
+
+def _lora_base(config: TrainConfig, default_target: bool) -> str:
+    """The draft a LoRA run adapts: init_from, or the shipped draft when training for the default target."""
+    if config.init_from:
+        return config.init_from
+    if not default_target:
+        raise ValueError("LoRA adapts an existing draft: pass init_from (--init-from DIR) with a draft trained for "
+                         "this target.")
+    from ..defaults import SHIPPED_DRAFT_DIR
+
+    return str(SHIPPED_DRAFT_DIR)
+
+
+def initial_draft(config: TrainConfig, target, resume: Path | None, default_target: bool, train_set):
+    """The model to train: resumed, fine-tuned from init_from, LoRA-wrapped, or fresh (bound to `target`)."""
+    if config.lora:
+        from peft import PeftModel
+
+        base_path = _lora_base(config, default_target)
+        base = DSparkDraftModel.from_pretrained(base_path, dtype=target.dtype).bind_target(target)
+        if resume is not None:
+            return PeftModel.from_pretrained(base, resume, is_trainable=True)
+        return add_lora(base, config, base_path)
+    if resume is not None or config.init_from:
+        # fp32 master weights whatever the checkpoint's dtype (the shipped and exported drafts are bf16)
+        return DSparkDraftModel.from_pretrained(resume or config.init_from, dtype=torch.float32).bind_target(target)
+    return make_draft(target, config, train_set)

@@ -1,0 +1,72 @@
+"""The objective of one batch: random anchors, the frozen target's distribution at every drafted position of their
+blocks (the teacher), and the draft's losses against it (paper sec. 3.3, eq. 9-12)."""
+
+from __future__ import annotations
+
+import torch
+
+from .features import pad_batch
+from .losses import losses_against, sample_anchors, target_distribution_on
+
+def target_logits(target, hidden: torch.Tensor) -> torch.Tensor:
+    """The target's logits from its last hidden state (final-logit soft cap included)."""
+    logits = target.get_output_embeddings()(hidden)
+    cap = getattr(target.config.get_text_config(), "final_logit_softcapping", None)
+    return logits if cap is None else torch.tanh(logits / cap) * cap
+
+
+def block_positions(anchors: torch.Tensor, gamma: int, length: int) -> torch.Tensor:
+    """anchors (B, A) -> positions anchor + k (B, A, gamma), clamped to length - 1 (mask the overflow)."""
+    return (anchors[..., None] + torch.arange(gamma, device=anchors.device)).clamp_max(length - 1)
+
+
+def gather_blocks(x: torch.Tensor, anchors: torch.Tensor, gamma: int) -> torch.Tensor:
+    """x (B, L, ...) -> (B, A, gamma, ...) at positions anchor + k (clamped to L - 1; mask the overflow)."""
+    B, L = x.shape[:2]
+    idx = block_positions(anchors, gamma, L)
+    flat = idx.reshape(B, -1)
+    out = x.gather(1, flat.view(B, -1, *([1] * (x.dim() - 2))).expand(-1, -1, *x.shape[2:]))
+    return out.view(B, *idx.shape[1:], *x.shape[2:])
+
+
+@torch.no_grad()
+def target_distribution_at(target, last: torch.Tensor, anchors: torch.Tensor, gamma: int, draft_vocab=None):
+    """The target's distribution at positions anchor + k over the draft vocabulary, p_t (B, A, gamma, K), its
+    mass outside that vocabulary (B, A, gamma), and its argmax in draft ids, -1 outside (B, A, gamma). last (B, L, d):
+    the target's last hidden state. Overlapping blocks share positions, so each distinct position goes through the
+    LM head and the softmax once."""
+    B, L = last.shape[:2]
+    idx = block_positions(anchors, gamma, L)
+    flat = idx + L * torch.arange(B, device=anchors.device)[:, None, None]
+    rows, where = flat.flatten().unique(return_inverse=True)
+    p_t, outside, top = target_distribution_on(draft_vocab, target_logits(target, last.flatten(0, 1)[rows].to(
+        target.dtype)))
+    return p_t[where].view(*idx.shape, -1), outside[where].view(idx.shape), top[where].view(idx.shape)
+
+
+def train_step(draft, target, examples, features, anchors_per_sequence, weights, generator, forward=None):
+    """Losses of one batch (no backward). `forward` is the (possibly data-parallel wrapped) draft to call."""
+    forward = forward or draft
+    gamma = draft.config.block_size
+    feats, last = features(examples)
+    device = draft.device
+    feats, last = feats.to(device, non_blocking=True), last.to(device, non_blocking=True)
+    ids, context_valid, lengths = pad_batch([e.input_ids for e in examples])  # on the CPU, moved once below
+    anchors, valid = sample_anchors(torch.tensor([e.answer_start for e in examples], device="cpu"), lengths,
+                                    anchors_per_sequence, generator)
+    ids, anchors, valid, context_valid, lengths = (t.to(device, non_blocking=True) for t in (
+        ids, anchors, valid, context_valid.bool(), lengths))
+    positions = torch.arange(ids.shape[1], device=device).expand(len(examples), -1)
+
+    labels = gather_blocks(ids, anchors + 1, gamma)  # position k predicts anchor + k + 1
+    block_valid = valid[..., None] & ((anchors[..., None] + 1 + torch.arange(gamma, device=device))
+                                      < lengths[:, None, None])
+    out = forward(ids.gather(1, anchors), anchors, block_tokens=labels, context_features=feats,
+                  context_positions=positions, context_valid=context_valid)
+    vocab = draft.draft_vocab if draft.config.draft_vocab_size is not None else None
+    p_t, outside, top = target_distribution_at(target, last, anchors, gamma, vocab)
+    to_draft = draft.target_to_draft if vocab is not None else None
+    return losses_against(out.logits.flatten(0, 1), p_t.flatten(0, 1), outside.flatten(0, 1), labels.flatten(0, 1),
+                          block_valid.flatten(0, 1),
+                          out.confidence_logits.flatten(0, 1) if out.confidence_logits is not None else None,
+                          to_draft, weights, target_top=top.flatten(0, 1)), block_valid.flatten(0, 1)
