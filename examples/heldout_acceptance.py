@@ -18,7 +18,8 @@ from dspark_hf import DSparkDraftModel, default_target
 from dspark_hf.training.data import load_dataset, split_heldout
 from dspark_hf.training.features import CachedFeatures, OnlineFeatures
 from dspark_hf.training.losses import LossWeights
-from dspark_hf.training.trainer import TrainConfig, evaluate_heldout
+from dspark_hf.training.config import TrainConfig
+from dspark_hf.training.heldout import evaluate_heldout
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 parser.add_argument("draft")

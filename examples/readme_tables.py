@@ -1,6 +1,6 @@
 """Print the README's result tables from the JSON files the commands wrote (no figure is typed by hand).
 
-    python examples/readme_tables.py runs/eval_dspark.json runs/eval_dflash.json examples/results/*.json
+    python examples/readme_tables.py runs/eval_dspark.json runs/eval_dflash.json experiments/*/results/*.json
 """
 
 import json

@@ -1,7 +1,7 @@
 """Copy a `dspark eval` result without its per-round detail: the repo keeps per-prompt figures (as for the shipped
 draft's results), which every table and plot here is built from.
 
-    python examples/strip_rounds.py runs/v3/eval_dspark.json examples/results/eval_v3_dspark.json
+    python examples/strip_rounds.py runs/v3/eval_dspark.json experiments/recipe-v3/results/eval_v3_dspark.json
 """
 
 import json

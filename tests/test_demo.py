@@ -301,7 +301,7 @@ def real_app_url():
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     server = subprocess.Popen(
         [sys.executable, str(ROOT / "demo" / "app.py"), "--port", str(port),
-         "--profile", str(ROOT / "examples" / "results" / "profile_smollm2_cpu.json")],
+         "--profile", str(ROOT / "experiments" / "serve-policies" / "results" / "profile_smollm2_cpu.json")],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}/"
     try:

@@ -30,7 +30,7 @@ from hub_stub import HubStub, go_offline, use_hub
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN, USER = "hf_alice_write", "alice"
 TARGET = "org/tiny-target"
-EVAL = json.loads((ROOT / "examples" / "results" / "eval_dspark.json").read_text())  # measured with block size 7
+EVAL = json.loads((ROOT / "experiments/recipe-v4-shipped/results/eval_dspark.json").read_text())  # block size 7
 
 
 @pytest.fixture

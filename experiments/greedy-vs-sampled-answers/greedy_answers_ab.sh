@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # A/B: for a draft used with greedy decoding, is it worth regenerating the training answers greedily
 # (`prepare-data --temperature 0`) rather than sampling them as the paper does (T=0.7)? The shipped draft (v4,
-# examples/train_default_draft.sh) is trained on for 3 epochs over the same 640 prompts, once with their sampled
-# answers (v4's own data) and once with greedy ones, side by side on one thread each; then both are evaluated
-# greedily on prompts never used in training. On a 2-core CPU: 15 min of data, 5 min of feature cache, 12 min of
-# training, 12 min of evaluation, 10 min of teacher-forced figures. Needs the data of
-# examples/train_default_draft.sh.
+# experiments/recipe-v4-shipped/train_default_draft.sh) is trained on for 3 epochs over the same 640 prompts,
+# once with their sampled answers (v4's own data) and once with greedy ones, side by side on one thread each; then
+# both are evaluated greedily on prompts never used in training. On a 2-core CPU: 15 min of data, 5 min of feature
+# cache, 12 min of training, 12 min of evaluation, 10 min of teacher-forced figures. Needs the data of
+# experiments/recipe-v4-shipped/train_default_draft.sh. Results: experiments/greedy-vs-sampled-answers/results/.
 set -euo pipefail
 RUNS=${RUNS:-runs}
 OUT=$RUNS/greedy
+R=experiments/greedy-vs-sampled-answers/results
 
 dspark prepare-data --output $RUNS/data/sharegpt-640-greedy.jsonl --num-examples 640 --temperature 0 \
   --max-new-tokens 192
@@ -28,7 +29,7 @@ for answers in greedy sampled; do
 done
 wait
 for answers in greedy sampled; do
-  python examples/strip_rounds.py $OUT/eval_$answers.json examples/results/eval_ab_${answers}_answers.json
+  python examples/strip_rounds.py $OUT/eval_$answers.json $R/eval_ab_${answers}_answers.json
 done
 
 # teacher-forced acceptance on v4's 85 held-out prompts, with their sampled answers (v4's data) and greedy ones
@@ -48,7 +49,7 @@ dspark prepare-data --prompts $RUNS/data/heldout85_prompts.jsonl --output $RUNS/
 for draft in $RUNS/v4/dspark $OUT/greedy $OUT/sampled; do
   name=$(basename $draft); [ $name = dspark ] && name=v4 || name=ab_${name}_answers
   python examples/heldout_acceptance.py $draft $RUNS/data/heldout85_greedy.jsonl --all \
-    --output examples/results/teacher_forced_${name}_on_greedy_heldout.json
+    --output $R/teacher_forced_${name}_on_greedy_heldout.json
   python examples/heldout_acceptance.py $draft $RUNS/data/sharegpt-1920.jsonl \
-    --output examples/results/teacher_forced_${name}_on_sampled_heldout.json
+    --output $R/teacher_forced_${name}_on_sampled_heldout.json
 done

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# v1: the recipe of the first draft shipped for SmolLM2-135M-Instruct (until 2026-11-22; docs/training.md, "Earlier recipes",
-# has its results). examples/train_default_draft.sh is the recipe of the draft shipped now, and reuses this data.
+# v1: the recipe of the first draft shipped for SmolLM2-135M-Instruct (until 2026-11-22; docs/training.md, "Earlier
+# recipes", has its results; experiments/recipe-v1/README.md which files).
+# experiments/recipe-v4-shipped/train_default_draft.sh is the recipe of the draft shipped now, and reuses this data.
 # Every step is resumable; on a 2-core CPU the whole recipe takes about an hour and a half.
 set -euo pipefail
 RUNS=${RUNS:-runs}
@@ -22,6 +23,6 @@ dspark eval $EVAL --draft $RUNS/dspark --output $RUNS/eval_dspark.json --plot $R
 dspark eval $EVAL --draft $RUNS/dflash --output $RUNS/eval_dflash.json
 
 # 4. bf16 draft-owned weights + a model card generated from the eval results (v1 was then calibrated and shipped,
-#    as steps 4-6 of examples/train_default_draft.sh do for the draft shipped now)
+#    as steps 4-6 of experiments/recipe-v4-shipped/train_default_draft.sh do for the draft shipped now)
 dspark export $RUNS/dspark --output $RUNS/v1/export \
   --base-model HuggingFaceTB/SmolLM2-135M-Instruct --eval $RUNS/eval_dspark.json

@@ -4,15 +4,16 @@
 # measured the same way, teacher-forced on the same held-out prompts (greedy agreement by position, the expected
 # greedy tau it implies, per domain). Resumable; two arms at a time on one thread each.
 #
-#   bash examples/recipe_study.sh            # STEPS=150 by default; RUNS=runs
+#   bash experiments/recipe-study/recipe_study.sh            # STEPS=150 by default; RUNS=runs
 #
-# Results: examples/results/recipe/ (one held-out report per arm, the data manifest) and the table that
-# `python examples/recipe_table.py examples/results/recipe` prints (docs/training.md, "Choosing the recipe").
+# Results: experiments/recipe-study/results/ (one held-out report per arm, the data manifest) and the table that
+# `python experiments/recipe-study/recipe_table.py experiments/recipe-study/results` prints (docs/training.md,
+# "Choosing the recipe").
 set -euo pipefail
 RUNS=${RUNS:-runs}
 R=$RUNS/recipe
 STEPS=${STEPS:-150}
-OUT=examples/results/recipe
+OUT=experiments/recipe-study/results
 mkdir -p "$R" "$OUT"
 
 # 1. data: the first 800 prompts of the mixed prompt file the GPU campaign carries (ShareGPT, stdlib code,
@@ -77,4 +78,4 @@ for arm in "${ORDER[@]}"; do
   python -c "import json, sys; r = json.load(open(sys.argv[1])); t = json.load(open(sys.argv[2]))['training'];
 json.dump({**r, 'training': t}, open(sys.argv[1], 'w'), indent=2)" "$OUT/heldout_$arm.json" "$R/$arm/heldout.json"
 done
-python examples/recipe_table.py "$OUT"
+python experiments/recipe-study/recipe_table.py "$OUT"

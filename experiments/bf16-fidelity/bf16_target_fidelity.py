@@ -1,6 +1,6 @@
 """How far a bfloat16 target's training signal is from the float32 target's, on a dataset's held-out sequences.
 
-    python examples/bf16_target_fidelity.py DATASET [--limit N] [--layers 1 14 27] [--output FILE.json]
+    python experiments/bf16-fidelity/bf16_target_fidelity.py DATASET [--limit N] [--layers 1 14 27] [--output FILE.json]
 
 A GPU regenerates answers and computes target features in bfloat16; the draft then serves a float32 target. This
 measures, on the answer tokens of held-out sequences, what the draft would learn from either target: how often
@@ -16,7 +16,8 @@ import torch
 from dspark_hf import default_target
 from dspark_hf.training.data import load_dataset, split_heldout
 from dspark_hf.training.features import OnlineFeatures
-from dspark_hf.training.trainer import TrainConfig, target_logits
+from dspark_hf.training.config import TrainConfig
+from dspark_hf.training.objective import target_logits
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 parser.add_argument("dataset")

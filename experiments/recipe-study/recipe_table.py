@@ -1,6 +1,6 @@
-"""The recipe study's table (examples/recipe_study.sh) from its held-out reports, as markdown.
+"""The recipe study's table (experiments/recipe-study/recipe_study.sh) from its held-out reports, as markdown.
 
-    python examples/recipe_table.py examples/results/recipe
+    python experiments/recipe-study/recipe_table.py experiments/recipe-study/results
 
 One row per arm: what it changes, its steps and training minutes, greedy agreement at draft position 1, the expected
 greedy tau per domain and their macro, and the macro's change against the base recipe (the mean of its seeds, where
@@ -27,7 +27,7 @@ CHANGES = {  # what each arm of recipe_study.sh changes in the base recipe
 def main(folder: Path) -> None:
     reports = {p.stem.removeprefix("heldout_"): json.loads(p.read_text()) for p in sorted(folder.glob("heldout_*.json"))}
     if "base" not in reports:
-        sys.exit(f"{folder}: no heldout_base.json; run examples/recipe_study.sh first")
+        sys.exit(f"{folder}: no heldout_base.json; run experiments/recipe-study/recipe_study.sh first")
     domains = sorted(reports["base"]["domains"])
     seeds = [reports[a]["macro_expected_greedy_tau"] for a in ("base", "base-seed1") if a in reports]
     base = sum(seeds) / len(seeds)
@@ -50,4 +50,4 @@ def main(folder: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1] if len(sys.argv) > 1 else "examples/results/recipe"))
+    main(Path(sys.argv[1] if len(sys.argv) > 1 else "experiments/recipe-study/results"))

@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# The v2 recipe (examples/train_recipe_v2.sh) on three times the data at about the same training compute: 1,920
-# ShareGPT prompts instead of 640 (the first 640 plus 1,280 more, none shared with them), 3 epochs instead of 8.
-# Measures whether data is what holds the draft back, then (step 4) whether depth is (docs/training.md, "Earlier recipes").
-# Resumable step by step; on a 2-core CPU: 26 min of new data, 8 min of feature cache, then the two trainings run
-# side by side on one thread each (two 1-thread processes get more out of 2 cores than one after the other).
+# The v2 recipe (experiments/recipe-v2/train_recipe_v2.sh) on three times the data at about the same training compute:
+# 1,920 ShareGPT prompts instead of 640 (the first 640 plus 1,280 more, none shared with them), 3 epochs instead of 8.
+# Measures whether data is what holds the draft back, then (step 4) whether depth is (docs/training.md, "Earlier
+# recipes"). Resumable step by step; on a 2-core CPU: 26 min of new data, 8 min of feature cache, then the two
+# trainings run side by side on one thread each (two 1-thread processes get more out of 2 cores than one after the
+# other).
 set -euo pipefail
 RUNS=${RUNS:-runs}
+OUT=experiments/recipe-v3/results
 
 # 1. data: the 640 prompts of the v1 recipe, plus 1,280 more from the ShareGPT conversations after them
 #    (the 640 come from the first 864 conversations; prepare-data skips the ones it cannot use)
@@ -22,15 +24,15 @@ python examples/cache_features.py $RUNS/data/sharegpt-1920.jsonl $RUNS/features 
 OMP_NUM_THREADS=1 dspark train $COMMON --head-type markov --output-dir $RUNS/v3/dspark &
 OMP_NUM_THREADS=1 dspark train $COMMON --head-type none --output-dir $RUNS/v3/dflash &
 wait
-cp $RUNS/v3/dspark/heldout.json examples/results/heldout_v3_dspark.json
-cp $RUNS/v3/dflash/heldout.json examples/results/heldout_v3_dflash.json
+cp $RUNS/v3/dspark/heldout.json $OUT/heldout_v3_dspark.json
+cp $RUNS/v3/dflash/heldout.json $OUT/heldout_v3_dflash.json
 
 # 3. greedy evaluation on prompts never used in training, as for v2
 EVAL="--suite humaneval --suite mtbench --suite gsm --limit 20 --max-new-tokens 128 --batch-size 8
       --draft-dtype float32"
 for draft in dspark dflash; do
   dspark eval $EVAL --draft $RUNS/v3/$draft --output $RUNS/v3/eval_$draft.json
-  python examples/strip_rounds.py $RUNS/v3/eval_$draft.json examples/results/eval_v3_$draft.json
+  python examples/strip_rounds.py $RUNS/v3/eval_$draft.json $OUT/eval_v3_$draft.json
 done
 
 # 4. steps or depth? One epoch with 2 and with 4 layers (side by side, one thread each; held-out acceptance only),
@@ -40,12 +42,12 @@ C1="${COMMON/--epochs 3/--epochs 1} --head-type markov"
 OMP_NUM_THREADS=1 dspark train $C1 --layers 2 --output-dir $RUNS/v3/1epoch-2layers &
 OMP_NUM_THREADS=1 dspark train $C1 --layers 4 --output-dir $RUNS/v3/1epoch-4layers &
 wait
-cp $RUNS/v3/1epoch-2layers/heldout.json examples/results/heldout_v3_1epoch_2layers.json
-cp $RUNS/v3/1epoch-4layers/heldout.json examples/results/heldout_v3_1epoch_4layers.json
+cp $RUNS/v3/1epoch-2layers/heldout.json $OUT/heldout_v3_1epoch_2layers.json
+cp $RUNS/v3/1epoch-4layers/heldout.json $OUT/heldout_v3_1epoch_4layers.json
 dspark train ${COMMON/--epochs 3/--epochs 2} --head-type markov --layers 3 --output-dir $RUNS/v3/dspark-3layers
-cp $RUNS/v3/dspark-3layers/heldout.json examples/results/heldout_v3_3layers.json
+cp $RUNS/v3/dspark-3layers/heldout.json $OUT/heldout_v3_3layers.json
 dspark eval $EVAL --draft $RUNS/v3/dspark-3layers --output $RUNS/v3/eval_dspark_3layers.json
-python examples/strip_rounds.py $RUNS/v3/eval_dspark_3layers.json examples/results/eval_v3_3layers.json
+python examples/strip_rounds.py $RUNS/v3/eval_dspark_3layers.json $OUT/eval_v3_3layers.json
 dspark bench speed --suite humaneval --suite mtbench --suite gsm --limit 2 --max-new-tokens 128 --batch-size 1 \
   --draft-dtype float32 --repeats 3 --draft $RUNS/v3/dspark-3layers \
-  --output examples/results/bench_speed_b1_v3_3layers.json
+  --output $OUT/bench_speed_b1_v3_3layers.json

@@ -19,6 +19,6 @@ dspark prepare-data --prompts $RUNS/prompts.jsonl --num-examples 8 --top-k 1 --m
 dspark train --dataset $RUNS/data.jsonl --init-from dspark_hf/assets/dspark-smollm2-135m-instruct \
   --output-dir $RUNS/draft --heldout-fraction 0 --epochs 60 --batch-size 4 --anchors 48 --lr 1e-3
 dspark eval --suite humaneval --suite gsm --limit 4 --max-new-tokens 128 --batch-size 8 --draft $RUNS/draft \
-  --draft-dtype float32 --output examples/results/memorize_eval.json
+  --draft-dtype float32 --output experiments/memorization/results/memorize_eval.json
 dspark bench speed --suite humaneval --suite gsm --limit 4 --max-new-tokens 128 --batch-size 1 --repeats 1 \
-  --draft-dtype float32 --draft $RUNS/draft --output examples/results/memorize_speed.json
+  --draft-dtype float32 --draft $RUNS/draft --output experiments/memorization/results/memorize_speed.json

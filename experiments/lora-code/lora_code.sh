@@ -7,8 +7,8 @@ RUNS=${RUNS:-runs/lora}
 mkdir -p $RUNS
 
 # 1. code prompts from ShareGPT that the shipped draft never saw: its 1,920 training prompts
-#    (examples/train_default_draft.sh) all come from the first 2,463 conversations (the last one used is #2,462),
-#    so those are skipped. A prompt counts as code when it holds a code fence or names a language / code term in
+#    (experiments/recipe-v4-shipped/train_default_draft.sh) all come from the first 2,463 conversations (the
+#    last one used is #2,462), so those are skipped. A prompt counts as code when it holds a code fence or names a language / code term in
 #    its first 200 characters.
 python - "$RUNS/code_prompts.jsonl" <<'EOF'
 import itertools, json, re, sys
@@ -35,5 +35,5 @@ dspark train --lora --dataset $RUNS/code-192.jsonl --output-dir $RUNS/adapter --
 
 # 4. HumanEval (never used for training), greedy: the shipped draft, then the shipped draft + adapter
 EVAL="--suite humaneval --limit 20 --max-new-tokens 128 --batch-size 8 --draft-dtype float32"
-dspark eval $EVAL --output examples/results/eval_lora_code_base.json
-dspark eval $EVAL --draft $RUNS/adapter --output examples/results/eval_lora_code_adapter.json
+dspark eval $EVAL --output experiments/lora-code/results/eval_lora_code_base.json
+dspark eval $EVAL --draft $RUNS/adapter --output experiments/lora-code/results/eval_lora_code_adapter.json
