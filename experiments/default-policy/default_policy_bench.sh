@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Does the default verification policy (AutoScheduled) keep generate(assistant_model=draft) from losing to plain
 # generate()? Every figure in one run each on this machine, greedy, float32 target; results in
-# examples/results/default_policy/.
+# experiments/default-policy/results/.
 set -euo pipefail
-OUT=examples/results/default_policy
+OUT=experiments/default-policy/results
 mkdir -p "$OUT"
 
 # 1. the shipped draft at batch 1 on prompts never used in training, 96 new tokens: plain generate(), prompt lookup,
@@ -20,4 +20,4 @@ dspark bench serve --batch-sizes 1 2 4 8 16 32 --max-new-tokens 32 --repeats 2 -
   --plot "$OUT"
 
 # 4. what the first call costs when it measures this machine (an empty cost cache), against the same call cached
-python examples/profiling_overhead.py --batch-size 1 --max-new-tokens 96 --output "$OUT/profiling_overhead.json"
+python experiments/default-policy/profiling_overhead.py --batch-size 1 --max-new-tokens 96 --output "$OUT/profiling_overhead.json"

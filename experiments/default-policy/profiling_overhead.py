@@ -1,7 +1,7 @@
 """What the default policy's first call costs: generate() with an empty cost cache (it measures this machine's costs
 for the batch size in use), then the same call again, which reads them from the cache.
 
-    python examples/profiling_overhead.py [--batch-size 1] [--max-new-tokens 96] [--output FILE.json]
+    python experiments/default-policy/profiling_overhead.py [--batch-size 1] [--max-new-tokens 96] [--output FILE.json]
 
 Both calls use the embedded target and the shipped draft on the CPU, greedy; the cache lives in a fresh temporary
 folder ($DSPARK_HF_PROFILE_CACHE), so the user's own cache is untouched.
