@@ -275,9 +275,11 @@ def cmd_export(args) -> int:
 
         if not args.target:
             raise ValueError("--format deepspec writes copies of the target's embedding and LM head: pass --target.")
-        from .loading import load_draft, load_target
+        from transformers import AutoModelForCausalLM
 
-        target, _ = load_target(args.target, torch.float32, "cpu")
+        from .loading import load_draft
+
+        target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32)  # weights only, no tokenizer
         draft = load_draft(args.draft, target, getattr(torch, args.dtype))
         export_deepspec(draft, target, args.output)
         print(f"exported to {args.output} in DeepSpec's Qwen3DSparkModel layout (dspark convert --from deepspec "
