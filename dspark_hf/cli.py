@@ -365,7 +365,7 @@ def cmd_profile(args) -> int:
     return 0
 
 
-def add_config_flags(parser, config_class, aliases: dict[str, str] = {}, skip=()) -> None:
+def add_config_flags(parser, config_class, aliases: dict[str, str] | None = None, skip=()) -> None:
     """One flag per field of the dataclass `config_class` (``--field-name``, or its alias), with the field's type,
     default, `choices` and help from its metadata: the defaults and their explanations live in one place."""
     from dataclasses import MISSING, fields
@@ -373,7 +373,7 @@ def add_config_flags(parser, config_class, aliases: dict[str, str] = {}, skip=()
     for f in fields(config_class):
         if f.name in skip:
             continue
-        flag = aliases.get(f.name, "--" + f.name.replace("_", "-"))
+        flag = (aliases or {}).get(f.name, "--" + f.name.replace("_", "-"))
         default = f.default_factory() if f.default_factory is not MISSING else f.default
         kwargs = {"dest": f.name, "help": f.metadata.get("help", "").replace("%", "%%")}
         kind = str(f.type).split(" | ")[0]
