@@ -296,6 +296,16 @@ def test_the_default_policy_stops_drafting_a_draft_that_never_pays_and_probes_le
     assert gaps == sorted(gaps) and gaps[-1] > gaps[0], "each probe that loses doubles the pause"
 
 
+def test_the_probes_of_a_draft_that_never_pays_cost_at_most_the_probe_budget():
+    engine = costs(draft=0.04)
+    policy = auto(engine, probe_budget=0.02)
+    rounds = 200
+    drafted = play(policy, torch.full((1, 7), 0.6), lambda lengths: torch.zeros_like(lengths), rounds)
+    extra = (engine.draft(1) + engine.verify(1, 2) - engine.verify(1, 1)) / engine.verify(1, 1)  # per probe
+    probes_after_the_first = sum(drafted[1:])
+    assert probes_after_the_first >= 2 and probes_after_the_first * extra <= 0.02 * rounds
+
+
 def test_one_unlucky_round_does_not_stop_a_draft_that_pays():
     policy = auto(costs())
     luck = iter([7] * 10 + [0] + [7] * 10)
@@ -330,7 +340,7 @@ def test_probes_verify_at_least_one_token_and_are_judged_by_what_the_plan_would_
     policy = auto(costs(draft=0.04))
     lengths = []
     drafted = play(policy, torch.full((1, 7), 0.05),
-                   lambda ls: lengths.append(int(ls)) or torch.zeros_like(ls), 40)
+                   lambda ls: lengths.append(int(ls)) or torch.zeros_like(ls), 60)
     probes = [i for i, d in enumerate(drafted) if d]
     assert all(n >= 1 for n in lengths), "a plan of zero tokens would never learn otherwise"
     assert len(probes) >= 3 and policy.gain < 1

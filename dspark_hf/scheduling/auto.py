@@ -3,6 +3,7 @@ drafting pays, so that adding a draft to generate() does not make it slower than
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import torch
@@ -28,7 +29,9 @@ class AutoScheduled(Policy):
       of its measured cost over plain decoding's R / t_verify(R, 1), smoothed over rounds. While it is below 1,
       drafting pauses and probes again after `probe_every` rounds, and each probe that leaves the estimate below 1
       doubles the pause (up to `max_pause`): one unlucky round does not stop drafting, one lucky probe does not
-      restart it.
+      restart it. No pause is shorter than what keeps the probes' extra cost (a draft pass and one more verified
+      token, from the costs) within `probe_budget` of the time spent decoding plainly: with a weak draft the
+      probes cost about that much at most.
     - Rows verify at least a common length, the one that maximises tokens per second by the acceptance rates
       of past rounds (Algorithm 1's early stop cannot find it on a padded batch); probes (the first drafted round,
       and the first after a pause) verify at least one token, so that a draft better than its confidence head says
@@ -39,8 +42,9 @@ class AutoScheduled(Policy):
     """
 
     def __init__(self, profile: str | Path | None = None, smoothing: float = 0.3, probe_every: int = 4,
-                 max_pause: int = 64, progress: bool = True):
+                 max_pause: int = 64, probe_budget: float = 0.05, progress: bool = True):
         self.profile, self.smoothing, self.probe_every, self.max_pause = profile, smoothing, probe_every, max_pause
+        self.probe_budget = probe_budget
         self.progress = progress
         self.costs: EngineCosts | None = None
         self.gain: float | None = None  # running estimate; None until the first drafted round
@@ -130,9 +134,14 @@ class AutoScheduled(Policy):
         if self.gain >= 1:
             self._pause = self.probe_every
         else:
-            self._skip = self._pause
-            self._pause = min(2 * self._pause, self.max_pause)  # the next pause, should the estimate stay below 1
+            self._skip = min(max(self._pause, math.ceil(self._probe_overhead(R) / self.probe_budget)), self.max_pause)
+            self._pause = min(2 * self._skip, self.max_pause)  # the next pause, should the estimate stay below 1
             self._probing = True  # the next drafted round ends a pause
+
+    def _probe_overhead(self, num_rows: int) -> float:
+        """What a probe costs beyond a plain step, in plain steps: a draft pass and one more token per row."""
+        plain = self.costs.verify(num_rows, 1)
+        return (self.costs.draft(num_rows) + self.costs.verify(num_rows, 2) - plain) / plain
 
     def _counterfactual(self, verified: torch.Tensor, accepted: torch.Tensor):
         """What the plan, knowing this round's outcome, would have verified and accepted in it: at most what was
