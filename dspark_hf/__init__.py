@@ -6,13 +6,14 @@
 
 from transformers import AutoConfig, AutoModel
 
-from .generation import DSparkGenerateOutput, DSparkRound, HalfPrecisionGreedyWarning, dspark_generate
+from .generation import DSparkGenerateOutput, DSparkRound, HalfPrecisionGreedyWarning, SSDConfig, dspark_generate
 from .generation.streamers import DSparkRoundStreamer, DSparkStep, RoundStreamer
 from .generation.integration import install as _install_generate_hook
 from . import hub as _hub
 from .defaults import default_draft, default_target, fast_draft_dtype
 from .loading import load_draft, load_models, load_target
-from .model import DSparkConfig, DSparkContext, DSparkDraftModel, DraftBlock
+from .generation.drafting import BlockProposer, DraftBlock
+from .model import DSparkConfig, DSparkContext, DSparkDraftModel
 from .scheduling import (AsyncScheduled, AutoScheduled, FixedLength, FullBlock, Policy, Scheduled, ThresholdPolicy,
                          VerificationPolicy, prefix_schedule)
 
@@ -30,6 +31,8 @@ __all__ = [
     "DSparkDraftModel",
     "DSparkContext",
     "DraftBlock",
+    "SSDConfig",
+    "BlockProposer",
     "DSparkGenerateOutput",
     "DSparkRound",
     "DSparkRoundStreamer",

@@ -219,6 +219,31 @@ def cmd_bench_speed(args) -> int:
     return 0
 
 
+def cmd_bench_ssd(args) -> int:
+    from tqdm.auto import tqdm
+
+    from .evaluation.bench_ssd import bench_ssd, format_ssd_tables, plot_ssd
+    from .evaluation.machine import describe
+    from .evaluation.suites import load_prompts
+
+    prompts = load_prompts(args.prompts, args.suite or (None if args.prompts else ["humaneval", "mtbench", "gsm"]),
+                           args.limit)
+    target, tokenizer, draft = _load(args)
+    steps = 2 * len(args.cache_sizes) + len(args.saguaro_c) + len(args.batch_sizes) + 1
+    with tqdm(total=steps, desc="bench ssd") as bar:
+        report = bench_ssd(target, tokenizer, draft, prompts, tuple(args.cache_sizes), tuple(args.saguaro_c),
+                           tuple(args.batch_sizes), args.max_new_tokens, args.repeats, args.temperature,
+                           args.speed_cache_size, progress=bar)
+    _write_json(args.output, report)
+    print(f"\n{describe(report['machine'])}; {len(prompts)} prompts, max_new_tokens={args.max_new_tokens}")
+    print(format_ssd_tables(report))
+    if args.plot:
+        for path in plot_ssd(report, args.plot):
+            print(f"plot: {path}")
+    print(f"results: {args.output}")
+    return 0
+
+
 def cmd_bench_serve(args) -> int:
     from .evaluation.machine import describe
     from .evaluation.serve import bench_serve, format_serve_table, plot_serve
@@ -610,6 +635,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", default="bench_serve.json")
     p.add_argument("--plot", metavar="DIR", help="write the Pareto and budget PNGs here")
     p.set_defaults(func=cmd_bench_serve)
+
+    p = bench.add_parser("ssd", help="speculative speculative decoding: cache hit rate by fan-out shape and by "
+                                     "Saguaro's C, speed beside plain and DSpark, and the speedup equation")
+    models(p)
+    p.add_argument("--prompts", help="JSONL of prompts (default: HumanEval, MT-Bench and GSM prompts, interleaved)")
+    p.add_argument("--suite", action="append", choices=["humaneval", "mtbench", "gsm"])
+    p.add_argument("--limit", type=int, default=2, help="first K prompts of each source")
+    p.add_argument("--cache-sizes", type=int, nargs="+", default=[4, 16, 64], help="blocks per row in the cache")
+    p.add_argument("--saguaro-c", type=float, nargs="+", default=[1.0, 0.7, 0.4, 0.1], help="values of C to sample "
+                   "with")
+    p.add_argument("--temperature", type=float, default=0.7, help="for the Saguaro runs")
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4], help="of the speed runs")
+    p.add_argument("--speed-cache-size", type=int, default=16, help="cache size of the speed runs")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--output", default="bench_ssd.json")
+    p.add_argument("--plot", metavar="DIR", help="write ssd.png here")
+    p.set_defaults(func=cmd_bench_ssd)
     return parser
 
 

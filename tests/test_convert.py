@@ -15,6 +15,7 @@ from safetensors.torch import save_file
 from conftest import left_padded_prompts, tiny_draft, tiny_target
 from dspark_hf import DSparkDraftModel
 from dspark_hf.model.convert import convert_checkpoint
+from dspark_hf.generation.drafting import sample_block
 
 # our parameter prefix -> the public one (DeepSpec and SpecForge share these names; DFlash has only the backbone)
 PUBLIC_NAMES = {"context_norm.": "hidden_norm.", "w1.": "markov_head.markov_w1.", "w2.": "markov_head.markov_w2.",
@@ -121,7 +122,7 @@ def assert_drafts_like(converted, original, target):
         for draft in (original, converted):
             context = draft.encode_context(draft.target_features(hidden), positions, torch.ones_like(positions) > 0)
             gen = torch.Generator().manual_seed(1)
-            blocks.append(draft.draft_block(ids[:, 9], torch.full((2,), 9), context, do_sample, generator=gen))
+            blocks.append(sample_block(draft, ids[:, 9], torch.full((2,), 9), context, do_sample, generator=gen))
         assert blocks[0].tokens.shape == (2, original.config.block_size)
         assert torch.equal(blocks[0].tokens, blocks[1].tokens)
         assert torch.equal(blocks[0].probs, blocks[1].probs)

@@ -325,3 +325,26 @@ def test_cli_errors_a_user_can_fix_are_one_line_with_status_2_and_the_traceback_
     assert "does not fit" in error and "hidden size 48" in error
     with pytest.raises(ValueError, match="no such file"):  # --debug: the exception itself
         main([*missing, "--debug"])
+
+
+def test_dspark_bench_ssd_compares_fan_out_shapes_saguaro_and_speed(tiny_models, tmp_path, capsys):
+    out = tmp_path / "ssd.json"
+    assert main(["bench", "ssd", "--target", str(tiny_models / "target"), "--draft", str(tiny_models / "draft"),
+                 "--prompts", str(tiny_models / "prompts.jsonl"), "--limit", "2", "--max-new-tokens", "8",
+                 "--cache-sizes", "2", "8", "--saguaro-c", "1.0", "0.3", "--batch-sizes", "1", "2",
+                 "--speed-cache-size", "480", "--repeats", "1", "--output", str(out), "--plot",
+                 str(tmp_path / "plots")]) == 0
+    report = json.loads(out.read_text())
+    for shape in ("uniform", "geometric"):
+        assert list(report["fan_out"][shape]) == ["2", "8"]
+        assert all(0 <= v["hit_rate"] <= 1 and v["rounds"] > 0 for v in report["fan_out"][shape].values())
+    assert list(report["saguaro"]) == ["1.0", "0.3"] and report["power_law_r"] > 0
+    for batch in ("1", "2"):
+        methods = report["speed"][batch]
+        assert {"plain", "dspark", "dspark + ssd"} <= set(methods)
+        assert methods["dspark + ssd"]["identical_rows"] == report["prompts"], "SSD output is plain generate()'s"
+    assert report["equation"]["speedup_speculator_apart"] > 0
+    # 480 blocks hold every outcome of the tiny vocabulary: rounds hit, and their blocks have lags of 1 and more
+    assert report["equation"]["hit_rate"] > 0.5 and len(report["acceptance_by_lag"]) > 1
+    assert (tmp_path / "plots" / "ssd.png").stat().st_size > 1000
+    assert "Cache hit rate by fan-out shape" in capsys.readouterr().out

@@ -56,8 +56,9 @@ def p_value(samples: torch.Tensor, probs: torch.Tensor) -> float:
     return chi_square_p_value(counts, probs)
 
 
-@pytest.fixture(scope="module")
-def setup():
+def sampling_setup():
+    """(target, draft, generate() settings, exact distribution of continuations): a 6-token target and a flattened
+    draft whose verified tokens are accepted about 40% of the time."""
     target = tiny_target("llama", vocab=V, initializer_range=0.2)
     draft = tiny_draft(target, block_size=2, initializer_range=0.05)
     with torch.no_grad():  # flatten the draft so that about 40% of verified drafts are accepted
@@ -65,6 +66,11 @@ def setup():
     settings = dict(temperature=0.7, top_k=4)
     processors = LogitsProcessorList([TemperatureLogitsWarper(0.7), TopKLogitsWarper(4)])
     return target, draft, settings, exact_distribution(target, processors)
+
+
+@pytest.fixture(scope="module")
+def setup():
+    return sampling_setup()
 
 
 def test_sampling_matches_the_target_distribution(setup):

@@ -15,6 +15,7 @@ from transformers import AutoConfig, AutoModel
 from conftest import VOCAB, tiny_draft, tiny_target
 import dspark_hf
 from dspark_hf import DSparkConfig, DSparkDraftModel
+from dspark_hf.generation.drafting import sample_block
 
 GAMMA = 4
 
@@ -59,7 +60,7 @@ def test_from_target_gives_a_working_draft_for_every_family(family):
     assert out.logits.shape == (2, 2, GAMMA, VOCAB)
     assert out.confidence_logits.shape == (2, 2, GAMMA)
 
-    block = draft.draft_block(ids[:, -1], positions[:, -1], context, do_sample=True)
+    block = sample_block(draft, ids[:, -1], positions[:, -1], context, do_sample=True)
     assert block.tokens.shape == (2, GAMMA)
     assert block.probs.shape == (2, GAMMA, VOCAB)
 
@@ -148,7 +149,7 @@ def test_sequential_conditionals_are_exact_softmaxes_of_the_sampled_prefix(head_
     draft = tiny_draft(target, head_type=head_type)
     ids, features, positions = context_for(draft, target)
     context = encode(draft, features, positions)
-    block = draft.draft_block(ids[:, -1], positions[:, -1], context, do_sample=True)
+    block = sample_block(draft, ids[:, -1], positions[:, -1], context, do_sample=True)
 
     assert torch.allclose(block.probs.sum(-1), torch.ones(2, GAMMA))
     forced = draft(ids[:, -1:], positions[:, -1:], context, block_tokens=block.tokens[:, None])
@@ -166,20 +167,20 @@ def test_no_head_draft_positions_are_independent_of_sampled_tokens():
     draft = tiny_draft(target, head_type="none")
     ids, features, positions = context_for(draft, target)
     context = encode(draft, features, positions)
-    a = draft.draft_block(ids[:, -1], positions[:, -1], context, do_sample=True)
-    b = draft.draft_block(ids[:, -1], positions[:, -1], context, do_sample=True)
+    a = sample_block(draft, ids[:, -1], positions[:, -1], context, do_sample=True)
+    b = sample_block(draft, ids[:, -1], positions[:, -1], context, do_sample=True)
     torch.testing.assert_close(a.probs, b.probs)
 
 
 def test_sampled_blocks_follow_the_returned_distributions():
-    """x_1 and x_2 | x_1 drawn by draft_block match probs, by a chi-square test at significance 0.001."""
+    """x_1 and x_2 | x_1 drawn by sample_block match probs, by a chi-square test at significance 0.001."""
     target = tiny_target("llama", vocab=12)
     draft = tiny_draft(target, initializer_range=0.5)
     ids, features, positions = context_for(draft, target, batch=1)
     n = 6000
     context = encode(draft, features.expand(n, -1, -1), positions.expand(n, -1))
     torch.manual_seed(0)
-    block = draft.draft_block(ids[:, -1].expand(n), positions[:, -1].expand(n), context, do_sample=True)
+    block = sample_block(draft, ids[:, -1].expand(n), positions[:, -1].expand(n), context, do_sample=True)
 
     first = torch.bincount(block.tokens[:, 0], minlength=12).float()
     assert chi_square_p_value(first, block.probs[0, 0]) > 1e-3
@@ -196,12 +197,12 @@ def test_confidences_are_probabilities_and_sts_temperatures_apply():
     ids, features, positions = context_for(draft, target)
     context = encode(draft, features, positions)
     torch.manual_seed(0)
-    raw = draft.draft_block(ids[:, -1], positions[:, -1], context, do_sample=True).confidences
+    raw = sample_block(draft, ids[:, -1], positions[:, -1], context, do_sample=True).confidences
     assert raw.shape == (2, GAMMA) and bool(((raw > 0) & (raw < 1)).all())
 
     draft.config.confidence_temperatures = [2.0] * GAMMA
     torch.manual_seed(0)
-    cooled = draft.draft_block(ids[:, -1], positions[:, -1], context, do_sample=True).confidences
+    cooled = sample_block(draft, ids[:, -1], positions[:, -1], context, do_sample=True).confidences
     logit = torch.logit(raw.double())
     torch.testing.assert_close(cooled.double(), torch.sigmoid(logit / 2), rtol=1e-4, atol=1e-5)
 
@@ -211,7 +212,7 @@ def test_draft_vocabulary_subset_only_proposes_its_tokens():
     keep = list(range(10, 40))
     draft = tiny_draft(target, draft_vocab=keep)
     ids, features, positions = context_for(draft, target)
-    block = draft.draft_block(ids[:, -1], positions[:, -1], encode(draft, features, positions), do_sample=True)
+    block = sample_block(draft, ids[:, -1], positions[:, -1], encode(draft, features, positions), do_sample=True)
     assert set(block.tokens.flatten().tolist()) <= set(keep)
     outside = torch.ones(VOCAB, dtype=torch.bool)
     outside[keep] = False
@@ -252,9 +253,9 @@ def test_save_and_auto_load_round_trip_bit_identically_without_target_weights(tm
     loaded.bind_target(target)
     ids, features, positions = context_for(draft, target)
     torch.manual_seed(0)
-    before = draft.draft_block(ids[:, -1], positions[:, -1], encode(draft, features, positions), do_sample=True)
+    before = sample_block(draft, ids[:, -1], positions[:, -1], encode(draft, features, positions), do_sample=True)
     torch.manual_seed(0)
-    after = loaded.draft_block(ids[:, -1], positions[:, -1], encode(loaded, features, positions), do_sample=True)
+    after = sample_block(loaded, ids[:, -1], positions[:, -1], encode(loaded, features, positions), do_sample=True)
     assert torch.equal(before.tokens, after.tokens) and torch.equal(before.probs, after.probs)
 
     with safe_open(tmp_path / "model.safetensors", "pt") as f:

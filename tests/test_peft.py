@@ -17,6 +17,7 @@ from dspark_hf.training.losses import LossWeights
 from dspark_hf.training.config import TrainConfig
 from dspark_hf.training.objective import train_step
 from dspark_hf.training.trainer import train
+from dspark_hf.generation.drafting import sample_block
 from test_training import tiny_dataset
 
 
@@ -132,7 +133,7 @@ def test_the_saved_adapter_loads_onto_its_base_with_peft_and_drafts_the_same_blo
     loaded.bind_target(target)  # reaches the draft through peft's attribute forwarding
     base = DSparkDraftModel.from_pretrained(base_dir).bind_target(target).eval()
     context, anchors, positions = context_and_anchors(base, target)
-    blocks = [m.draft_block(anchors, positions, context) for m in (trained.eval(), loaded, base)]
+    blocks = [sample_block(m, anchors, positions, context) for m in (trained.eval(), loaded, base)]
     torch.testing.assert_close(blocks[1].probs, blocks[0].probs)
     torch.testing.assert_close(blocks[1].confidences, blocks[0].confidences)
     assert torch.equal(blocks[1].tokens, blocks[0].tokens)
@@ -159,8 +160,8 @@ def test_the_cli_trains_an_adapter_and_loads_it_merged_as_a_draft(tmp_path, targ
     wrapped = PeftModel.from_pretrained(DSparkDraftModel.from_pretrained(base_dir), out).eval()
     wrapped.bind_target(loaded_target)
     context, anchors, positions = context_and_anchors(draft, loaded_target)
-    torch.testing.assert_close(draft.draft_block(anchors, positions, context).probs,
-                               wrapped.draft_block(anchors, positions, context).probs)
+    torch.testing.assert_close(sample_block(draft, anchors, positions, context).probs,
+                               sample_block(wrapped, anchors, positions, context).probs)
 
 
 # -- generation --------------------------------------------------------------------------------------------------------

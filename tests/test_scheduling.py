@@ -5,6 +5,7 @@ import torch
 
 from conftest import left_padded_prompts, tiny_draft, tiny_target
 from dspark_hf import Policy
+from dspark_hf.generation.drafting import sample_block
 from dspark_hf.scheduling.scheduler import AsyncScheduled, Scheduled, ThresholdPolicy, prefix_schedule, \
     topk_schedule, verified_tokens
 
@@ -175,13 +176,13 @@ class DraftingEveryRound(Alternating):
 
 def contexts_seen_by_the_draft(target, policy):
     draft = tiny_draft(target)
-    seen, draft_block = [], draft.draft_block
+    seen = []
 
     def recording(anchor, anchor_positions, context, *args, **kwargs):
         seen.append((anchor_positions, context))
-        return draft_block(anchor, anchor_positions, context, *args, **kwargs)
+        return sample_block(draft, anchor, anchor_positions, context, *args, **kwargs)
 
-    draft.draft_block = recording
+    draft.propose_block = recording  # now a BlockProposer: generate() asks it for every block
     ids, mask = left_padded_prompts(3)
     target.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=12, assistant_model=draft,
                     verification_policy=policy)

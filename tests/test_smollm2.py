@@ -6,6 +6,7 @@ import torch
 from conftest import has_smollm2
 from dspark_hf import DSparkDraftModel, FullBlock
 from dspark_hf.evaluation import OracleDraft
+from dspark_hf.generation.drafting import sample_block
 
 pytestmark = [
     pytest.mark.smollm2,
@@ -43,7 +44,7 @@ def test_from_target_builds_a_draft_for_the_real_target(smollm2):
     positions = torch.arange(inputs["input_ids"].shape[1])[None]
     context = draft.encode_context(draft.target_features(out.hidden_states), positions,
                                    inputs["attention_mask"].bool())
-    block = draft.draft_block(inputs["input_ids"][:, -1], positions[:, -1], context)
+    block = sample_block(draft, inputs["input_ids"][:, -1], positions[:, -1], context)
     assert block.probs.shape == (1, 7, 49152)
     assert bool(((block.confidences > 0) & (block.confidences < 1)).all())
 

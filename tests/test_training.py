@@ -584,3 +584,44 @@ def test_a_fresh_draft_has_one_default_shape_from_the_api_and_from_training(tmp_
     for config in (from_api, trained):
         assert (config.num_hidden_layers, config.markov_rank, config.block_size, config.head_type) == \
             (defaults.num_hidden_layers, defaults.markov_rank, defaults.block_size, defaults.head_type)
+
+
+def test_feature_lag_trains_blocks_that_see_their_last_tokens_without_features(tmp_path):
+    """`dspark train --feature-lag 3`: each block's last 0..3 context tokens enter as known tokens (the ids right
+    before the anchor, right-aligned), the context the block sees ends before them, and lag 0 is training as usual."""
+    from dspark_hf.training.objective import lagged_tokens, train_step
+
+    ids = torch.arange(100, 120)[None].expand(2, -1)
+    anchors = torch.tensor([[1, 10, 15], [2, 8, 19]])
+    known = lagged_tokens(ids, anchors, 3, torch.Generator().manual_seed(0))
+    assert known.shape == (2, 3, 3)
+    for b in range(2):
+        for a in range(3):
+            row, anchor = known[b, a].tolist(), int(anchors[b, a])
+            lag = sum(t >= 0 for t in row)
+            assert row == [-1] * (3 - lag) + list(range(100 + anchor - lag, 100 + anchor)), "ids right before it"
+    lags = {sum(t >= 0 for t in row) for row in lagged_tokens(ids, anchors.repeat(1, 30), 3,
+                                                              torch.Generator().manual_seed(1)).view(-1, 3).tolist()}
+    assert lags == {0, 1, 2, 3}
+
+    target = tiny_target("llama")
+    data = tiny_dataset(tmp_path, target, n=4)
+    examples = load_dataset(data)
+    draft = make_draft(target, TrainConfig(dataset=str(data), output_dir=str(tmp_path / "run"),
+                                           draft=dict(num_hidden_layers=1, markov_rank=8, block_size=3)), examples)
+    seen = []
+    forward = draft.forward
+
+    def recording(*args, **kwargs):
+        seen.append(kwargs["known"])
+        return forward(*args, **kwargs)
+
+    draft.forward = recording
+    features = OnlineFeatures(target, draft.config.target_layer_ids)
+    plain, _ = train_step(draft, target, examples, features, 4, LossWeights(), torch.Generator().manual_seed(0))
+    lagged, _ = train_step(draft, target, examples, features, 4, LossWeights(), torch.Generator().manual_seed(0),
+                           feature_lag=4)
+    assert seen[0] is None and seen[1].shape[-1] == 4 and bool((seen[1] >= 0).any())
+    assert float(lagged["total"]) != pytest.approx(float(plain["total"]))
+    with pytest.raises(ValueError, match="feature_lag=-1"):
+        TrainConfig(dataset="d", output_dir="o", feature_lag=-1)

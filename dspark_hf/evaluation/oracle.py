@@ -11,11 +11,12 @@ from dataclasses import replace
 
 import torch
 
-from ..model.modeling_dspark import DraftBlock, DSparkDraftModel
+from ..generation.drafting import DraftBlock, sample_block
+from ..model.modeling_dspark import DSparkDraftModel
 
 
 class OracleDraft(DSparkDraftModel):
-    """A DSpark draft whose tokens come from reference greedy sequences.
+    """A DSpark draft whose tokens come from reference greedy sequences (a `BlockProposer`).
 
     A row is matched to the reference row holding its anchor at its position; when several do, to the one whose
     context (the draft's layer-0 key of the token before the anchor) is nearest, which tells prefixes apart.
@@ -55,9 +56,9 @@ class OracleDraft(DSparkDraftModel):
         return tokens[pos + 1: pos + 1 + self.config.block_size]
 
     @torch.no_grad()
-    def draft_block(self, anchor_ids, anchor_positions, context, do_sample=False, process_logits=None,
-                    generator=None) -> DraftBlock:
-        block = super().draft_block(anchor_ids, anchor_positions, context, do_sample, process_logits, generator)
+    def propose_block(self, anchor_ids, anchor_positions, context, do_sample=False, process_logits=None,
+                      generator=None) -> DraftBlock:
+        block = sample_block(self, anchor_ids, anchor_positions, context, do_sample, process_logits, generator)
         tokens = block.tokens.clone()
         V = block.probs.shape[-1]
         last_keys = context.keys[0][:, :, -1].flatten(1)  # the token before each anchor (rows are flush right)

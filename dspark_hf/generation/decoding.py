@@ -20,8 +20,10 @@ from transformers.generation.stopping_criteria import MaxLengthCriteria
 from ..devices import clock
 from ..model.modeling_dspark import DSparkDraftModel
 from ..scheduling.auto import AutoScheduled
-from ..scheduling.policies import as_policy
+from ..scheduling.policies import FullBlock, as_policy
 from . import verify
+from .drafting import drafter, empty_block
+from .ssd import SSDConfig, SSDMixin
 from .ragged import Commit, leading_padding
 from .records import DSparkGenerateOutput, DSparkRound
 from .streamers import RoundStreamer
@@ -43,29 +45,44 @@ def dspark_generate(
     draft_model: DSparkDraftModel | None = None,
     token_streamer=None,
     verification_policy=None,
+    ssd: SSDConfig | None = None,
     **model_kwargs,
 ):
     """Decoding method for ``target.generate(custom_generate=dspark_generate, draft_model=draft, ...)``.
 
     `target.generate(**inputs, assistant_model=draft)` routes here after ``import dspark_hf``. Extra arguments:
     draft_model (a [`DSparkDraftModel`] built for `model`, or a peft wrapper of one), token_streamer (a
-    transformers streamer; batch size 1;
-    one with a `put_round(DSparkRound)` method also gets each round's record, see `DSparkRoundStreamer`),
-    verification_policy (a `dspark_hf.scheduling` policy, or a callable(confidences (R, gamma) or None, gamma, R) ->
-    verify lengths (R,); default: `AutoScheduled()`, which plans against this machine's measured costs and drafts
-    only while drafting pays). On this route generate() drops `tokenizer`, so pass stop
-    strings as a `StopStringCriteria` in stopping_criteria (the assistant_model route does that for you). Returns
-    what `generate()` returns; with ``return_dict_in_generate=True`` a [`DSparkGenerateOutput`].
+    transformers streamer; batch size 1; one with a `put_round(DSparkRound)` method also gets each round's record,
+    see `DSparkRoundStreamer`), verification_policy (a `dspark_hf.scheduling` policy, or a callable(confidences
+    (R, gamma) or None, gamma, R) -> verify lengths (R,); default: `AutoScheduled()`, which plans against this
+    machine's measured costs and drafts only while drafting pays; with `ssd`, `FullBlock()`), ssd (an
+    [`SSDConfig`]: speculative speculative decoding, the next block prepared while the target verifies). On this
+    route generate() drops `tokenizer`, so pass stop strings as a `StopStringCriteria` in stopping_criteria (the
+    assistant_model route does that for you). Returns what `generate()` returns; with
+    ``return_dict_in_generate=True`` a [`DSparkGenerateOutput`].
     """
     draft_model = unwrap_draft(draft_model)
     _check_request(model, draft_model, generation_config, synced_gpus, model_kwargs, input_ids, token_streamer)
     if not draft_model.is_bound_to(model):
         draft_model.bind_target(model)
-    decoder = _Decoder(model, draft_model, input_ids, model_kwargs.get("attention_mask"), logits_processor,
-                       stopping_criteria, generation_config,
-                       AutoScheduled() if verification_policy is None else as_policy(verification_policy),
-                       token_streamer)
-    return decoder.run()
+    args = (model, draft_model, input_ids, model_kwargs.get("attention_mask"), logits_processor, stopping_criteria,
+            generation_config)
+    if ssd is None:
+        policy = AutoScheduled() if verification_policy is None else as_policy(verification_policy)
+        return _Decoder(*args, policy, token_streamer).run()
+    _check_ssd(ssd, logits_processor)
+    policy = FullBlock() if verification_policy is None else as_policy(verification_policy)
+    return _SSDDecoder(*args, policy, token_streamer, ssd=ssd).run()
+
+
+def _check_ssd(ssd, processors) -> None:
+    if not isinstance(ssd, SSDConfig):
+        raise TypeError(f"ssd must be a dspark_hf.SSDConfig, got {type(ssd).__name__}.")
+    reading_ids = [type(p).__name__ for p in processors if not isinstance(p, _IDS_FREE_PROCESSORS)]
+    if reading_ids:
+        raise ValueError(f"SSD drafts blocks for tokens not yet committed, which logits processors that read the "
+                         f"token ids cannot see: drop {', '.join(reading_ids)} (e.g. repetition_penalty, "
+                         "min_new_tokens, bad_words_ids) or decode without ssd.")
 
 
 def unwrap_draft(model):
@@ -147,6 +164,7 @@ class _Decoder:
 
     def __init__(self, target, draft, prompt, prompt_mask, processors, criteria, cfg, policy, streamer):
         self.target, self.draft, self.cfg, self.policy, self.streamer = target, draft, cfg, policy, streamer
+        self.draft_block = drafter(draft)
         self.prompt = prompt
         self.prompt_mask = prompt_mask if prompt_mask is not None else torch.ones_like(prompt)
         self.processors = processors
@@ -289,30 +307,17 @@ class _Decoder:
 
     def _round(self):
         rows, mask, anchor = self.rows, self.mask, self.anchor
-        R, gamma = rows.numel(), self.draft.config.block_size
+        R = rows.numel()
         anchor_pos = mask.sum(1) - 1
-
-        # a policy may switch drafting off for a round when, under the current load, plain decoding is faster;
-        # it decides before this round's block exists, so the choice cannot depend on it (lossless)
-        if self.policy.draft_this_round(R):
-            start = clock(rows.device)
-            self._encode_pending()
-            block = self.draft.draft_block(anchor, anchor_pos, self.context, self.do_sample,
-                                           process_logits=lambda prefix, logits: self._process(rows, prefix, logits))
-            self.timings["draft"] += clock(rows.device) - start
-            # how much of the block each row verifies: the policy's choice, never past the length limit
-            remaining = self.max_new - self.n_gen[rows]
-            verify_len = torch.minimum(self.policy(block.confidences, gamma, R).to(rows.device), remaining - 1)
-        else:  # an empty block: the round below verifies nothing and adds the target's own next token
-            block = self.draft.empty_block(anchor)
-            verify_len = torch.zeros_like(rows)
+        block, verify_len = self._propose(anchor, anchor_pos)
         drafted = block.tokens.shape[1] > 0
         L = int(verify_len.max())
         x = block.tokens[:, :L]
 
         inputs = torch.cat([anchor[:, None], x], 1)
         positions = anchor_pos[:, None] + torch.arange(L + 1, device=rows.device)
-        out = self._forward(inputs, torch.cat([mask, mask.new_ones(R, L + 1)], 1), positions, self.cache, 0)
+        out = self._verify_forward(inputs, torch.cat([mask, mask.new_ones(R, L + 1)], 1), positions, block,
+                                   verify_len)
         scores = torch.stack([self._process(rows, x[:, :j], out.logits[:, j]) for j in range(L + 1)], 1)
 
         if self.do_sample:
@@ -326,6 +331,7 @@ class _Decoder:
         if self.pads_finished:
             counts = torch.where(stop_at > 0, stop_at, counts)
         self.policy.observe(verify_len, n, drafted=drafted)
+        self._outcome(n, nxt)
         self._record(block, verify_len, n, nxt, counts)
         if isinstance(self.streamer, RoundStreamer):  # batch size 1: the record comes before the tokens
             self.streamer.put_round(self.rounds[0][-1])
@@ -345,6 +351,34 @@ class _Decoder:
             self.context = self.context.cat(new_context).map(commit)
         self.anchor = nxt
         self._keep(~done)
+
+    def _propose(self, anchor, anchor_pos):
+        """This round's block and how much of it each row verifies: (DraftBlock, verify_len (R,))."""
+        rows = self.rows
+        # a policy may switch drafting off for a round when, under the current load, plain decoding is faster;
+        # it decides before this round's block exists, so the choice cannot depend on it (lossless)
+        if not self.policy.draft_this_round(rows.numel()):  # an empty block: the round adds the target's own token
+            return empty_block(self.draft, anchor), torch.zeros_like(rows)
+        start = clock(rows.device)
+        self._encode_pending()
+        block = self.draft_block(anchor, anchor_pos, self.context, self.do_sample,
+                                 process_logits=lambda prefix, logits: self._process(rows, prefix, logits))
+        self.timings["draft"] += clock(rows.device) - start
+        return block, self._verify_lengths(block)
+
+    def _verify_lengths(self, block):
+        """The policy's choice of how much of `block` each row verifies, never past the length limit."""
+        rows = self.rows
+        remaining = self.max_new - self.n_gen[rows]
+        chosen = self.policy(block.confidences, self.draft.config.block_size, rows.numel()).to(rows.device)
+        return torch.minimum(chosen, remaining - 1)
+
+    def _verify_forward(self, inputs, mask, positions, block, verify_len):
+        """The target's forward over [anchor, verified drafts] (a subclass may work during it)."""
+        return self._forward(inputs, mask, positions, self.cache, 0)
+
+    def _outcome(self, accepted, next_token):
+        """Each row's verification outcome, (R,) accepted and (R,) next token, before it is committed."""
 
     def _encode_pending(self):
         """Turn the features kept by rounds without a draft into draft context, all in one pass."""
@@ -378,3 +412,20 @@ class _Decoder:
             for layer in self.cache.layers:
                 layer.keys, layer.values = layer.keys[:, :, drop:], layer.values[:, :, drop:]
             self.context = self.context.map(lambda t, dim: t.narrow(dim, drop, t.shape[dim] - drop))
+
+
+class _SSDDecoder(SSDMixin, _Decoder):
+    """The DSpark decoder whose blocks come from a speculation cache built during verification ([`SSDMixin`])."""
+
+    def __init__(self, *args, ssd: SSDConfig):
+        super().__init__(*args)
+        self.setup_ssd(ssd)
+
+    def run(self):
+        try:
+            out = super().run()
+        finally:
+            self.close_ssd()
+        if isinstance(out, DSparkGenerateOutput):
+            out.ssd_stats = self.ssd_stats
+        return out

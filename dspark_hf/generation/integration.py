@@ -35,10 +35,10 @@ def _generate(self, *args, **kwargs):
     bound.pop("self")
     bound.pop("assistant_model")
     streamer = bound.pop("streamer", None)
-    policy = extra.pop("verification_policy", None)
+    policy, ssd = extra.pop("verification_policy", None), extra.pop("ssd", None)
     _stop_strings_as_criteria(self, bound, extra)
     return _original_generate(self, **bound, **extra, custom_generate=dspark_generate, draft_model=draft,
-                              token_streamer=streamer, verification_policy=policy)
+                              token_streamer=streamer, verification_policy=policy, ssd=ssd)
 
 
 def _stop_strings_as_criteria(model, bound: dict, extra: dict) -> None:

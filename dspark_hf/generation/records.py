@@ -22,6 +22,8 @@ class DSparkRound:
             draft was accepted, otherwise the correction sampled from the residual distribution.
         committed: tokens this round added to the output (accepted + 1, or fewer when EOS, a stop string or
             the length limit ended the row inside the chunk).
+        cache_hit: with `ssd=`, whether the block came ready from the speculation cache (False: a fallback
+            drafted it); None without SSD or when nothing was drafted.
     """
 
     drafted: list[int]
@@ -31,6 +33,7 @@ class DSparkRound:
     accepted: int
     next_token: int
     committed: int
+    cache_hit: bool | None = None
 
     @property
     def tau(self) -> int:
@@ -51,8 +54,13 @@ class DSparkGenerateOutput(GenerateDecoderOnlyOutput):
         sequences: (batch, prompt + new tokens), as plain `generate()` returns them.
         rounds: per row, its list of [`DSparkRound`]. The first new token comes from the prefill, not a round.
         timings: seconds: "prefill" (prompt forward, first token, draft context), then over all rounds "draft"
-            (draft forwards and block sampling) and "target" (verification forwards); "total" covers everything.
+            (draft forwards and block sampling) and "target" (verification forwards); "total" covers everything;
+            with `ssd=` also "speculate" (the speculator's passes, in its thread during verification unless
+            overlap=False) and "wait" (how long a finished verification then waited for the speculator).
+        ssd_stats: with `ssd=`, counts over the decode: "rounds" and "hits" (row-rounds that had a cache, and
+            found their block in it), "fallbacks" by kind, and tokens committed after hits and misses.
     """
 
     rounds: list[list[DSparkRound]] | None = None
     timings: dict[str, float] | None = None
+    ssd_stats: dict | None = None

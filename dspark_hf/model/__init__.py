@@ -1,6 +1,6 @@
 """The DSpark draft as a transformers model (a config class and a modeling file, as in transformers)."""
 
 from .configuration_dspark import DSparkConfig
-from .modeling_dspark import DraftBlock, DSparkContext, DSparkDraftModel, DSparkOutput
+from .modeling_dspark import DSparkContext, DSparkDraftModel, DSparkOutput
 
-__all__ = ["DSparkConfig", "DSparkDraftModel", "DSparkContext", "DSparkOutput", "DraftBlock"]
+__all__ = ["DSparkConfig", "DSparkDraftModel", "DSparkContext", "DSparkOutput"]

@@ -181,16 +181,6 @@ class DSparkOutput(ModelOutput):
 
 
 @dataclass
-class DraftBlock:
-    """A sampled block. tokens (N, gamma) target ids; probs (N, gamma, V) the exact distributions the tokens were
-    drawn from (after logits processors); confidences (N, gamma) calibrated c_k in (0, 1), or None."""
-
-    tokens: torch.Tensor
-    probs: torch.Tensor
-    confidences: torch.Tensor | None
-
-
-@dataclass
 class TargetBinding:
     """What a draft borrows from its target: the frozen input embedding and LM head (never saved with the draft),
     and `lm_weight`, the LM-head rows the draft proposes in its compute dtype, converted once and kept."""
@@ -426,23 +416,36 @@ class DSparkDraftModel(DSparkPreTrainedModel):
                              torch.zeros(batch_size, 0, dtype=torch.long, device=p.device),
                              torch.zeros(batch_size, 0, dtype=torch.bool, device=p.device))
 
-    def backbone(self, anchor_ids: torch.Tensor, anchor_positions: torch.Tensor, context: DSparkContext):
-        """anchor_ids, anchor_positions (N, A) -> h (N, A, gamma, d): one block per anchor, all in one pass."""
+    def backbone(self, anchor_ids: torch.Tensor, anchor_positions: torch.Tensor, context: DSparkContext,
+                 known: torch.Tensor | None = None):
+        """anchor_ids, anchor_positions (N, A) -> h (N, A, gamma, d): one block per anchor, all in one pass.
+
+        known (N, A, lag), optional: committed tokens right before each anchor whose target features are not in
+        the context (a *lagged* context, as when a block is prepared while the target still verifies them),
+        right-aligned, -1 where a block has fewer. They enter the block as token rows ahead of the anchor, and the
+        block sees only the context before the first of them."""
         self._require_target()
         N, A = anchor_ids.shape
         gamma = self.config.block_size
+        lag = 0 if known is None else known.shape[-1]
         rows = gamma if self.config.anchor_predicts else gamma + 1  # DFlash layout: one more row, anchor output unused
+        rows += lag
         block_ids = anchor_ids.new_full((N, A, rows), self.config.mask_token_id)
-        block_ids[..., 0] = anchor_ids
+        block_ids[..., lag] = anchor_ids
+        row_valid = torch.ones(N, A, rows, dtype=torch.bool, device=anchor_ids.device)
+        if lag:
+            block_ids[..., :lag] = known.clamp_min(0)
+            row_valid[..., :lag] = known >= 0
         x = self.binding.embed(block_ids.view(N, A * rows)).to(self.fc.weight.dtype)
-        offsets = torch.arange(rows, device=anchor_ids.device)
-        positions = (anchor_positions[..., None] + offsets).view(N, A * rows)
+        offsets = torch.arange(-lag, rows - lag, device=anchor_ids.device)
+        positions = (anchor_positions[..., None] + offsets).clamp_min(0).view(N, A * rows)
         cos, sin = self.rotary_emb(positions, x.dtype)
 
-        anchor_of_row = anchor_positions.repeat_interleave(rows, dim=1)  # (N, A * rows)
-        sees_context = context.valid[:, None, :] & (context.positions[:, None, :] < anchor_of_row[..., None])
+        first_known = anchor_positions - (row_valid[..., :lag].sum(-1) if lag else 0)  # (N, A)
+        sees_before = first_known.repeat_interleave(rows, dim=1)  # (N, A * rows)
+        sees_context = context.valid[:, None, :] & (context.positions[:, None, :] < sees_before[..., None])
         block_of_row = torch.arange(A, device=x.device).repeat_interleave(rows)
-        sees_block = (block_of_row[:, None] == block_of_row[None, :]).expand(N, -1, -1)
+        sees_block = (block_of_row[:, None] == block_of_row[None, :]) & row_valid.view(N, 1, A * rows)
         mask = torch.cat([sees_context, sees_block], dim=-1)
 
         for layer, k, v in zip(self.layers, context.keys, context.values):
@@ -466,7 +469,7 @@ class DSparkDraftModel(DSparkPreTrainedModel):
         cap = self.config.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
-    def _prev_embedding(self, prev_ids: torch.Tensor) -> torch.Tensor:
+    def prev_embedding(self, prev_ids: torch.Tensor) -> torch.Tensor:
         """W1[x_{k-1}] for target ids."""
         if self.config.draft_vocab_size is not None:
             prev_ids = self.target_to_draft[prev_ids]
@@ -510,23 +513,25 @@ class DSparkDraftModel(DSparkPreTrainedModel):
         context_features: torch.Tensor | None = None,
         context_positions: torch.Tensor | None = None,
         context_valid: torch.Tensor | None = None,
+        known: torch.Tensor | None = None,
     ) -> DSparkOutput:
         """Blocks at anchors (N, A) over `context` (or over raw target features (N, C, m * d_t) with their
         positions and validity (N, C), encoded here, as training does), with the sequential and confidence heads
         teacher-forced on `block_tokens` (N, A, gamma): position k conditions on block_tokens[..., k - 1] (the
-        anchor for k = 1). Returns draft-vocabulary logits; use [`to_target_vocab`] for target-vocabulary ones."""
+        anchor for k = 1). known (N, A, lag): tokens before each anchor seen without their features (see
+        [`backbone`]). Returns draft-vocabulary logits; use [`to_target_vocab`] for target-vocabulary ones."""
         if context is None:
             context = self.encode_context(context_features, context_positions, context_valid)
-        h = self.backbone(anchor_ids, anchor_positions, context)
+        h = self.backbone(anchor_ids, anchor_positions, context, known)
         logits = self.base_logits(h)
         if self.w1 is None:
             conf = self.confidence_logit(h, None) if self.confidence is not None else None
             return DSparkOutput(logits=logits, confidence_logits=conf, hidden_states=h)
         if block_tokens is None:
             raise ValueError("A draft with a sequential head needs block_tokens for a teacher-forced forward; "
-                             "use draft_block() to sample a block instead.")
+                             "use dspark_hf.generation.drafting.sample_block() to draft a block instead.")
         prev = torch.cat([anchor_ids[..., None], block_tokens[..., :-1]], dim=-1).clamp_min(0)
-        prev_emb = self._prev_embedding(prev)
+        prev_emb = self.prev_embedding(prev)
         if self.config.head_type == "markov":
             bias, _ = self.transition(prev_emb, h, None)
         else:
@@ -538,59 +543,6 @@ class DSparkDraftModel(DSparkPreTrainedModel):
             bias = torch.stack(steps, dim=-2)
         conf = self.confidence_logit(h, prev_emb) if self.confidence is not None else None
         return DSparkOutput(logits=logits + bias, confidence_logits=conf, hidden_states=h)
-
-    def empty_block(self, anchor_ids: torch.Tensor) -> DraftBlock:
-        """The block of a round without a draft: no tokens for each of the (N,) anchors."""
-        N = anchor_ids.shape[0]
-        return DraftBlock(anchor_ids.new_zeros(N, 0), torch.zeros(N, 0, self.config.target_vocab_size,
-                                                                  device=anchor_ids.device), None)
-
-    # -- sampling ------------------------------------------------------------------------------------------------
-    @torch.no_grad()
-    def draft_block(
-        self,
-        anchor_ids: torch.Tensor,
-        anchor_positions: torch.Tensor,
-        context: DSparkContext,
-        do_sample: bool = False,
-        process_logits: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
-        generator: torch.Generator | None = None,
-    ) -> DraftBlock:
-        """Draft one block per row, left to right (eq. 4).
-
-        anchor_ids, anchor_positions (N,). `process_logits(tokens_so_far (N, k), logits (N, V)) -> logits` applies
-        generation's logits processors (temperature, top-k, ...) exactly as they will be applied to the target.
-        Greedy (do_sample=False) takes the argmax of the processed logits.
-        """
-        h = self.backbone(anchor_ids[:, None], anchor_positions[:, None], context)[:, 0]  # (N, gamma, d)
-        U = self.base_logits(h)
-        N, gamma = h.shape[:2]
-        state = h.new_zeros(N, self.config.markov_rank) if self.config.head_type == "rnn" else None
-        prev = anchor_ids
-        tokens, probs, conf_logits = [], [], []
-        for k in range(gamma):
-            prev_emb = self._prev_embedding(prev) if self.w1 is not None else None
-            logits = U[:, k]
-            if prev_emb is not None:
-                bias, state = self.transition(prev_emb, h[:, k], state)
-                logits = logits + bias
-            if self.confidence is not None:
-                conf_logits.append(self.confidence_logit(h[:, k], prev_emb))
-            logits = self.to_target_vocab(logits.float())
-            if process_logits is not None:
-                prefix = torch.stack(tokens, 1) if tokens else anchor_ids.new_zeros(N, 0)
-                logits = process_logits(prefix, logits)
-            p = torch.softmax(logits, dim=-1)
-            if not bool(torch.isfinite(p).all()):
-                raise FloatingPointError(f"The draft produced non-finite probabilities (NaN or inf) at block position "
-                                         f"{k + 1}: its weights or the logits processors' output are not finite. "
-                                         "Reload the draft (or check training for divergence).")
-            x = torch.multinomial(p, 1, generator=generator).squeeze(1) if do_sample else logits.argmax(-1)
-            tokens.append(x)
-            probs.append(p)
-            prev = x
-        confidences = self.calibrated(torch.stack(conf_logits, 1).float()) if conf_logits else None
-        return DraftBlock(torch.stack(tokens, 1), torch.stack(probs, 1), confidences)
 
 
 class OtherTargetWarning(UserWarning):
@@ -630,4 +582,4 @@ def _as_list(x) -> list:
     return list(x) if isinstance(x, (list, tuple)) else [x]
 
 
-__all__ = ["DSparkDraftModel", "DSparkPreTrainedModel", "DSparkContext", "DSparkOutput", "DraftBlock"]
+__all__ = ["DSparkDraftModel", "DSparkPreTrainedModel", "DSparkContext", "DSparkOutput"]

@@ -48,6 +48,8 @@ def profile_sps(target, rows: int | Sequence[int] = 1, max_tokens_per_row: int =
     when few repeats are affordable)."""
     from tqdm.auto import tqdm
 
+    from ..generation.drafting import drafter  # generation imports scheduling: import it when called
+
     rows = [rows] if isinstance(rows, int) else list(rows)
     steps = max_tokens_per_row if verify else 0
     bar = tqdm(total=len(rows) * (steps + (draft is not None)), desc=progress if isinstance(progress, str) else
@@ -76,7 +78,8 @@ def profile_sps(target, rows: int | Sequence[int] = 1, max_tokens_per_row: int =
             ctx = draft.encode_context(draft.target_features(out.hidden_states), positions,
                                        torch.ones_like(positions, dtype=torch.bool))
             anchor, anchor_pos = prompt[:, -1], torch.full((R,), context, device=device)
-            draft_seconds[R] = _seconds(lambda: draft.draft_block(anchor, anchor_pos, ctx), device, warmup, repeats,
+            draft_block = drafter(draft)
+            draft_seconds[R] = _seconds(lambda: draft_block(anchor, anchor_pos, ctx), device, warmup, repeats,
                                         statistic=statistic)
             bar.update(1)
     bar.close()

@@ -24,6 +24,10 @@ class TrainConfig:
                                   "fixed budget across datasets of different sizes)."})
     batch_size: int = field(default=4, metadata={"help": "Sequences per optimizer step (per process)."})
     anchors_per_sequence: int = field(default=48, metadata={"help": "Random blocks per sequence (reference: 512)."})
+    feature_lag: int = field(default=0, metadata={"help": "Train on lagged contexts, as SSD's pre-speculated blocks "
+                             "see them: each block's last L tokens before its anchor (L uniform in 0..feature_lag) "
+                             "enter as tokens without target features; block_size + 1 covers every SSD outcome "
+                             "(0: off)."})
     learning_rate: float = field(default=1e-3, metadata={"help": "AdamW peak learning rate."})
     weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay."})
     warmup_ratio: float = field(default=0.04, metadata={"help": "Linear warm-up share of the run (its steps, or its "
@@ -93,6 +97,8 @@ class TrainConfig:
                 raise ValueError(f"{name}={getattr(self, name)}: give a positive number of minutes, or leave it unset.")
         if self.gpu_memory_fraction is not None and not 0 < self.gpu_memory_fraction <= 1:
             raise ValueError(f"gpu_memory_fraction={self.gpu_memory_fraction}: give a share in (0, 1].")
+        if self.feature_lag < 0:
+            raise ValueError(f"feature_lag={self.feature_lag}: give the largest lag in tokens (>= 0; 0 is off).")
         if self.target_dtype not in ("auto", "float32", "bfloat16"):
             raise ValueError(f"target_dtype={self.target_dtype!r}: choose 'auto', 'float32' or 'bfloat16'.")
         if self.copy_target_layers and (self.lora or self.init_from):

@@ -1,0 +1,207 @@
+"""`dspark bench ssd`: speculative speculative decoding with a DSpark draft, measured on this machine.
+
+1. **Cache hit rate by fan-out shape** (the SSD paper's Fig. 4): greedy decodes of held-out prompts with a cache of
+   B blocks spread uniformly over the outcomes, then geometrically (Theorem 12) with the power law fitted to the
+   uniform runs' miss rates and the acceptance rate they saw: the two shapes at the same cache size.
+2. **Hit rate and acceptance by Saguaro's C** (Fig. 5), sampled.
+3. **Speed**: plain `generate()`, DSpark and DSpark + SSD at each batch size, interleaved in one run, paired;
+   and the acceptance of blocks by lag (prepared for k accepted tokens: lag k + 1; drafted in time: lag 0).
+4. **The speedup equation** (Theorem 7 / Corollary 16) on the measured hit rates, tokens per round and times: what
+   SSD gives when the speculator runs on hardware of its own (its time hidden), beside what it gave here.
+"""
+
+from __future__ import annotations
+
+from ..generation.ssd import SSDConfig
+from ..scheduling.policies import FullBlock
+from ..scheduling.ssd import fit_power_law, ssd_speedup
+from .evaluate import _sampling, bench_speed, chat_batch
+from .machine import machine_info
+
+
+def _decode_all(target, tokenizer, draft, prompts, ssd: SSDConfig, max_new_tokens: int, temperature: float) -> dict:
+    """Decode every prompt alone with `ssd`; totals of the per-round records and timings."""
+    totals = {"rounds": 0, "hits": 0, "accepted": 0, "verified": 0, "tokens_hit": 0, "rounds_hit": 0,
+              "tokens_miss": 0, "rounds_miss": 0, "target": 0.0, "draft": 0.0, "speculate": 0.0, "wait": 0.0,
+              "drafted_rounds": 0, "missed_rounds": 0, "by_lag": {}}
+    for prompt in prompts:
+        inputs = chat_batch(tokenizer, [prompt], target.device)
+        out = target.generate(**inputs, max_new_tokens=max_new_tokens, **_sampling(temperature), assistant_model=draft,
+                              verification_policy=FullBlock(), ssd=ssd, return_dict_in_generate=True)
+        for key in ("rounds", "hits", "accepted", "verified", "tokens_hit", "rounds_hit", "tokens_miss",
+                    "rounds_miss"):
+            totals[key] += out.ssd_stats[key]
+        for key in ("target", "draft", "speculate", "wait"):
+            totals[key] += out.timings[key]
+        for lag, (accepted, verified) in out.ssd_stats["by_lag"].items():
+            counts = totals["by_lag"].setdefault(lag, [0, 0])
+            counts[0], counts[1] = counts[0] + accepted, counts[1] + verified
+        records = [r for r in out.rounds[0] if r.cache_hit is not None]
+        totals["drafted_rounds"] += len(records)
+        totals["missed_rounds"] += sum(not r.cache_hit for r in records)
+    return totals
+
+
+def _rates(t: dict) -> dict:
+    return {"hit_rate": t["hits"] / max(t["rounds"], 1), "acceptance": t["accepted"] / max(t["verified"], 1),
+            "tokens_per_round": (t["tokens_hit"] + t["tokens_miss"]) / max(t["rounds_hit"] + t["rounds_miss"], 1)}
+
+
+def bench_ssd(target, tokenizer, draft, prompts: list[dict], cache_sizes=(4, 16, 64), saguaro_cs=(1.0, 0.7, 0.4, 0.1),
+              batch_sizes=(1, 4), max_new_tokens: int = 64, repeats: int = 2, temperature: float = 0.7,
+              speed_cache_size: int = 16, progress=None) -> dict:
+    """Run the four parts (module docstring); returns a JSON-ready report."""
+    gamma = draft.config.block_size
+    tick = (lambda: progress.update(1)) if progress is not None else (lambda: None)
+
+    # 1. hit rate by fan-out shape at each cache size, greedy
+    uniform = {}
+    for B in cache_sizes:
+        uniform[B] = _decode_all(target, tokenizer, draft, prompts, SSDConfig(B, "uniform", fallback="draft",
+                                                                               overlap=False), max_new_tokens, 0.0)
+        tick()
+    alpha = sum(t["accepted"] for t in uniform.values()) / max(sum(t["verified"] for t in uniform.values()), 1)
+    try:
+        r = fit_power_law({B / (gamma + 1): 1 - _rates(t)["hit_rate"] for B, t in uniform.items()})
+    except ValueError:  # every point at a hit rate of 0 or 1: nothing to fit, keep Theorem 12's example r = 1
+        r = 1.0
+    r = max(r, 1e-3)
+    geometric = {}
+    for B in cache_sizes:
+        geometric[B] = _decode_all(target, tokenizer, draft, prompts, SSDConfig(
+            B, "geometric", power_law_r=r, acceptance=min(alpha, 0.999), fallback="draft", overlap=False),
+            max_new_tokens, 0.0)
+        tick()
+
+    # 2. Saguaro's C, sampled, at the speed run's cache size
+    by_c = {}
+    for C in saguaro_cs:
+        by_c[C] = _decode_all(target, tokenizer, draft, prompts, SSDConfig(
+            speed_cache_size, "geometric", power_law_r=r, saguaro_c=C, fallback="draft", overlap=False),
+            max_new_tokens, temperature)
+        tick()
+
+    # 3. speed, greedy, interleaved: plain, DSpark (full block, as SSD verifies), DSpark + SSD (in its thread)
+    ssd = SSDConfig(speed_cache_size, "geometric", power_law_r=r, fallback="auto")
+    speed = {}
+    for b in batch_sizes:
+        speed[b] = bench_speed(target, tokenizer, draft, prompts, b, max_new_tokens, repeats, progress=False,
+                               policy=FullBlock, extra_methods={"dspark + ssd": {
+                                   "assistant_model": draft, "ssd": ssd, "verification_policy": FullBlock}})
+        tick()
+
+    # 4. the speedup equation on figures measured at the speed run's cache size (greedy, the draft as fallback):
+    # times without a speculator beside the target, then how much the speculator overlapped in a thread here
+    measured = _decode_all(target, tokenizer, draft, prompts, SSDConfig(
+        speed_cache_size, "geometric", power_law_r=r, fallback="draft", overlap=False), max_new_tokens, 0.0)
+    overlapped = _decode_all(target, tokenizer, draft, prompts, SSDConfig(
+        speed_cache_size, "geometric", power_law_r=r, fallback="draft", overlap=True), max_new_tokens, 0.0)
+    tick()
+    rounds = max(measured["drafted_rounds"], 1)
+    t_verify = measured["target"] / rounds
+    t_fallback = measured["draft"] / max(measured["missed_rounds"], 1)
+    plain_rate = speed[batch_sizes[0]]["methods"]["plain"]["tokens_per_s"] if 1 in speed else None
+    rates = _rates(measured)
+    equation = None
+    if plain_rate:
+        equation = {
+            "hit_rate": rates["hit_rate"],
+            "tokens_after_hit": measured["tokens_hit"] / max(measured["rounds_hit"], 1),
+            "tokens_after_miss": measured["tokens_miss"] / max(measured["rounds_miss"], 1),
+            "t_verify": t_verify, "t_fallback": t_fallback, "t_plain": 1.0 / plain_rate,
+            "speculate_seconds_per_round": measured["speculate"] / rounds,
+        }
+        equation["speedup_speculator_apart"] = ssd_speedup(
+            equation["hit_rate"], equation["tokens_after_hit"], equation["tokens_after_miss"], t_verify, t_fallback,
+            equation["t_plain"])
+        equation["speedup_speculator_apart_all_hits"] = ssd_speedup(
+            1.0, equation["tokens_after_hit"], equation["tokens_after_miss"], t_verify, t_fallback, equation["t_plain"])
+
+    return {
+        "benchmark": "ssd", "max_new_tokens": max_new_tokens, "prompts": len(prompts), "repeats": repeats,
+        "temperature": temperature, "block_size": gamma, "power_law_r": r, "acceptance": alpha,
+        "machine": machine_info(target, draft),
+        "fan_out": {shape: {str(B): {**_rates(t), "rounds": t["rounds"]} for B, t in runs.items()}
+                    for shape, runs in (("uniform", uniform), ("geometric", geometric))},
+        "saguaro": {str(C): {**_rates(t), "rounds": t["rounds"]} for C, t in by_c.items()},
+        "speed": {str(b): {"ssd": ssd.to_dict(), **{m: {k: v[k] for k in ("tokens_per_s", "ratio_to_plain",
+                                                                             "paired_ratio_to_plain",
+                                                                             "acceptance_length", "identical_rows")}
+                                                    for m, v in report["methods"].items()}}
+                  for b, report in speed.items()},
+        # the speculator in its thread beside verification: its seconds, the verification's, and how long finished
+        # verifications waited for it; the same decodes one after the other for comparison
+        "overlap": {"threaded": {k: overlapped[k] for k in ("speculate", "target", "wait", "draft")},
+                    "sequential": {k: measured[k] for k in ("speculate", "target", "draft")}},
+        "equation": equation,
+        # acceptance of blocks by their lag (0: drafted in time with every feature; k + 1: prepared for k accepted)
+        "acceptance_by_lag": {str(lag): {"acceptance": a / max(v, 1), "verified": v}
+                              for lag, (a, v) in sorted(measured["by_lag"].items())},
+    }
+
+
+def format_ssd_tables(report: dict) -> str:
+    sizes = list(report["fan_out"]["uniform"])
+    lines = [f"Cache hit rate by fan-out shape (greedy; geometric with r = {report['power_law_r']:.2f}, alpha = "
+             f"{report['acceptance']:.2f})", "", "| cache size | uniform | geometric |", "|---:|---:|---:|"]
+    for B in sizes:
+        lines.append(f"| {B} | {report['fan_out']['uniform'][B]['hit_rate']:.1%} | "
+                     f"{report['fan_out']['geometric'][B]['hit_rate']:.1%} |")
+    lines += ["", f"Saguaro sampling (temperature {report['temperature']})", "",
+              "| C | hit rate | acceptance |", "|---:|---:|---:|"]
+    for C, v in report["saguaro"].items():
+        lines.append(f"| {C} | {v['hit_rate']:.1%} | {v['acceptance']:.1%} |")
+    lines += ["", "| batch | method | tokens/s | paired vs plain | tau | identical |", "|---:|---|---:|---:|---:|---:|"]
+    for b, methods in report["speed"].items():
+        for m, v in methods.items():
+            if m == "ssd":
+                continue
+            tau = "" if v["acceptance_length"] is None else f"{v['acceptance_length']:.2f}"
+            same = "" if v["identical_rows"] is None else str(v["identical_rows"])
+            lines.append(f"| {b} | {m} | {v['tokens_per_s']:.1f} | {v['paired_ratio_to_plain']:.2f}x | {tau} | "
+                         f"{same} |")
+    lines += ["", "| lag | acceptance | tokens verified |", "|---:|---:|---:|"]
+    for lag, v in report["acceptance_by_lag"].items():
+        lines.append(f"| {lag} | {v['acceptance']:.1%} | {v['verified']} |")
+    e = report.get("equation")
+    if e:
+        lines += ["", f"Speedup equation (Theorem 7) on measured figures: hit rate {e['hit_rate']:.1%}, "
+                  f"{e['tokens_after_hit']:.2f} / {e['tokens_after_miss']:.2f} tokens after a hit / miss, verify "
+                  f"{e['t_verify'] * 1e3:.0f} ms, fallback {e['t_fallback'] * 1e3:.0f} ms, plain step "
+                  f"{e['t_plain'] * 1e3:.0f} ms: {e['speedup_speculator_apart']:.2f}x plain with the speculator on "
+                  f"hardware of its own ({e['speedup_speculator_apart_all_hits']:.2f}x if every round hit)."]
+    return "\n".join(lines)
+
+
+def plot_ssd(report: dict, out_dir) -> list:
+    """Hit rate by cache size for both fan-out shapes, and hit rate / acceptance by C."""
+    from pathlib import Path
+
+    from .plots import pyplot
+
+    plt = pyplot()
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.4))
+    for shape, runs in report["fan_out"].items():
+        sizes = [int(B) for B in runs]
+        left.plot(sizes, [runs[str(B)]["hit_rate"] for B in sizes], marker="o", label=shape)
+    left.set_xscale("log", base=2)
+    left.set_xlabel("cache size (blocks per row)")
+    left.set_ylabel("cache hit rate")
+    left.set_title("Fan-out shape (greedy)")
+    left.legend()
+    left.grid(alpha=0.3)
+    Cs = [float(C) for C in report["saguaro"]]
+    right.plot(Cs, [v["hit_rate"] for v in report["saguaro"].values()], marker="o", label="cache hit rate")
+    right.plot(Cs, [v["acceptance"] for v in report["saguaro"].values()], marker="s", label="acceptance")
+    right.set_xlabel("Saguaro C (1 = off)")
+    right.set_title(f"Saguaro sampling (T = {report['temperature']})")
+    right.legend()
+    right.grid(alpha=0.3)
+    fig.tight_layout()
+    path = out_dir / "ssd.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return [path]
+

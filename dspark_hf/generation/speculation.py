@@ -1,0 +1,69 @@
+"""The speculation cache of speculative speculative decoding (SSD, sec. 4.1): while the target verifies a block,
+the outcomes it may return are predicted (k drafted tokens accepted, then bonus token b) and a next block is
+prepared for each; when the real outcome is among them its block is ready, else a fallback drafts one.
+
+An outcome (k, b) is predictable from the block alone: after k acceptances the bonus comes from the residual at
+position k + 1 (or from the target itself past the last verified token), so the candidates for b are the draft's
+most likely tokens at position k + 1, without the drafted token there when it was verified and rejected (a
+rejected token is never the bonus; greedy or sampled).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+
+@dataclass
+class PredictedOutcomes:
+    """S predicted outcomes per row: accepted (N, S) k, bonus (N, S) token id; valid (N, S) False for slots a row
+    has no candidate for (past the end of its block)."""
+
+    accepted: torch.Tensor
+    bonus: torch.Tensor
+    valid: torch.Tensor
+
+    def lookup(self, accepted: torch.Tensor, bonus: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The real outcomes (N,) -> (hit (N,) bool, slot (N,) of the hit, 0 on a miss)."""
+        match = self.valid & (self.accepted == accepted[:, None]) & (self.bonus == bonus[:, None])
+        return match.any(1), match.float().argmax(1)
+
+
+def predict_outcomes(probs: torch.Tensor, tokens: torch.Tensor, verify_len: torch.Tensor,
+                     fan_out: Sequence[int]) -> PredictedOutcomes:
+    """Outcomes of verifying tokens[:, :verify_len] worth a next block, F_k of them for each k accepted.
+
+    probs (N, gamma, V) the draft distributions; tokens (N, gamma) the drafted block; verify_len (N,);
+    fan_out F_0..F_gamma (e.g. from `dspark_hf.scheduling.ssd`). Candidates for k are the top-F_k tokens of
+    probs[:, k], without tokens[:, k] when k < verify_len (it was rejected if the outcome is k); a row with k past
+    its verified length, or with k = gamma (the target's own next token, which the block has no distribution for),
+    gets invalid slots.
+    """
+    N, gamma, V = probs.shape
+    if len(fan_out) != gamma + 1:
+        raise ValueError(f"fan_out has one count per number of accepted tokens 0..{gamma}: {gamma + 1} counts, got "
+                         f"{len(fan_out)}.")
+    accepted, bonus, valid = [], [], []
+    for k, F in enumerate(fan_out):
+        if F == 0:
+            continue
+        reachable = k <= verify_len
+        if k == gamma:
+            tokens_k = torch.zeros(N, F, dtype=torch.long, device=probs.device)
+            accepted.append(torch.full((N, F), k, device=probs.device))
+            bonus.append(tokens_k)
+            valid.append(torch.zeros(N, F, dtype=torch.bool, device=probs.device))
+            continue
+        p = probs[:, k].clone()
+        rejected = k < verify_len  # outcome k means tokens[:, k] was verified and rejected
+        p[rejected, tokens[rejected, k]] = -1.0  # below every probability: never a candidate
+        top = p.topk(min(F, V), dim=-1)
+        accepted.append(torch.full((N, top.indices.shape[1]), k, device=probs.device))
+        bonus.append(top.indices)
+        valid.append(reachable[:, None] & (top.values >= 0))
+    if not accepted:
+        empty = torch.zeros(N, 0, dtype=torch.long, device=probs.device)
+        return PredictedOutcomes(empty, empty, empty.bool())
+    return PredictedOutcomes(torch.cat(accepted, 1), torch.cat(bonus, 1), torch.cat(valid, 1))

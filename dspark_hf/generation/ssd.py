@@ -1,0 +1,344 @@
+"""Speculative speculative decoding (SSD, the Saguaro algorithm) with a DSpark draft as the speculator.
+
+While the target verifies round t's block, the speculator predicts the outcomes that verification may return
+(k drafted tokens accepted, then bonus token b: [`predict_outcomes`]) and drafts round t + 1's block for each of
+them, all in one batched pass of the block-parallel draft (one block per (row, outcome)). When the real outcome is
+in this *speculation cache*, the next block is ready at once; when it is not, a fallback drafts one: the draft
+itself just in time, or a fast n-gram lookup from the batch size on where waiting for the draft costs the whole
+batch more than it gains (sec. 4.3).
+
+A pre-speculated block starts after tokens whose target features do not exist yet (the anchor and the accepted
+tokens are still being verified): they enter the draft as known tokens ahead of the new anchor (a lagged context,
+[`DSparkDraftModel.backbone`]). Lossless like every DSpark round: the cache only decides which block is verified
+next; verification and acceptance are the same, against the distribution each token was drawn from.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, fields
+
+import torch
+
+from ..devices import clock
+from ..scheduling.ssd import critical_batch_size, geometric_fan_out, uniform_fan_out
+from .drafting import BlockProposer, DraftBlock, empty_block, sample_block, saguaro
+from .speculation import PredictedOutcomes, predict_outcomes
+
+FAN_OUTS = ("geometric", "uniform")
+FALLBACKS = ("auto", "draft", "ngram", "random")
+
+
+@dataclass
+class SSDConfig:
+    """`target.generate(..., assistant_model=draft, ssd=SSDConfig(...))`: decode with a speculation cache."""
+
+    cache_size: int = field(default=16, metadata={"help": "Blocks prepared per row while the target verifies "
+                            "(sum over k of the fan-out F_k)."})
+    fan_out: str = field(default="geometric", metadata={"help": "How the cache is spread over the number of "
+                         "accepted tokens: geometric (Theorem 12) or uniform.", "choices": FAN_OUTS})
+    power_law_r: float = field(default=1.0, metadata={"help": "Exponent r of the draft's power-law miss rate F^-r "
+                               "that shapes the geometric fan-out (`dspark bench ssd` fits it)."})
+    acceptance: float | None = field(default=None, metadata={"help": "Acceptance rate alpha for the geometric "
+                                     "fan-out; None: estimated from the rounds so far."})
+    saguaro_c: float = field(default=1.0, metadata={"help": "Saguaro sampling: the draft's probability of each "
+                             "cached token is multiplied by C in [0, 1] while sampling (1: off; greedy ignores it)."})
+    fallback: str = field(default="auto", metadata={"help": "What drafts a block on a cache miss: the draft just in "
+                          "time, an n-gram lookup of the text so far, random tokens (the paper's baseline), or auto "
+                          "(the draft below the critical batch size, n-gram lookup from it on).", "choices": FALLBACKS})
+    overlap: bool = field(default=True, metadata={"help": "Speculate in a thread (on a GPU, its own CUDA stream) "
+                          "while the target verifies; False runs the two one after the other."})
+
+    def __post_init__(self):
+        for name, allowed in (("fan_out", FAN_OUTS), ("fallback", FALLBACKS)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"SSDConfig.{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}.")
+        if self.cache_size < 0:
+            raise ValueError(f"SSDConfig.cache_size must be >= 0 blocks, got {self.cache_size}.")
+        if not 0.0 <= self.saguaro_c <= 1.0:
+            raise ValueError(f"SSDConfig.saguaro_c must be in [0, 1], got {self.saguaro_c}.")
+        if self.power_law_r <= 0:
+            raise ValueError(f"SSDConfig.power_law_r must be > 0, got {self.power_law_r}.")
+        if self.acceptance is not None and not 0.0 <= self.acceptance <= 1.0:
+            raise ValueError(f"SSDConfig.acceptance must be in [0, 1] or None, got {self.acceptance}.")
+
+    def to_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+@dataclass
+class _Speculation:
+    """The cache of one round: the outcomes prepared for (N, S) and a block for each (tensors (N, S, ...))."""
+
+    outcomes: PredictedOutcomes
+    blocks: DraftBlock
+
+
+@dataclass
+class _Ready:
+    """Blocks ready for the next round: per row, whether it came from the cache, the block where it did, and its
+    lag (how many tokens before its anchor it saw without their target features)."""
+
+    hit: torch.Tensor
+    block: DraftBlock
+    lag: torch.Tensor
+
+    def select(self, idx: torch.Tensor) -> "_Ready":
+        b = self.block
+        pick = (lambda t: None if t is None else t[idx])
+        return _Ready(self.hit[idx], DraftBlock(b.tokens[idx], b.probs[idx], pick(b.confidences), pick(b.unweighted)),
+                      self.lag[idx])
+
+
+def ngram_proposal(history: list[int], length: int, max_n: int = 3) -> list[int]:
+    """Prompt lookup: the tokens that followed the latest earlier occurrence of the history's last n tokens
+    (n = max_n down to 1), at most `length` of them; [] when the tail occurs nowhere before."""
+    for n in range(min(max_n, len(history) - 1), 0, -1):
+        tail = history[-n:]
+        for start in range(len(history) - n - 1, -1, -1):
+            if history[start:start + n] == tail:
+                return history[start + n:start + n + length]
+    return []
+
+
+class SSDMixin:
+    """The SSD round on top of the DSpark decoder (`decoding._Decoder`): where a block comes from, what is
+    speculated during verification, and what the cache hit; verification and commit are the decoder's own."""
+
+    def setup_ssd(self, ssd: SSDConfig):
+        self.ssd = ssd
+        device = self.prompt.device
+        self._next: _Ready | None = None  # blocks ready for this round's rows
+        self._hit = None  # (R,) whether this round's block came from the cache
+        self._lag = None  # (R,) its lag: tokens before its anchor it saw without their target features
+        self._drafted = False  # whether this round drafted at all (the policy may switch drafting off)
+        self._speculation: _Speculation | None = None
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="dspark-ssd") if ssd.overlap else None
+        self._stream = torch.cuda.Stream(device) if ssd.overlap and device.type == "cuda" else None
+        # the speculator samples with its own generator, seeded from the caller's: a seed gives the same output
+        self._generator = torch.Generator(device=device).manual_seed(int(torch.randint(2 ** 62, (1,))))
+        self._available = None  # (R,) tokens of this round's block that may be verified (n-gram blocks are short)
+        # running counts for the fan-out and the fallback: rounds, hits, tokens committed after hits / misses
+        self.ssd_stats = {"rounds": 0, "hits": 0, "accepted": 0, "verified": 0, "tokens_hit": 0, "rounds_hit": 0,
+                          "tokens_miss": 0, "rounds_miss": 0, "fallbacks": {name: 0 for name in FALLBACKS[1:]},
+                          "by_lag": {}}  # lag -> [accepted, verified] (lag 0: drafted in time)
+        self._costs = None
+        # measured overlap: seconds the speculator ran, and seconds verification then waited for it
+        self.timings.update(speculate=0.0, wait=0.0)
+
+    def close_ssd(self):
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+
+    # -- this round's block --------------------------------------------------------------------------------------
+    def _propose(self, anchor, anchor_pos):
+        rows = self.rows
+        R = rows.numel()
+        self._drafted = self.policy.draft_this_round(R)
+        if not self._drafted:  # nothing to verify, so nothing to speculate on: the next block is drafted in time
+            self._next, self._hit = None, torch.zeros(R, dtype=torch.bool, device=rows.device)
+            return empty_block(self.draft, anchor), torch.zeros_like(rows)
+        start = clock(rows.device)
+        self._encode_pending()
+        ready = self._next
+        hit = ready.hit if ready is not None else torch.zeros(R, dtype=torch.bool, device=rows.device)
+        self._available = torch.full((R,), self.draft.config.block_size, device=rows.device)
+        if bool(hit.all()):
+            block = ready.block
+        else:
+            block = self._fallback(anchor, anchor_pos, ~hit)
+            if ready is not None and bool(hit.any()):
+                block = _merge(block, ready.block, hit)
+        self._hit = hit
+        self._lag = torch.where(hit, ready.lag, 0) if ready is not None else torch.zeros_like(rows)
+        if ready is not None:  # the rounds that had a cache to look in
+            self.ssd_stats["rounds"] += R
+            self.ssd_stats["hits"] += int(hit.sum())
+        self.timings["draft"] += clock(rows.device) - start
+        return block, torch.minimum(self._verify_lengths(block), self._available)
+
+    def _fallback(self, anchor, anchor_pos, missed):
+        """A block for every row (only the `missed` rows' are used): the draft's, or an n-gram / random one."""
+        kind = self.ssd.fallback
+        if kind == "auto":
+            kind = "ngram" if self.rows.numel() >= self.critical_batch_size() else "draft"
+        if self._next is not None:  # a real miss (the first round has no cache to miss)
+            self.ssd_stats["fallbacks"][kind] += int(missed.sum())
+        if kind == "draft":
+            return self._draft_now(anchor, anchor_pos)
+        return self._lookup_block(missed, random=kind == "random")
+
+    def _draft_now(self, anchor, anchor_pos):
+        rows = self.rows
+        process = (lambda prefix, logits: self._process(rows, prefix, logits))
+        if isinstance(self.draft, BlockProposer):
+            return self.draft.propose_block(anchor, anchor_pos, self.context, self.do_sample, process_logits=process)
+        return sample_block(self.draft, anchor, anchor_pos, self.context, self.do_sample, process_logits=process,
+                            reweight=self._reweight(self._fan_out()))
+
+    def _lookup_block(self, missed, random: bool):
+        """One-hot blocks of tokens proposed without the draft: exact to verify like any other, as the proposal
+        does not depend on the target's randomness."""
+        R, gamma, V = self.rows.numel(), self.draft.config.block_size, self.draft.config.target_vocab_size
+        tokens = torch.zeros(R, gamma, dtype=torch.long, device=self.rows.device)
+        for i, r in enumerate(self.rows.tolist()):
+            if not bool(missed[i]):
+                continue
+            if random:
+                proposal = torch.randint(V, (gamma,), generator=self._generator, device=tokens.device).tolist()
+            else:
+                real = self.prompt_mask[r].bool()
+                history = self.prompt[r, real].tolist() + self.gen[r, : int(self.n_gen[r])].tolist()
+                proposal = ngram_proposal(history, gamma)
+            tokens[i, : len(proposal)] = torch.tensor(proposal, dtype=torch.long, device=tokens.device)
+            self._available[i] = len(proposal)
+        probs = torch.nn.functional.one_hot(tokens, V).float()
+        return DraftBlock(tokens, probs, None)
+
+    # -- the cache, built while the target verifies ----------------------------------------------------------------
+    def _verify_forward(self, inputs, mask, positions, block, verify_len):
+        if block.tokens.shape[1] == 0 or self.ssd.cache_size == 0:
+            self._speculation = None
+            return super()._verify_forward(inputs, mask, positions, block, verify_len)
+        anchor, anchor_pos, context = inputs[:, 0], positions[:, 0], self.context
+        job = (lambda: self._speculate(block, verify_len, anchor, anchor_pos, context))
+        if self._pool is None:
+            self._speculation = job()
+            return super()._verify_forward(inputs, mask, positions, block, verify_len)
+        future = self._pool.submit(self._on_stream, job)
+        out = super()._verify_forward(inputs, mask, positions, block, verify_len)
+        start = clock(inputs.device)
+        self._speculation = future.result()
+        self.timings["wait"] += clock(inputs.device) - start
+        if self._stream is not None:
+            torch.cuda.current_stream(self._stream.device).wait_stream(self._stream)
+        return out
+
+    def _on_stream(self, job):
+        with torch.no_grad():
+            if self._stream is None:
+                return job()
+            with torch.cuda.stream(self._stream):
+                return job()
+
+    def _speculate(self, block, verify_len, anchor, anchor_pos, context) -> _Speculation | None:
+        """Predict the outcomes of verifying `block` and draft the next block for each, in one draft pass."""
+        start = self._speculator_clock()
+        speculation = self._speculate_now(block, verify_len, anchor, anchor_pos, context)
+        self.timings["speculate"] += self._speculator_clock() - start
+        return speculation
+
+    def _speculator_clock(self) -> float:
+        """The clock for the speculator's own work: on its CUDA stream only (a device-wide sync would wait for the
+        verification it is meant to overlap)."""
+        if self._stream is None:
+            return clock(self.prompt.device)
+        self._stream.synchronize()
+        return time.perf_counter()
+
+    def _speculate_now(self, block, verify_len, anchor, anchor_pos, context) -> _Speculation | None:
+        fan_out = self._fan_out()
+        outcomes = predict_outcomes(_own(block), block.tokens, verify_len, fan_out)
+        N, S = outcomes.bonus.shape
+        if S == 0:
+            return None
+        # the tokens a block for outcome k starts after, without target features yet: the anchor and k accepted
+        lag = int(outcomes.accepted.max()) + 1
+        seq = torch.cat([anchor[:, None], block.tokens], 1)  # (N, gamma + 1)
+        j = torch.arange(lag, device=seq.device)
+        source = j - (lag - 1 - outcomes.accepted[..., None])  # right-aligned: the last known token at lag - 1
+        known = seq.gather(1, source.clamp_min(0).view(N, -1)).view(N, S, lag).masked_fill(source < 0, -1)
+        process = (lambda prefix, logits: self.processors(prefix, logits.float())) if len(self.processors) else None
+        blocks = sample_block(self.draft, outcomes.bonus, anchor_pos[:, None] + outcomes.accepted + 1, context,
+                              self.do_sample, process_logits=process, generator=self._generator, known=known,
+                              reweight=self._reweight(fan_out))
+        return _Speculation(outcomes, blocks)
+
+    def _outcome(self, accepted, next_token):
+        spec, self._speculation = self._speculation, None
+        stats = self.ssd_stats
+        if self._drafted:
+            committed = (accepted + 1).tolist()
+            for h, c in zip(self._hit.tolist(), committed):
+                key = "hit" if h else "miss"
+                stats[f"tokens_{key}"] += c
+                stats[f"rounds_{key}"] += 1
+        if spec is None:
+            self._next = None
+            return
+        hit, slot = spec.outcomes.lookup(accepted, next_token)
+        rows = torch.arange(hit.shape[0], device=hit.device)
+        b = spec.blocks
+        pick = (lambda t: None if t is None else t[rows, slot])
+        self._next = _Ready(hit, DraftBlock(b.tokens[rows, slot], b.probs[rows, slot], pick(b.confidences),
+                                            pick(b.unweighted)), spec.outcomes.accepted[rows, slot] + 1)
+
+    def _record(self, block, verify_len, n, nxt, counts):
+        super()._record(block, verify_len, n, nxt, counts)
+        drafted = block.tokens.shape[1] > 0
+        for i, r in enumerate(self.rows.tolist()):
+            self.rounds[r][-1].cache_hit = bool(self._hit[i]) if drafted else None
+        if drafted:
+            self.ssd_stats["accepted"] += int(n.sum())
+            for lag, a, v in zip(self._lag.tolist(), n.tolist(), verify_len.tolist()):
+                counts = self.ssd_stats["by_lag"].setdefault(lag, [0, 0])
+                counts[0] += a
+                counts[1] += v
+            self.ssd_stats["verified"] += int(verify_len.sum())
+
+    def _keep(self, alive):
+        if self._next is not None and not bool(alive.all()):
+            self._next = self._next.select(alive.nonzero().squeeze(1))
+        super()._keep(alive)
+
+    # -- planning ------------------------------------------------------------------------------------------------
+    def _alpha(self) -> float:
+        """The acceptance rate for the fan-out: the configured one, else accepted / verified so far (prior 0.5)."""
+        if self.ssd.acceptance is not None:
+            return self.ssd.acceptance
+        s = self.ssd_stats
+        return (s["accepted"] + 1.0) / (s["verified"] + 2.0)
+
+    def _fan_out(self) -> list[int]:
+        gamma, budget = self.draft.config.block_size, self.ssd.cache_size
+        if self.ssd.fan_out == "uniform":
+            return uniform_fan_out(budget, gamma)
+        return geometric_fan_out(budget, gamma, min(self._alpha(), 0.999), self.ssd.power_law_r)
+
+    def _reweight(self, fan_out):
+        if not self.do_sample or self.ssd.saguaro_c == 1.0:
+            return None
+        C = self.ssd.saguaro_c
+        return lambda k, p: saguaro(p, fan_out[k], C)
+
+    def critical_batch_size(self) -> int:
+        """From which batch size the n-gram fallback beats drafting just in time (Theorem 17), by this machine's
+        measured costs and the hit rate and tokens per round seen so far (priors: half the outcomes hit, a block
+        from the draft commits 1 + alpha tokens, an n-gram block 1)."""
+        from ..scheduling.profile import cached_costs
+
+        if self._costs is None:
+            self._costs = cached_costs(self.target, self.draft, sorted({1, self.prompt.shape[0]}), progress=False)
+        s, gamma, R = self.ssd_stats, self.draft.config.block_size, max(self.rows.numel(), 1)
+        hit_rate = (s["hits"] + 1.0) / (s["rounds"] + 2.0)
+        tokens_draft = (s["tokens_hit"] + 1.0 + self._alpha()) / (s["rounds_hit"] + 1.0)
+        # the times of a round of R rows (an n-gram lookup costs next to nothing beside it)
+        return critical_batch_size(hit_rate, tokens_draft, tokens_draft, 1.0, self._costs.verify(R, gamma + 1),
+                                   self._costs.draft(R), 0.0)
+
+
+def _merge(block: DraftBlock, cached: DraftBlock, use_cached: torch.Tensor) -> DraftBlock:
+    """Rows of `cached` where use_cached (R,), of `block` elsewhere (confidences only if both have them)."""
+    pick = (lambda a, b: None if a is None or b is None else torch.where(
+        use_cached.view(-1, *([1] * (a.dim() - 1))), b, a))
+    unweighted = None
+    if block.unweighted is not None or cached.unweighted is not None:
+        unweighted = pick(_own(block), _own(cached))
+    return DraftBlock(pick(block.tokens, cached.tokens), pick(block.probs, cached.probs),
+                      pick(block.confidences, cached.confidences), unweighted)
+
+
+def _own(block: DraftBlock) -> torch.Tensor:
+    """The draft's own distributions of a block (before any reweighting)."""
+    return block.unweighted if block.unweighted is not None else block.probs

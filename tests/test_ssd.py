@@ -1,0 +1,319 @@
+"""Speculative speculative decoding (SSD / Saguaro): the shape of the speculation cache (Theorem 12), the cache's
+outcomes and lookup, and Saguaro sampling (Theorem 15)."""
+
+import pytest
+import torch
+
+from conftest import left_padded_prompts, tiny_draft, tiny_target
+from dspark_hf import SSDConfig
+from dspark_hf.generation.drafting import saguaro
+from dspark_hf.generation.ssd import ngram_proposal
+from dspark_hf.generation.speculation import predict_outcomes
+from dspark_hf.scheduling.ssd import (critical_batch_size, expected_hit_rate, fit_power_law, geometric_fan_out,
+                                      outcome_probabilities, ssd_speedup, uniform_fan_out)
+from test_generation_greedy import eos_inside_a_block, oracle, plain
+from test_generation_sampling import ALPHA, SAMPLES, p_value, sample_continuations, sampling_setup
+
+
+# -- the cache's shape: Theorem 12 ---------------------------------------------------------------------------------
+def test_outcome_probabilities_are_geometric_with_the_all_accepted_tail():
+    assert outcome_probabilities(0.5, 2) == [0.5, 0.25, 0.25]
+    assert sum(outcome_probabilities(0.8, 7)) == pytest.approx(1.0)
+
+
+def test_geometric_fan_out_on_hand_computed_cases():
+    # alpha 0.5, r 1: weights sqrt(0.5, 0.25, 0.25) = (0.707, 0.5, 0.5); 10 blocks -> 4.14, 2.93, 2.93 -> 4, 3, 3
+    assert geometric_fan_out(10, verified=2, alpha=0.5, r=1.0) == [4, 3, 3]
+    # alpha 0.8, r 1: sqrt(0.2, 0.16, 0.128, 0.512) = (0.447, 0.4, 0.358, 0.716); 19 blocks -> 4.42, 3.96, 3.54,
+    # 7.08 -> 4, 4, 4, 7
+    assert geometric_fan_out(19, verified=3, alpha=0.8, r=1.0) == [4, 4, 4, 7]
+
+
+def test_geometric_fan_out_falls_by_alpha_to_the_one_over_one_plus_r():
+    alpha, r = 0.7, 0.5
+    F = geometric_fan_out(10**6, verified=5, alpha=alpha, r=r)
+    for a, b in zip(F[:4], F[1:5]):
+        assert b / a == pytest.approx(alpha ** (1 / (1 + r)), rel=1e-4)
+    assert F[5] / F[4] == pytest.approx((alpha / (1 - alpha)) ** (1 / (1 + r)), rel=1e-4), "the all-accepted tail"
+    assert sum(F) == 10**6
+
+
+def test_uniform_fan_out_spreads_the_budget_evenly():
+    assert uniform_fan_out(10, verified=3) == [3, 3, 2, 2]
+    assert uniform_fan_out(0, verified=3) == [0, 0, 0, 0]
+
+
+@pytest.mark.parametrize("alpha, r", [(0.3, 0.5), (0.6, 1.0), (0.9, 2.0)])
+def test_geometric_fan_out_hits_at_least_as_often_as_uniform_at_the_same_budget(alpha, r):
+    miss = lambda F: 1.0 if F == 0 else F ** -r  # noqa: E731
+    for budget in (8, 16, 64):
+        geometric, uniform = geometric_fan_out(budget, 7, alpha, r), uniform_fan_out(budget, 7)
+        assert sum(geometric) == sum(uniform) == budget
+        assert expected_hit_rate(geometric, alpha, miss) >= expected_hit_rate(uniform, alpha, miss) - 1e-12
+
+
+def test_a_power_law_is_recovered_from_its_miss_rates():
+    assert fit_power_law({F: F ** -0.7 for F in range(1, 33)}) == pytest.approx(0.7)
+    assert fit_power_law({2.5: 2.5 ** -1.5, 8: 8 ** -1.5}) == pytest.approx(1.5)
+    with pytest.raises(ValueError, match="strictly between 0 and 1"):
+        fit_power_law({1: 0.5, 2: 1.0, 3: 0.0})
+
+
+def test_bad_fan_out_arguments_say_what_is_wrong():
+    with pytest.raises(ValueError, match="power-law"):
+        geometric_fan_out(8, 3, 0.5, r=0.0)
+    with pytest.raises(ValueError, match="acceptance rate"):
+        geometric_fan_out(8, 3, 1.5, r=1.0)
+
+
+# -- the cache's outcomes and lookup -------------------------------------------------------------------------------
+def block_probs():
+    """One row, a block of 2 over 5 tokens: position 1 prefers 3 > 1 > 0 > ..., position 2 prefers 4 > 2 > ...."""
+    probs = torch.tensor([[[0.2, 0.3, 0.05, 0.4, 0.05], [0.05, 0.1, 0.25, 0.1, 0.5]]])
+    return probs, torch.tensor([[3, 4]])
+
+
+def test_the_cache_prepares_the_top_candidates_without_the_rejected_drafted_token():
+    probs, tokens = block_probs()
+    outcomes = predict_outcomes(probs, tokens, torch.tensor([1]), fan_out=[2, 2, 0])
+    # k = 0: the drafted 3 was rejected, so the bonus is among the rest: 1, then 0;
+    # k = 1: position 2 was not verified, so its drafted 4 may be the target's next token: 4, then 2
+    assert outcomes.accepted.tolist() == [[0, 0, 1, 1]] and outcomes.bonus.tolist() == [[1, 0, 4, 2]]
+    assert outcomes.valid.all()
+    hit, slot = outcomes.lookup(torch.tensor([1]), torch.tensor([2]))
+    assert hit.tolist() == [True] and slot.tolist() == [3]
+    for accepted, bonus in ((0, 3), (0, 2), (2, 0)):  # the rejected token itself, a token outside the top 2, k = 2
+        hit, _ = outcomes.lookup(torch.tensor([accepted]), torch.tensor([bonus]))
+        assert hit.tolist() == [False]
+
+
+def test_outcomes_past_a_rows_verified_length_or_the_block_are_never_hits():
+    probs, tokens = block_probs()
+    probs, tokens = probs.expand(2, -1, -1), tokens.expand(2, -1)
+    outcomes = predict_outcomes(probs, tokens, torch.tensor([0, 2]), fan_out=[1, 1, 1])
+    # row 0 verified nothing: only k = 0 can happen; row 1 verified both: k = 2 is the target's own token
+    assert outcomes.valid.tolist() == [[True, False, False], [True, True, False]]
+    assert outcomes.bonus[0, 0] == 3, "row 0 verified nothing, so its drafted token may be the next one"
+    with pytest.raises(ValueError, match="one count per number of accepted tokens"):
+        predict_outcomes(probs, tokens, torch.tensor([0, 2]), fan_out=[1, 1])
+
+
+# -- Saguaro sampling: Theorem 15 ----------------------------------------------------------------------------------
+def test_saguaro_down_weights_the_top_tokens_and_stays_a_distribution():
+    probs, _ = block_probs()
+    q = saguaro(probs, fan_out=2, C=0.5)
+    assert torch.allclose(q.sum(-1), torch.ones(1, 2))
+    ratio = q / probs  # per position: C x s on the top two tokens, s (the renormalisation) on the rest
+    top = probs.topk(2, -1).indices
+    rest = torch.ones_like(probs, dtype=torch.bool).scatter_(-1, top, False)
+    s_rest = ratio[rest].view(1, 2, 3)
+    assert torch.allclose(s_rest, s_rest[..., :1].expand(-1, -1, 3))
+    assert torch.allclose(ratio.gather(-1, top), 0.5 * s_rest[..., :2])
+    assert torch.equal(saguaro(probs, 2, 1.0), probs)
+    with pytest.raises(ValueError, match=r"in \[0, 1\]"):
+        saguaro(probs, 2, 1.5)
+
+
+def test_the_residual_puts_more_mass_on_the_cached_tokens_as_C_falls():
+    """Theorem 15: with the cache the top-F draft tokens, the bonus after a rejection lands in the cache more often
+    the smaller C is."""
+    g = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        target = torch.softmax(torch.randn(50, generator=g) * 2, -1)
+        draft = torch.softmax(torch.log(target) + torch.randn(50, generator=g), -1)
+        cached = draft.topk(4).indices
+        hit = []
+        for C in (1.0, 0.7, 0.4, 0.1, 0.0):
+            residual = (target - saguaro(draft, 4, C)).clamp_min(0)
+            hit.append(float(residual[cached].sum() / residual.sum()))
+        assert all(b >= a - 1e-6 for a, b in zip(hit, hit[1:])) and hit[-1] > hit[0]
+
+
+# -- the fallback and the speedup: Theorem 7, Corollary 16, Theorem 17 ------------------------------------------------
+def test_the_speedup_equation_on_a_hand_computed_case():
+    # half the rounds hit (3 tokens), half miss (1 token) and wait 0.5 for the fallback; plain: 1 token per 0.5
+    assert ssd_speedup(0.5, 3.0, 1.0, t_verify=1.0, t_fallback=0.5, t_plain=0.5) == pytest.approx(2 * 0.5 / 1.25)
+    # at batch size 2 some row misses with probability 1 - 0.5^2
+    assert ssd_speedup(0.5, 3.0, 1.0, 1.0, 0.5, 0.5, batch_size=2) == pytest.approx(2 * 0.5 / (1 + 0.75 * 0.5))
+
+
+def test_the_fast_fallback_takes_over_at_the_critical_batch_size():
+    # slow: 3 tokens per round either way, a miss costs 0.6 -> 3 / (1 + 0.6 (1 - 0.5^b)) = 2.31, 2.07, 1.97 ...;
+    # fast: 0.5 * 3 + 0.5 * 1 = 2 tokens per round, never waits
+    assert critical_batch_size(0.5, 3.0, 3.0, 1.0, t_verify=1.0, t_slow=0.6, t_fast=0.0) == 3
+    never = critical_batch_size(0.5, 3.0, 3.0, 1.0, 1.0, 0.5, 0.0, max_batch_size=64)
+    assert never == 65, "at 0.5 the slow fallback's speedup only approaches the fast one's"
+
+
+# -- decoding with a speculation cache ------------------------------------------------------------------------------
+
+EVERY_OUTCOME = 96 * 5  # the tiny vocabulary times (block_size + 1): every outcome gets a block
+
+
+def ssd_generate(target, draft, ids, mask, **kw):
+    return target.generate(input_ids=ids, attention_mask=mask, do_sample=False, assistant_model=draft,
+                           return_dict_in_generate=True, **kw)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("config", [
+    SSDConfig(cache_size=EVERY_OUTCOME, fan_out="uniform"),  # every round hits
+    SSDConfig(cache_size=6, fallback="draft"),  # most rounds miss: the draft, just in time
+    SSDConfig(cache_size=6, fallback="ngram", overlap=False),
+    SSDConfig(cache_size=6, fallback="random"),
+    SSDConfig(cache_size=12, fallback="auto"),
+], ids=["all-hit", "draft", "ngram-no-overlap", "random", "auto"])
+def test_greedy_ssd_is_token_identical_with_eos_inside_blocks_and_different_stopping_times(family, batch, config):
+    target = tiny_target(family)
+    ids, mask = left_padded_prompts(batch)
+    free, eos = eos_inside_a_block(target, ids, mask)
+    reference = plain(target, ids, mask, max_new_tokens=30, eos_token_id=eos)
+    draft = oracle(target, tiny_draft(target), free, mask, 0.3)  # a good draft just in time, a random one cached
+    out = ssd_generate(target, draft, ids, mask, max_new_tokens=30, eos_token_id=eos, ssd=config)
+    assert torch.equal(out.sequences, reference)
+    hits = [r.cache_hit for rows in out.rounds for r in rows]
+    stats = out.ssd_stats
+    assert stats["hits"] == sum(h is True for h in hits) and stats["rounds"] >= stats["hits"]
+    if config.cache_size == EVERY_OUTCOME:
+        for rows in out.rounds:
+            for before, now in zip(rows, rows[1:]):
+                assert now.cache_hit or before.accepted == before.verified == draft.config.block_size, \
+                    "with a block for every outcome, only a round whose whole block was accepted can miss"
+        assert stats["hits"] > 0
+    else:
+        assert stats["rounds"] > stats["hits"]
+    if batch == 3:
+        lengths = (out.sequences[:, ids.shape[1]:] != 0).sum(1)
+        assert len(set(lengths.tolist())) > 1, "rows stop at different times"
+
+
+def test_length_limits_and_a_cache_that_hits_every_round():
+    target = tiny_target("llama")
+    ids, mask = left_padded_prompts(3)
+    for max_new_tokens in (1, 2, 5, 11):
+        out = ssd_generate(target, tiny_draft(target), ids, mask, max_new_tokens=max_new_tokens,
+                           ssd=SSDConfig(cache_size=EVERY_OUTCOME, fan_out="uniform"))
+        assert torch.equal(out.sequences, plain(target, ids, mask, max_new_tokens=max_new_tokens))
+
+
+def test_rounds_record_whether_their_block_came_from_the_cache():
+    target = tiny_target("llama")
+    ids, mask = left_padded_prompts(1)
+    out = ssd_generate(target, tiny_draft(target), ids, mask, max_new_tokens=12,
+                       ssd=SSDConfig(cache_size=EVERY_OUTCOME, fan_out="uniform"))
+    hits = [r.cache_hit for r in out.rounds[0]]
+    assert hits[0] is False and all(hits[1:]), "the first block is drafted in time, every later one was ready"
+    assert out.timings["speculate"] > 0 and out.timings["wait"] >= 0
+    without = target.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=4,
+                              assistant_model=tiny_draft(target), return_dict_in_generate=True)
+    assert all(r.cache_hit is None for r in without.rounds[0]) and without.ssd_stats is None
+
+
+def test_the_auto_fallback_drafts_below_the_critical_batch_size_and_looks_up_n_grams_from_it(monkeypatch):
+    from dspark_hf.generation.ssd import SSDMixin
+
+    target = tiny_target("llama")
+    ids, mask = left_padded_prompts(3)
+    reference = plain(target, ids, mask, max_new_tokens=12)
+    for critical, used in ((4, "draft"), (3, "ngram")):  # three rows decode to the end
+        monkeypatch.setattr(SSDMixin, "critical_batch_size", lambda self, c=critical: c)
+        out = ssd_generate(target, tiny_draft(target), ids, mask, max_new_tokens=12,
+                           ssd=SSDConfig(cache_size=2, fallback="auto"))
+        assert torch.equal(out.sequences, reference)
+        fallbacks = out.ssd_stats["fallbacks"]
+        assert fallbacks[used] > 0 and sum(fallbacks.values()) == fallbacks[used]
+
+
+def test_ngram_lookup_proposes_what_followed_the_latest_earlier_occurrence():
+    assert ngram_proposal([5, 6, 7, 1, 5, 6, 9, 5, 6], 3) == [9, 5, 6], "the latest occurrence of [5, 6]"
+    assert ngram_proposal([1, 2, 3, 4, 2], 2) == [3, 4], "down to a 1-gram"
+    assert ngram_proposal([1, 2, 3], 4) == [] and ngram_proposal([7], 4) == []
+
+
+def test_bad_ssd_settings_and_processors_that_read_ids_are_refused():
+    with pytest.raises(ValueError, match="fan_out must be one of geometric, uniform"):
+        SSDConfig(fan_out="tree")
+    with pytest.raises(ValueError, match=r"saguaro_c must be in \[0, 1\]"):
+        SSDConfig(saguaro_c=2.0)
+    target = tiny_target("llama")
+    ids, mask = left_padded_prompts(2)
+    with pytest.raises(ValueError, match="RepetitionPenaltyLogitsProcessor"):
+        ssd_generate(target, tiny_draft(target), ids, mask, max_new_tokens=4, repetition_penalty=1.3,
+                     ssd=SSDConfig())
+    with pytest.raises(TypeError, match="dspark_hf.SSDConfig"):
+        ssd_generate(target, tiny_draft(target), ids, mask, max_new_tokens=4, ssd={"cache_size": 4})
+
+
+# -- lagged context ---------------------------------------------------------------------------------------------
+def test_known_tokens_enter_the_block_and_padding_ones_change_nothing():
+    from test_model import context_for, encode
+
+    target = tiny_target("llama")
+    draft = tiny_draft(target)
+    ids, features, positions = context_for(draft, target)
+    context = encode(draft, features, positions)
+    anchor, position = ids[:, -1:], positions[:, -1:]
+    h = draft.backbone(anchor, position, context)
+    torch.testing.assert_close(draft.backbone(anchor, position, context, torch.full((2, 1, 3), -1)), h)
+    known = torch.tensor([[[-1, 5, 9]]]).expand(2, 1, 3)
+    assert not torch.allclose(draft.backbone(anchor, position, context, known), h)
+
+
+def test_a_lagged_block_sees_only_the_context_before_its_first_known_token():
+    """Tokens 7 and 8 enter as known tokens ahead of anchor 9: their context entries, present or not, are unseen."""
+    from test_model import context_for, encode
+
+    target = tiny_target("llama")
+    draft = tiny_draft(target)
+    ids, features, positions = context_for(draft, target)
+    known = ids[:, None, 7:9]
+    full = draft.backbone(ids[:, None, 9], positions[:, None, 9], encode(draft, features, positions), known)
+    lagged = draft.backbone(ids[:, None, 9], positions[:, None, 9],
+                            encode(draft, features[:, :7], positions[:, :7]), known)
+    torch.testing.assert_close(full, lagged)
+
+
+# -- sampling: exact with a speculation cache, with and without Saguaro sampling ------------------------------------
+
+
+@pytest.fixture(scope="module")
+def setup():
+    return sampling_setup()
+
+
+@pytest.mark.parametrize("config", [SSDConfig(cache_size=3, saguaro_c=0.3, fallback="draft"),
+                                    SSDConfig(cache_size=2, fallback="ngram")], ids=["saguaro-0.3", "ngram"])
+def test_sampled_ssd_follows_the_target_distribution(setup, config):
+    target, draft, settings, probs = setup
+    torch.manual_seed(7)
+    samples = sample_continuations(target, draft, SAMPLES, ssd=config, **settings)
+    assert p_value(samples, probs) > ALPHA
+
+
+def test_verifying_cached_tokens_against_the_unweighted_distribution_is_caught(setup, monkeypatch):
+    """Guards the previous test: a cache that recorded the draft's own distribution instead of the reweighted one
+    its tokens were drawn from fails it."""
+    import dspark_hf.generation.ssd as ssd
+
+    sample_block = ssd.sample_block
+
+    def recording_the_wrong_distribution(*args, **kwargs):
+        block = sample_block(*args, **kwargs)
+        return type(block)(block.tokens, block.unweighted if block.unweighted is not None else block.probs,
+                           block.confidences)
+
+    monkeypatch.setattr(ssd, "sample_block", recording_the_wrong_distribution)
+    target, draft, settings, probs = setup
+    torch.manual_seed(7)
+    samples = sample_continuations(target, draft, SAMPLES, ssd=SSDConfig(cache_size=3, saguaro_c=0.3,
+                                                                         fallback="draft"), **settings)
+    assert p_value(samples, probs) < ALPHA
+
+
+def test_a_seed_gives_the_same_sampled_output_with_the_speculator_in_its_thread(setup):
+    target, draft, settings, _ = setup
+    outs = []
+    for _ in range(2):
+        torch.manual_seed(11)
+        outs.append(sample_continuations(target, draft, 64, ssd=SSDConfig(cache_size=3, saguaro_c=0.5), **settings))
+    assert torch.equal(*outs)
