@@ -236,12 +236,7 @@ def cmd_bench_ssd(args) -> int:
                            args.speed_cache_size, progress=bar)
     _write_json(args.output, report)
     print(f"\n{describe(report['machine'])}; {len(prompts)} prompts, max_new_tokens={args.max_new_tokens}")
-    print(format_ssd_tables(report))
-    if args.plot:
-        for path in plot_ssd(report, args.plot):
-            print(f"plot: {path}")
-    print(f"results: {args.output}")
-    return 0
+    return _show(args, format_ssd_tables(report), lambda folder: plot_ssd(report, folder))
 
 
 def cmd_bench_serve(args) -> int:
@@ -257,9 +252,14 @@ def cmd_bench_serve(args) -> int:
     _write_json(args.output, report)
     print(f"\n{describe(report['machine'])}; greedy, max_new_tokens={args.max_new_tokens}, median of "
           f"{args.repeats}; total tokens/s by concurrency R")
-    print(format_serve_table(report))
+    return _show(args, format_serve_table(report), lambda folder: plot_serve(report, folder))
+
+
+def _show(args, table: str, plot) -> int:
+    """A benchmark's last words: its table, its plots when --plot names a folder, and where its results are."""
+    print(table)
     if args.plot:
-        for path in plot_serve(report, args.plot):
+        for path in plot(args.plot):
             print(f"plot: {path}")
     print(f"results: {args.output}")
     return 0
@@ -618,12 +618,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="another draft to run beside --draft, e.g. a single-token draft (--block-size 1); repeatable")
     p.set_defaults(func=cmd_bench_speed)
 
+    def interleaved_prompts(p, limit):
+        p.add_argument("--prompts", help="JSONL of prompts (default: HumanEval, MT-Bench and GSM prompts, "
+                                         "interleaved)")
+        p.add_argument("--suite", action="append", choices=["humaneval", "mtbench", "gsm"])
+        p.add_argument("--limit", type=int, default=limit, help="first K prompts of each source")
+
     p = bench.add_parser("serve", help="verification policies under load: throughput and per-user speed by "
                                        "concurrency, Pareto and budget plots")
     models(p)
-    p.add_argument("--prompts", help="JSONL of prompts (default: HumanEval, MT-Bench and GSM prompts, interleaved)")
-    p.add_argument("--suite", action="append", choices=["humaneval", "mtbench", "gsm"])
-    p.add_argument("--limit", type=int, default=11, help="first K prompts of each source")
+    interleaved_prompts(p, limit=11)
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--repeats", type=int, default=2)
@@ -639,16 +643,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = bench.add_parser("ssd", help="speculative speculative decoding: cache hit rate by fan-out shape and by "
                                      "Saguaro's C, speed beside plain and DSpark, and the speedup equation")
     models(p)
-    p.add_argument("--prompts", help="JSONL of prompts (default: HumanEval, MT-Bench and GSM prompts, interleaved)")
-    p.add_argument("--suite", action="append", choices=["humaneval", "mtbench", "gsm"])
-    p.add_argument("--limit", type=int, default=2, help="first K prompts of each source")
-    p.add_argument("--cache-sizes", type=int, nargs="+", default=[4, 16, 64], help="blocks per row in the cache")
+    interleaved_prompts(p, limit=1)
+    p.add_argument("--cache-sizes", type=int, nargs="+", default=[2, 4, 8, 16], help="blocks per row in the cache")
     p.add_argument("--saguaro-c", type=float, nargs="+", default=[1.0, 0.7, 0.4, 0.1], help="values of C to sample "
                    "with")
     p.add_argument("--temperature", type=float, default=0.7, help="for the Saguaro runs")
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4], help="of the speed runs")
-    p.add_argument("--speed-cache-size", type=int, default=16, help="cache size of the speed runs")
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--speed-cache-size", type=int, default=8, help="cache size of the speed runs")
+    p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--output", default="bench_ssd.json")
     p.add_argument("--plot", metavar="DIR", help="write ssd.png here")

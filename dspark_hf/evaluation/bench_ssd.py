@@ -47,9 +47,9 @@ def _rates(t: dict) -> dict:
             "tokens_per_round": (t["tokens_hit"] + t["tokens_miss"]) / max(t["rounds_hit"] + t["rounds_miss"], 1)}
 
 
-def bench_ssd(target, tokenizer, draft, prompts: list[dict], cache_sizes=(4, 16, 64), saguaro_cs=(1.0, 0.7, 0.4, 0.1),
-              batch_sizes=(1, 4), max_new_tokens: int = 64, repeats: int = 2, temperature: float = 0.7,
-              speed_cache_size: int = 16, progress=None) -> dict:
+def bench_ssd(target, tokenizer, draft, prompts: list[dict], cache_sizes=(2, 4, 8, 16), saguaro_cs=(1.0, 0.7, 0.4, 0.1),
+              batch_sizes=(1, 4), max_new_tokens: int = 48, repeats: int = 2, temperature: float = 0.7,
+              speed_cache_size: int = 8, progress=None) -> dict:
     """Run the four parts (module docstring); returns a JSON-ready report."""
     gamma = draft.config.block_size
     tick = (lambda: progress.update(1)) if progress is not None else (lambda: None)
