@@ -1,12 +1,13 @@
 """Teacher-forced acceptance of a draft on a dataset: 1 - TV (sampling) and argmax agreement (greedy) per position.
 
     python examples/heldout_acceptance.py DRAFT DATASET [--all] [--heldout-fraction F] [--feature-cache DIR]
-                                          [--output FILE.json]
+                                          [--lag L] [--output FILE.json]
 
 By default only the held-out split of DATASET (5% by hashed prompt id, as `dspark train` chooses it) is measured, so
 a draft trained on DATASET is measured on sequences it never saw; --all measures every sequence, for a dataset the
 draft was not trained on. The figures are what `dspark train` writes to heldout.json, on the embedded target, per
-domain where the dataset names them; --feature-cache reads the target's features from a cache that holds them.
+domain where the dataset names them; --feature-cache reads the target's features from a cache that holds them;
+--lag L measures blocks that see their last L context tokens without target features (SSD's lagged context).
 """
 
 import argparse
@@ -28,6 +29,7 @@ parser.add_argument("--all", action="store_true", help="measure every sequence, 
 parser.add_argument("--heldout-fraction", type=float, default=TrainConfig.heldout_fraction,
                     help="as the draft was trained with")
 parser.add_argument("--feature-cache", help="a `dspark train --feature-cache` folder holding these sequences")
+parser.add_argument("--lag", type=int, default=0, help="context tokens before each anchor seen without features")
 parser.add_argument("--output", help="write the report here as JSON")
 args = parser.parse_args()
 
@@ -40,8 +42,8 @@ if not args.all:
 layers = draft.config.target_layer_ids
 features = (CachedFeatures(args.feature_cache, target, layers, examples) if args.feature_cache
             else OnlineFeatures(target, layers))
-report = evaluate_heldout(draft, target, examples, features, 48, LossWeights())
-report.update(draft=args.draft, dataset=args.dataset, split="all" if args.all else "held-out")
+report = evaluate_heldout(draft, target, examples, features, 48, LossWeights(), lag=args.lag)
+report.update(draft=args.draft, dataset=args.dataset, split="all" if args.all else "held-out", lag=args.lag)
 print(f"{args.dataset} ({report['split']}, {report['sequences']} sequences)")
 for name, rates, tau in (("1 - TV", "acceptance_per_position", "expected_tau_from_acceptance"),
                          ("greedy agreement", "greedy_agreement_per_position", "expected_greedy_tau")):

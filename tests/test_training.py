@@ -603,6 +603,8 @@ def test_feature_lag_trains_blocks_that_see_their_last_tokens_without_features(t
     lags = {sum(t >= 0 for t in row) for row in lagged_tokens(ids, anchors.repeat(1, 30), 3,
                                                               torch.Generator().manual_seed(1)).view(-1, 3).tolist()}
     assert lags == {0, 1, 2, 3}
+    exact = lagged_tokens(ids, anchors, 3, None, exact=True)  # what heldout reports at one lag use
+    assert exact[0, 1].tolist() == [107, 108, 109] and exact[0, 0].tolist() == [-1, -1, 100], "none before 0"
 
     target = tiny_target("llama")
     data = tiny_dataset(tmp_path, target, n=4)

@@ -9,11 +9,13 @@ import torch
 from .objective import train_step
 
 @torch.no_grad()
-def evaluate_heldout(draft, target, heldout, features, anchors_per_sequence, weights, batch_size=4) -> dict:
+def evaluate_heldout(draft, target, heldout, features, anchors_per_sequence, weights, batch_size=4,
+                     lag: int = 0) -> dict:
     """Teacher-forced acceptance per position on held-out sequences (the target's own tokens), and the expected
     acceptance length each implies: 1 - TV for sampling, and whether the draft's argmax is the target's for greedy
     decoding. Where the examples name their domain, the same figures per domain under "domains", and the macro
-    expected greedy tau over them."""
+    expected greedy tau over them. lag: every block sees its last `lag` context tokens without their features (as
+    SSD's pre-speculated blocks do)."""
     if not heldout:
         return {}
     generator = torch.Generator().manual_seed(1234)
@@ -25,7 +27,7 @@ def evaluate_heldout(draft, target, heldout, features, anchors_per_sequence, wei
         acc = sums.setdefault(domain, {"acceptance": 0, "agreement": 0, "count": 0})
         for i in range(0, len(examples), batch_size):
             losses, valid = train_step(draft, target, examples[i: i + batch_size], features, anchors_per_sequence,
-                                       weights, generator)
+                                       weights, generator, feature_lag=lag, exact_lag=True)
             for k in ("acceptance", "agreement"):
                 acc[k] = acc[k] + (losses[k] * valid).sum(0)
             acc["count"] = acc["count"] + valid.sum(0)
