@@ -1,5 +1,6 @@
 """Speculative speculative decoding (SSD / Saguaro): the shape of the speculation cache (Theorem 12), the cache's
-outcomes and lookup, and Saguaro sampling (Theorem 15)."""
+outcomes and lookup, Saguaro sampling (Theorem 15), the fallback (Theorem 17), and decoding with `ssd=`: greedy
+output identical to plain generate(), sampled output exact, whatever the cache hits."""
 
 import pytest
 import torch
