@@ -30,6 +30,11 @@ class DraftBlock:
     confidences: torch.Tensor | None
     unweighted: torch.Tensor | None = None
 
+    def index(self, *index) -> "DraftBlock":
+        """The same rows (and blocks) of every tensor, e.g. block.index(rows) or block.index(rows, slots)."""
+        pick = (lambda t: None if t is None else t[index])
+        return DraftBlock(self.tokens[index], self.probs[index], pick(self.confidences), pick(self.unweighted))
+
 
 @runtime_checkable
 class BlockProposer(Protocol):

@@ -85,10 +85,7 @@ class _Ready:
     lag: torch.Tensor
 
     def select(self, idx: torch.Tensor) -> "_Ready":
-        b = self.block
-        pick = (lambda t: None if t is None else t[idx])
-        return _Ready(self.hit[idx], DraftBlock(b.tokens[idx], b.probs[idx], pick(b.confidences), pick(b.unweighted)),
-                      self.lag[idx])
+        return _Ready(self.hit[idx], self.block.index(idx), self.lag[idx])
 
 
 def ngram_proposal(history: list[int], length: int, max_n: int = 3) -> list[int]:
@@ -269,10 +266,7 @@ class SSDMixin:
             return
         hit, slot = spec.outcomes.lookup(accepted, next_token)
         rows = torch.arange(hit.shape[0], device=hit.device)
-        b = spec.blocks
-        pick = (lambda t: None if t is None else t[rows, slot])
-        self._next = _Ready(hit, DraftBlock(b.tokens[rows, slot], b.probs[rows, slot], pick(b.confidences),
-                                            pick(b.unweighted)), spec.outcomes.accepted[rows, slot] + 1)
+        self._next = _Ready(hit, spec.blocks.index(rows, slot), spec.outcomes.accepted[rows, slot] + 1)
 
     def _record(self, block, verify_len, n, nxt, counts):
         super()._record(block, verify_len, n, nxt, counts)
