@@ -290,7 +290,7 @@ def play(policy, confidences, accepted_of, rounds):
 
 def test_the_default_policy_stops_drafting_a_draft_that_never_pays_and_probes_less_and_less():
     policy = auto(costs(draft=0.04))  # a draft pass almost as dear as a verification, nothing accepted
-    drafted = play(policy, torch.full((1, 7), 0.6), lambda lengths: torch.zeros_like(lengths), 60)
+    drafted = play(policy, torch.full((1, 7), 0.6), lambda lengths: torch.zeros_like(lengths), 200)
     probes = [i for i, d in enumerate(drafted) if d]
     assert policy.gain < 1 and len(probes) <= 6
     gaps = [b - a for a, b in zip(probes, probes[1:])]
@@ -305,6 +305,23 @@ def test_the_probes_of_a_draft_that_never_pays_cost_at_most_the_probe_budget():
     extra = (engine.draft(1) + engine.verify(1, 2) - engine.verify(1, 1)) / engine.verify(1, 1)  # per probe
     probes_after_the_first = sum(drafted[1:])
     assert probes_after_the_first >= 2 and probes_after_the_first * extra <= 0.02 * rounds
+
+
+def test_a_short_request_with_a_draft_that_never_pays_pays_for_one_probe():
+    policy = auto(costs(draft=0.04))  # a probe costs 0.82 of a plain step: the default budget pauses 41+ rounds
+    drafted = play(policy, torch.full((1, 7), 0.6), lambda lengths: torch.zeros_like(lengths), 32)
+    assert drafted[0] and sum(drafted) == 1
+
+
+def test_a_lucky_first_block_does_not_keep_a_draft_that_does_not_pay_drafting():
+    """Two tokens accepted in the first block (1.4x plain in that round), then nothing: the estimate started at
+    break-even, so the lucky round lifts it only part of the way and the first miss pauses drafting (started at
+    the first round's own gain, it would draft a third round)."""
+    policy = auto(costs(draft=0.04))
+    luck = iter([2] + [0] * 40)
+    drafted = play(policy, torch.full((1, 7), 0.6), lambda lengths: torch.minimum(lengths, torch.tensor(next(luck))),
+                   20)
+    assert drafted[:2] == [True, True] and not any(drafted[2:])
 
 
 def test_one_unlucky_round_does_not_stop_a_draft_that_pays():
@@ -341,7 +358,7 @@ def test_probes_verify_at_least_one_token_and_are_judged_by_what_the_plan_would_
     policy = auto(costs(draft=0.04))
     lengths = []
     drafted = play(policy, torch.full((1, 7), 0.05),
-                   lambda ls: lengths.append(int(ls)) or torch.zeros_like(ls), 60)
+                   lambda ls: lengths.append(int(ls)) or torch.zeros_like(ls), 200)
     probes = [i for i, d in enumerate(drafted) if d]
     assert all(n >= 1 for n in lengths), "a plan of zero tokens would never learn otherwise"
     assert len(probes) >= 3 and policy.gain < 1
@@ -411,7 +428,8 @@ def test_a_probe_is_counted_in_the_gain_as_the_plan_would_have_done_not_at_what_
     assert int(lengths) == 1, "the probe verifies one token all the same"
     policy.observe(lengths, torch.ones(1, dtype=torch.long), drafted=True)  # and it is accepted
     plan_would = engine.verify(1, 1) / (engine.draft(1) + engine.verify(1, 1))  # one token, nothing verified
-    assert int(policy._plan(None, 1)) == 0 and policy.gain == pytest.approx(plan_would)
+    smoothing = policy.smoothing  # the estimate starts at break-even
+    assert int(policy._plan(None, 1)) == 0 and policy.gain == pytest.approx(1 - smoothing + smoothing * plan_would)
 
 
 def test_any_object_with_the_four_policy_methods_is_a_policy_without_subclassing():

@@ -26,12 +26,14 @@ class AutoScheduled(Policy):
       far (a draft better or worse than its confidence head says is planned for as it is); a draft without a
       confidence head is planned with the acceptance rates seen so far.
     - Between rounds: a running estimate of what drafting gains, each drafted round's committed tokens per second
-      of its measured cost over plain decoding's R / t_verify(R, 1), smoothed over rounds. While it is below 1,
-      drafting pauses and probes again after `probe_every` rounds, and each probe that leaves the estimate below 1
-      doubles the pause (up to `max_pause`): one unlucky round does not stop drafting, one lucky probe does not
-      restart it. No pause is shorter than what keeps the probes' extra cost (a draft pass and one more verified
-      token, from the costs) within `probe_budget` of the time spent decoding plainly: with a weak draft the
-      probes cost about that much at most.
+      of its measured cost over plain decoding's R / t_verify(R, 1), smoothed over rounds. It starts at 1 (break
+      even: no evidence either way), so a lucky first block alone does not keep a weak draft drafting. While it is
+      below 1, drafting pauses and probes again after `probe_every` rounds, and each probe that leaves the estimate
+      below 1 doubles the pause (up to `max_pause`): one unlucky round does not stop drafting, one lucky probe does
+      not restart it. No pause is shorter than what keeps the probes' extra cost (a draft pass and one more
+      verified token, from the costs) within `probe_budget` of the time spent decoding plainly: with a weak draft
+      the probes cost about that much at most, and a short request (tens of tokens) pays for its first probe
+      only.
     - Rows verify at least a common length, the one that maximises tokens per second by the acceptance rates
       of past rounds (Algorithm 1's early stop cannot find it on a padded batch); probes (the first drafted round,
       and the first after a pause) verify at least one token, so that a draft better than its confidence head says
@@ -42,12 +44,12 @@ class AutoScheduled(Policy):
     """
 
     def __init__(self, profile: str | Path | None = None, smoothing: float = 0.3, probe_every: int = 4,
-                 max_pause: int = 64, probe_budget: float = 0.05, progress: bool = True):
+                 max_pause: int = 64, probe_budget: float = 0.02, progress: bool = True):
         self.profile, self.smoothing, self.probe_every, self.max_pause = profile, smoothing, probe_every, max_pause
         self.probe_budget = probe_budget
         self.progress = progress
         self.costs: EngineCosts | None = None
-        self.gain: float | None = None  # running estimate; None until the first drafted round
+        self.gain = 1.0  # running estimate of drafting's speed over plain decoding's; starts at break-even
         self._skip, self._pause = 0, probe_every
         self._seen = None  # per position: (rounds examined, tokens accepted, confidence spent), (3, gamma)
         self._planned = None  # this round's raw confidences (R, gamma), or None
@@ -130,7 +132,7 @@ class AutoScheduled(Policy):
         plain_rate = R / self.costs.verify(R, 1)
         round_seconds = self.costs.draft(R) + self.costs.verify(R, 1 + int(verified.max()))
         this_round = float((accepted + 1).sum()) / round_seconds / plain_rate
-        self.gain = this_round if self.gain is None else (1 - self.smoothing) * self.gain + self.smoothing * this_round
+        self.gain = (1 - self.smoothing) * self.gain + self.smoothing * this_round
         if self.gain >= 1:
             self._pause = self.probe_every
         else:
