@@ -197,6 +197,34 @@ def test_length_limits_and_a_cache_that_hits_every_round():
         assert torch.equal(out.sequences, plain(target, ids, mask, max_new_tokens=max_new_tokens))
 
 
+def test_the_cache_keeps_blocks_over_the_draft_vocabulary_and_widens_them_exactly():
+    """Greedy, so that both widths draft the same tokens (sampling draws from tensors of different widths; its
+    exactness is the enumeration test's)."""
+    from dspark_hf.generation.drafting import sample_block
+
+    target = tiny_target("llama")
+    draft = tiny_draft(target, draft_vocab=list(range(1, 96, 3)))
+    ids, mask = left_padded_prompts(2)
+    context = draft.encode_context(draft.target_features(target(input_ids=ids, attention_mask=mask,
+                                                                output_hidden_states=True).hidden_states),
+                                   (mask.cumsum(1) - 1).clamp_min(0), mask.bool())
+    anchors, positions = ids[:, -1:].repeat(1, 3), torch.full((2, 3), ids.shape[1])
+    blocks = [sample_block(draft, anchors, positions, context, target_vocab=wide) for wide in (True, False)]
+    full, compact = blocks
+    assert compact.probs.shape[-1] == 32 and full.probs.shape[-1] == 96
+    assert torch.equal(compact.tokens, full.tokens) and torch.equal(compact.vocab, draft.draft_vocab)
+    assert torch.allclose(compact.in_target_vocab(96).probs, full.probs)
+
+
+def test_greedy_ssd_with_a_draft_vocabulary_is_token_identical():
+    target = tiny_target("qwen3")
+    ids, mask = left_padded_prompts(3)
+    out = ssd_generate(target, tiny_draft(target, draft_vocab=list(range(0, 96, 2))), ids, mask, max_new_tokens=16,
+                       ssd=SSDConfig(cache_size=EVERY_OUTCOME // 2, fan_out="uniform"))
+    assert torch.equal(out.sequences, plain(target, ids, mask, max_new_tokens=16))
+    assert out.ssd_stats["hits"] > 0
+
+
 def test_rounds_record_whether_their_block_came_from_the_cache():
     target = tiny_target("llama")
     ids, mask = left_padded_prompts(1)
@@ -291,6 +319,23 @@ def test_sampled_ssd_follows_the_target_distribution(setup, config):
     assert p_value(samples, probs) > ALPHA
 
 
+def test_sampled_ssd_with_a_draft_vocabulary_follows_the_target_distribution(setup):
+    """The cache keeps its blocks over the draft's 4 of the 6 target ids and widens the one it uses."""
+    target, _, settings, probs = setup
+    draft = flattened_draft_over(target, [0, 2, 3, 5])
+    torch.manual_seed(7)
+    samples = sample_continuations(target, draft, SAMPLES, ssd=SSDConfig(cache_size=3, saguaro_c=0.3,
+                                                                         fallback="draft"), **settings)
+    assert p_value(samples, probs) > ALPHA
+
+
+def flattened_draft_over(target, vocab):
+    draft = tiny_draft(target, block_size=2, initializer_range=0.05, draft_vocab=vocab)
+    with torch.no_grad():  # as flat as the shared setup's draft, so that rejections happen
+        draft.norm.weight.fill_(0.05)
+    return draft
+
+
 def test_verifying_cached_tokens_against_the_unweighted_distribution_is_caught(setup, monkeypatch):
     """Guards the previous test: a cache that recorded the draft's own distribution instead of the reweighted one
     its tokens were drawn from fails it."""
@@ -301,7 +346,7 @@ def test_verifying_cached_tokens_against_the_unweighted_distribution_is_caught(s
     def recording_the_wrong_distribution(*args, **kwargs):
         block = sample_block(*args, **kwargs)
         return type(block)(block.tokens, block.unweighted if block.unweighted is not None else block.probs,
-                           block.confidences)
+                           block.confidences, vocab=block.vocab)
 
     monkeypatch.setattr(ssd, "sample_block", recording_the_wrong_distribution)
     target, draft, settings, probs = setup

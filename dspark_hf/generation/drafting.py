@@ -23,17 +23,29 @@ class DraftBlock:
     """A drafted block. tokens (N, gamma) target ids; probs (N, gamma, V) the exact distributions the tokens were
     drawn from (after logits processors); confidences (N, gamma) calibrated c_k in (0, 1), or None; unweighted
     (N, gamma, V) the draft's own distributions when the tokens were drawn from reweighted ones (Saguaro
-    sampling), else None."""
+    sampling), else None; vocab (V',) the target ids of the distributions' columns when they cover only the
+    draft's vocabulary (probs (N, gamma, V'): a speculation cache keeps many blocks), else None."""
 
     tokens: torch.Tensor
     probs: torch.Tensor
     confidences: torch.Tensor | None
     unweighted: torch.Tensor | None = None
+    vocab: torch.Tensor | None = None
 
     def index(self, *index) -> "DraftBlock":
         """The same rows (and blocks) of every tensor, e.g. block.index(rows) or block.index(rows, slots)."""
         pick = (lambda t: None if t is None else t[index])
-        return DraftBlock(self.tokens[index], self.probs[index], pick(self.confidences), pick(self.unweighted))
+        return DraftBlock(self.tokens[index], self.probs[index], pick(self.confidences), pick(self.unweighted),
+                          self.vocab)
+
+    def in_target_vocab(self, vocab_size: int) -> "DraftBlock":
+        """The block with its distributions over all `vocab_size` target ids (zero where the draft proposes
+        nothing), as verification reads them."""
+        if self.vocab is None:
+            return self
+        spread = (lambda t: None if t is None else
+                  t.new_zeros(*t.shape[:-1], vocab_size).index_copy_(-1, self.vocab, t))
+        return DraftBlock(self.tokens, spread(self.probs), self.confidences, spread(self.unweighted))
 
 
 @runtime_checkable
@@ -65,6 +77,7 @@ def sample_block(
     generator: torch.Generator | None = None,
     known: torch.Tensor | None = None,
     reweight: Callable[[int, torch.Tensor], torch.Tensor] | None = None,
+    target_vocab: bool = True,
 ) -> DraftBlock:
     """Draft one block per row, left to right (eq. 4).
 
@@ -74,7 +87,10 @@ def sample_block(
     takes the argmax of the processed logits. known (N, A, lag): tokens before each anchor that the context has no
     features of yet ([`DSparkDraftModel.backbone`]). reweight(k, probs (M, V)) -> probs: the distribution actually
     sampled at position k (0-based; Saguaro sampling, [`saguaro`]); the block records it, so verification stays
-    exact. Greedy drafting proposes the draft's own argmax however it is reweighted.
+    exact. Greedy drafting proposes the draft's own argmax however it is reweighted. target_vocab=False keeps the
+    distributions over the draft's own vocabulary, if it has one (`DraftBlock.vocab`; for SmolLM2's shipped draft
+    a sixth of the memory), for logits processors that read only the scores: the target ids outside it have
+    probability 0 either way.
     """
     one_per_row = anchor_ids.dim() == 1
     anchors = anchor_ids[:, None] if one_per_row else anchor_ids
@@ -85,6 +101,7 @@ def sample_block(
     U = draft.base_logits(h)
     state = h.new_zeros(N * A, draft.config.markov_rank) if draft.config.head_type == "rnn" else None
     prev = anchors.reshape(N * A)
+    vocab = None if target_vocab or draft.config.draft_vocab_size is None else draft.draft_vocab
     tokens, probs, unweighted, conf_logits, finite = [], [], [], [], []
     for k in range(gamma):
         prev_emb = draft.prev_embedding(prev) if draft.w1 is not None else None
@@ -94,7 +111,7 @@ def sample_block(
             logits = logits + bias
         if draft.confidence is not None:
             conf_logits.append(draft.confidence_logit(h[:, k], prev_emb))
-        logits = draft.to_target_vocab(logits.float())
+        logits = logits.float() if vocab is not None else draft.to_target_vocab(logits.float())
         if process_logits is not None:
             prefix = torch.stack(tokens, 1) if tokens else prev.new_zeros(N * A, 0)
             logits = process_logits(prefix, logits)
@@ -109,6 +126,8 @@ def sample_block(
             x = torch.multinomial(torch.where(finite[-1][:, None], p, 1.0), 1, generator=generator).squeeze(1)
         else:
             x = logits.argmax(-1)  # greedy proposes the draft's own best token, however it is reweighted
+        if vocab is not None:  # a column of the draft's vocabulary -> its target id
+            x = vocab[x]
         tokens.append(x)
         probs.append(p)
         prev = x
@@ -121,7 +140,7 @@ def sample_block(
     shape = (N, gamma) if one_per_row else (N, A, gamma)
     confidences = draft.calibrated(torch.stack(conf_logits, 1).float()).view(shape) if conf_logits else None
     return DraftBlock(torch.stack(tokens, 1).view(shape), torch.stack(probs, 1).view(*shape, -1), confidences,
-                      torch.stack(unweighted, 1).view(*shape, -1) if unweighted else None)
+                      torch.stack(unweighted, 1).view(*shape, -1) if unweighted else None, vocab)
 
 
 def empty_block(draft: DSparkDraftModel, anchor_ids: torch.Tensor) -> DraftBlock:

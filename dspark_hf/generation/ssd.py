@@ -249,7 +249,7 @@ class SSDMixin:
         process = (lambda prefix, logits: self.processors(prefix, logits.float())) if len(self.processors) else None
         blocks = sample_block(self.draft, outcomes.bonus, anchor_pos[:, None] + outcomes.accepted + 1, context,
                               self.do_sample, process_logits=process, generator=self._generator, known=known,
-                              reweight=self._reweight(fan_out))
+                              reweight=self._reweight(fan_out), target_vocab=False)  # N x S blocks: keep them small
         return _Speculation(outcomes, blocks)
 
     def _outcome(self, accepted, next_token):
@@ -266,7 +266,8 @@ class SSDMixin:
             return
         hit, slot = spec.outcomes.lookup(accepted, next_token)
         rows = torch.arange(hit.shape[0], device=hit.device)
-        self._next = _Ready(hit, spec.blocks.index(rows, slot), spec.outcomes.accepted[rows, slot] + 1)
+        block = spec.blocks.index(rows, slot).in_target_vocab(self.draft.config.target_vocab_size)
+        self._next = _Ready(hit, block, spec.outcomes.accepted[rows, slot] + 1)
 
     def _record(self, block, verify_len, n, nxt, counts):
         super()._record(block, verify_len, n, nxt, counts)
