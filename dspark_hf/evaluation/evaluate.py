@@ -103,7 +103,7 @@ def bench_speed(target, tokenizer, draft, prompts: list[dict], batch_size: int =
                 repeats: int = 3, temperature: float = 0.0, extra_methods: dict | None = None,
                 progress: bool = True, policy=None) -> dict:
     """Tokens/s of plain generate(), prompt lookup decoding and DSpark (and `extra_methods`: name -> generate kwargs),
-    interleaved in one run after a warm-up; median over repeats; ratios to plain. policy: a factory of DSpark's
+    interleaved prompt by prompt in one run after a warm-up; median over repeats; ratios to plain. policy: a factory of DSpark's
     verification policy (default: generate()'s own); a "verification_policy" in extra_methods is a factory too
     (policies keep per-call state, so every call gets a fresh one)."""
     from tqdm.auto import tqdm
@@ -119,30 +119,36 @@ def bench_speed(target, tokenizer, draft, prompts: list[dict], batch_size: int =
     def fresh(kw):
         return {**kw, "verification_policy": kw["verification_policy"]()} if "verification_policy" in kw else kw
 
-    def run(kw, collect=None):
-        tokens, outputs, start = 0, [], clock(target.device)
-        for inputs in batches:
-            out = target.generate(**inputs, max_new_tokens=max_new_tokens, **sampling, **fresh(kw),
-                                  **({"return_dict_in_generate": True} if "assistant_model" in kw else {}))
-            seqs = out.sequences if hasattr(out, "sequences") else out
-            tokens += user_tokens(seqs[:, inputs["input_ids"].shape[1]:], eos_ids)
-            outputs.append(seqs[:, inputs["input_ids"].shape[1]:])
-            if collect is not None and hasattr(out, "rounds"):
-                collect.extend(r for rows in out.rounds for r in rows)
-        return tokens, clock(target.device) - start, outputs
+    def run(kw, inputs):
+        """(user tokens, seconds, new tokens (B, new), rounds) of one call."""
+        start = clock(target.device)
+        out = target.generate(**inputs, max_new_tokens=max_new_tokens, **sampling, **fresh(kw),
+                              **({"return_dict_in_generate": True} if "assistant_model" in kw else {}))
+        seconds = clock(target.device) - start
+        new = (out.sequences if hasattr(out, "sequences") else out)[:, inputs["input_ids"].shape[1]:]
+        return user_tokens(new, eos_ids), seconds, new, [r for rows in getattr(out, "rounds", []) for r in rows]
 
     for kw in methods.values():  # warm-up on the first batch (the default policy measures its costs here, once)
         target.generate(**batches[0], max_new_tokens=8, **sampling, **fresh(kw))
-    seconds, tokens, rounds, last = defaultdict(list), defaultdict(list), defaultdict(list), {}
-    bar = tqdm(total=repeats * len(methods), desc="bench speed", disable=not progress)
-    for _ in range(repeats):
-        for name, kw in methods.items():
-            collected = []
-            n, s, last[name] = run(kw, collected)
-            tokens[name].append(n)
-            seconds[name].append(s)
-            rounds[name].extend(collected)
-            bar.update(1)
+    seconds, tokens, rounds, last = defaultdict(list), defaultdict(list), defaultdict(list), defaultdict(list)
+    names = list(methods)
+    bar = tqdm(total=repeats * len(batches) * len(methods), desc="bench speed", disable=not progress)
+    for repeat in range(repeats):
+        for name in names:
+            tokens[name].append(0)
+            seconds[name].append(0.0)
+            last[name] = []
+        # every batch runs under every method back to back (in a rotating order), so that the machine's drift over
+        # minutes falls on all methods alike and the ratios of one repeat compare like with like
+        for b, inputs in enumerate(batches):
+            shift = (repeat + b) % len(names)
+            for name in names[shift:] + names[:shift]:
+                n, s, new, collected = run(methods[name], inputs)
+                tokens[name][-1] += n
+                seconds[name][-1] += s
+                last[name].append(new)
+                rounds[name].extend(collected)
+                bar.update(1)
     bar.close()
     rates = {m: statistics.median(n / s for n, s in zip(tokens[m], seconds[m])) for m in methods}
     return {
