@@ -16,7 +16,7 @@ dspark bench oracle --batch-sizes 1 8 --max-new-tokens 64 --repeats 3 --policy "
   --output "$OUT/bench_oracle.json"
 
 # 3. under load: every policy at 1-32 concurrent requests against no speculation, paired ratios
-dspark bench serve --batch-sizes 1 2 4 8 16 32 --max-new-tokens 32 --repeats 2 --output "$OUT/bench_serve.json" \
+dspark bench serve --batch-sizes 1 2 4 8 16 32 --max-new-tokens 32 --repeats 3 --output "$OUT/bench_serve.json" \
   --plot "$OUT"
 
 # 4. what the first call costs when it measures this machine (an empty cost cache), against the same call cached
