@@ -313,6 +313,20 @@ def test_a_short_request_with_a_draft_that_never_pays_pays_for_one_probe():
     assert drafted[0] and sum(drafted) == 1
 
 
+def test_a_probe_that_verifies_more_tokens_pauses_longer():
+    """The probe budget prices a probe by what the last drafted round really verified, not by one token."""
+    engine = costs(draft=0.01, verify=lambda n: 0.05 + 0.01 * n)
+    first_pause, verified = {}, {}
+    for confidence in (0.05, 0.95):
+        policy, lengths = auto(engine), []
+        drafted = play(policy, torch.full((1, 7), confidence),
+                       lambda ls: lengths.append(int(ls)) or torch.zeros_like(ls), 200)
+        probes = [i for i, d in enumerate(drafted) if d]
+        first_pause[confidence], verified[confidence] = probes[1] - probes[0], lengths[0]
+    assert verified[0.95] > verified[0.05], (verified, first_pause)
+    assert first_pause[0.95] > first_pause[0.05], (verified, first_pause)
+
+
 def test_a_lucky_first_block_does_not_keep_a_draft_that_does_not_pay_drafting():
     """Two tokens accepted in the first block (1.4x plain in that round), then nothing: the estimate started at
     break-even, so the lucky round lifts it only part of the way and the first miss pauses drafting (started at

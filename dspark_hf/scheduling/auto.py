@@ -30,8 +30,9 @@ class AutoScheduled(Policy):
       even: no evidence either way), so a lucky first block alone does not keep a weak draft drafting. While it is
       below 1, drafting pauses and probes again after `probe_every` rounds, and each probe that leaves the estimate
       below 1 doubles the pause (up to `max_pause`): one unlucky round does not stop drafting, one lucky probe does
-      not restart it. No pause is shorter than what keeps the probes' extra cost (a draft pass and one more
-      verified token, from the costs) within `probe_budget` of the time spent decoding plainly: with a weak draft
+      not restart it. No pause is shorter than what keeps the probes' extra cost (a draft pass and as many verified
+      tokens as the last drafted round verified, from the costs) within `probe_budget` of the time spent decoding
+      plainly: with a weak draft
       the probes cost about that much at most, and a short request (tens of tokens) pays for its first probe
       only.
     - Rows verify at least a common length, the one that maximises tokens per second by the acceptance rates
@@ -126,6 +127,7 @@ class AutoScheduled(Policy):
         if self._planned is not None:
             self._seen[2] += (self._planned * examined).sum(0)
 
+        longest = int(verified.max())  # what this round really verified: the next probe's cost is priced by it
         if self._probing:
             verified, accepted = self._counterfactual(verified, accepted)
             self._probing = False
@@ -136,14 +138,16 @@ class AutoScheduled(Policy):
         if self.gain >= 1:
             self._pause = self.probe_every
         else:
-            self._skip = min(max(self._pause, math.ceil(self._probe_overhead(R) / self.probe_budget)), self.max_pause)
+            self._skip = min(max(self._pause, math.ceil(self._probe_overhead(R, longest) / self.probe_budget)), self.max_pause)
             self._pause = min(2 * self._skip, self.max_pause)  # the next pause, should the estimate stay below 1
             self._probing = True  # the next drafted round ends a pause
 
-    def _probe_overhead(self, num_rows: int) -> float:
-        """What a probe costs beyond a plain step, in plain steps: a draft pass and one more token per row."""
+    def _probe_overhead(self, num_rows: int, verified: int) -> float:
+        """What a probe costs beyond a plain step, in plain steps: a draft pass and `verified` (at least one) more
+        tokens per row, as many as the last drafted round verified (at batch 4 here the plan verifies 5-6 tokens
+        per row, which costs more than the draft pass)."""
         plain = self.costs.verify(num_rows, 1)
-        return (self.costs.draft(num_rows) + self.costs.verify(num_rows, 2) - plain) / plain
+        return (self.costs.draft(num_rows) + self.costs.verify(num_rows, 1 + max(verified, 1)) - plain) / plain
 
     def _counterfactual(self, verified: torch.Tensor, accepted: torch.Tensor):
         """What the plan, knowing this round's outcome, would have verified and accepted in it: at most what was
