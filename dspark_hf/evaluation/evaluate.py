@@ -103,9 +103,9 @@ def bench_speed(target, tokenizer, draft, prompts: list[dict], batch_size: int =
                 repeats: int = 3, temperature: float = 0.0, extra_methods: dict | None = None,
                 progress: bool = True, policy=None) -> dict:
     """Tokens/s of plain generate(), prompt lookup decoding and DSpark (and `extra_methods`: name -> generate kwargs),
-    interleaved prompt by prompt in one run after a warm-up; median over repeats; ratios to plain. policy: a factory of DSpark's
-    verification policy (default: generate()'s own); a "verification_policy" in extra_methods is a factory too
-    (policies keep per-call state, so every call gets a fresh one)."""
+    interleaved prompt by prompt in one run after a warm-up; median over repeats; ratios to plain. policy: a factory
+    of DSpark's verification policy (default: generate()'s own); a "verification_policy" in extra_methods is a
+    factory too (policies keep per-call state, so every call gets a fresh one)."""
     from tqdm.auto import tqdm
 
     eos_ids = eos_token_ids(target.generation_config)

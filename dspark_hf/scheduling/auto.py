@@ -32,9 +32,8 @@ class AutoScheduled(Policy):
       below 1 doubles the pause (up to `max_pause`): one unlucky round does not stop drafting, one lucky probe does
       not restart it. No pause is shorter than what keeps the probes' extra cost (a draft pass and as many verified
       tokens as the last drafted round verified, from the costs) within `probe_budget` of the time spent decoding
-      plainly: with a weak draft
-      the probes cost about that much at most, and a short request (tens of tokens) pays for its first probe
-      only.
+      plainly: with a weak draft the probes cost about that much at most, and a short request (tens of tokens)
+      pays for its first probe only.
     - Rows verify at least a common length, the one that maximises tokens per second by the acceptance rates
       of past rounds (Algorithm 1's early stop cannot find it on a padded batch); probes (the first drafted round,
       and the first after a pause) verify at least one token, so that a draft better than its confidence head says
@@ -138,7 +137,8 @@ class AutoScheduled(Policy):
         if self.gain >= 1:
             self._pause = self.probe_every
         else:
-            self._skip = min(max(self._pause, math.ceil(self._probe_overhead(R, longest) / self.probe_budget)), self.max_pause)
+            floor = math.ceil(self._probe_overhead(R, longest) / self.probe_budget)
+            self._skip = min(max(self._pause, floor), self.max_pause)
             self._pause = min(2 * self._skip, self.max_pause)  # the next pause, should the estimate stay below 1
             self._probing = True  # the next drafted round ends a pause
 
