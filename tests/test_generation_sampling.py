@@ -60,12 +60,19 @@ def sampling_setup():
     """(target, draft, generate() settings, exact distribution of continuations): a 6-token target and a flattened
     draft whose verified tokens are accepted about 40% of the time."""
     target = tiny_target("llama", vocab=V, initializer_range=0.2)
-    draft = tiny_draft(target, block_size=2, initializer_range=0.05)
-    with torch.no_grad():  # flatten the draft so that about 40% of verified drafts are accepted
-        draft.norm.weight.fill_(0.05)
+    draft = flattened_draft(target)
     settings = dict(temperature=0.7, top_k=4)
     processors = LogitsProcessorList([TemperatureLogitsWarper(0.7), TopKLogitsWarper(4)])
     return target, draft, settings, exact_distribution(target, processors)
+
+
+def flattened_draft(target, **overrides):
+    """A 2-token-block draft of `target` flattened so that about 40% of its verified drafts are accepted: both
+    acceptance and the residual get exercised."""
+    draft = tiny_draft(target, block_size=2, initializer_range=0.05, **overrides)
+    with torch.no_grad():
+        draft.norm.weight.fill_(0.05)
+    return draft
 
 
 @pytest.fixture(scope="module")

@@ -106,13 +106,10 @@ def test_scheduled_sampling_is_exact():
     from test_generation_sampling import ALPHA, SAMPLES, exact_distribution, p_value, sample_continuations
     from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper
 
-    from conftest import tiny_draft as make_draft
-    from test_generation_sampling import V
+    from test_generation_sampling import V, flattened_draft
 
     target = tiny_target("llama", vocab=V, initializer_range=0.2)
-    draft = make_draft(target, block_size=2, initializer_range=0.05)
-    with torch.no_grad():
-        draft.norm.weight.fill_(0.05)
+    draft = flattened_draft(target)
     probs = exact_distribution(target, LogitsProcessorList([TemperatureLogitsWarper(0.7), TopKLogitsWarper(4)]))
     torch.manual_seed(3)
     samples = sample_continuations(target, draft, SAMPLES, temperature=0.7, top_k=4,
@@ -206,13 +203,10 @@ def test_rounds_without_a_draft_sample_exactly():
     from test_generation_sampling import ALPHA, SAMPLES, exact_distribution, p_value, sample_continuations
     from transformers import LogitsProcessorList, TemperatureLogitsWarper
 
-    from conftest import tiny_draft as make_draft
-    from test_generation_sampling import V
+    from test_generation_sampling import V, flattened_draft
 
     target = tiny_target("llama", vocab=V, initializer_range=0.2)
-    draft = make_draft(target, block_size=2, initializer_range=0.05)
-    with torch.no_grad():
-        draft.norm.weight.fill_(0.05)
+    draft = flattened_draft(target)
     probs = exact_distribution(target, LogitsProcessorList([TemperatureLogitsWarper(0.7)]))
     torch.manual_seed(5)
     samples = sample_continuations(target, draft, SAMPLES // 2, temperature=0.7, verification_policy=Alternating())

@@ -13,7 +13,8 @@ from dspark_hf.generation.speculation import predict_outcomes
 from dspark_hf.scheduling.ssd import (critical_batch_size, expected_hit_rate, fit_power_law, geometric_fan_out,
                                       outcome_probabilities, ssd_speedup, uniform_fan_out)
 from test_generation_greedy import eos_inside_a_block, oracle, plain
-from test_generation_sampling import ALPHA, SAMPLES, p_value, sample_continuations, sampling_setup
+from test_generation_sampling import (ALPHA, SAMPLES, flattened_draft, p_value, sample_continuations,
+                                      sampling_setup)
 
 
 # -- the cache's shape: Theorem 12 ---------------------------------------------------------------------------------
@@ -322,18 +323,11 @@ def test_sampled_ssd_follows_the_target_distribution(setup, config):
 def test_sampled_ssd_with_a_draft_vocabulary_follows_the_target_distribution(setup):
     """The cache keeps its blocks over the draft's 4 of the 6 target ids and widens the one it uses."""
     target, _, settings, probs = setup
-    draft = flattened_draft_over(target, [0, 2, 3, 5])
+    draft = flattened_draft(target, draft_vocab=[0, 2, 3, 5])
     torch.manual_seed(7)
     samples = sample_continuations(target, draft, SAMPLES, ssd=SSDConfig(cache_size=3, saguaro_c=0.3,
                                                                          fallback="draft"), **settings)
     assert p_value(samples, probs) > ALPHA
-
-
-def flattened_draft_over(target, vocab):
-    draft = tiny_draft(target, block_size=2, initializer_range=0.05, draft_vocab=vocab)
-    with torch.no_grad():  # as flat as the shared setup's draft, so that rejections happen
-        draft.norm.weight.fill_(0.05)
-    return draft
 
 
 def test_verifying_cached_tokens_against_the_unweighted_distribution_is_caught(setup, monkeypatch):
