@@ -1,5 +1,7 @@
 """The hardware-aware prefix scheduler reproduces the paper's oracles, and scheduled decoding stays lossless."""
 
+import statistics
+
 import pytest
 import torch
 
@@ -248,6 +250,28 @@ def test_profile_measures_every_batch_size_and_loads_as_a_callable(tmp_path):
     assert draft_cost(4) == pytest.approx(profile["draft_seconds"][2] * 2)
     policy = Scheduled.from_profile(tmp_path / "p.json")
     assert policy.draft_seconds is not None and policy(torch.full((2, 4), 0.5), 4, 2).shape == (2,)
+
+
+def test_a_profile_measures_every_shape_in_every_repeat_so_a_slowdown_midway_skews_no_ratio(monkeypatch):
+    from dspark_hf.scheduling import profile
+
+    now, calls = [0.0], []
+
+    def run(key, seconds):
+        def fn():
+            calls.append(key)
+            # the machine halves its speed after the first two repeats: every shape is hit alike
+            now[0] += seconds * (2 if len(calls) > 2 * 3 else 1)
+        return fn, None
+
+    runs = {key: run(key, s) for key, s in (("1 token", 1.0), ("6 tokens", 2.0), ("draft", 0.5))}
+    monkeypatch.setattr(profile, "clock", lambda device: now[0])
+    seconds = profile._interleaved_seconds(runs, "cpu", warmup=0, repeats=4, statistic=statistics.median)
+    assert [calls[i:i + 3] for i in range(0, 12, 3)] == [
+        ["1 token", "6 tokens", "draft"], ["6 tokens", "draft", "1 token"],
+        ["draft", "1 token", "6 tokens"], ["1 token", "6 tokens", "draft"]]
+    assert seconds["6 tokens"] / seconds["1 token"] == pytest.approx(2.0)
+    assert seconds["draft"] / seconds["1 token"] == pytest.approx(0.5)
 
 
 # -- the default policy ------------------------------------------------------------------------------------------

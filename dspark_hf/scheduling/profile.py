@@ -26,16 +26,24 @@ from ..devices import clock
 from ..evaluation.machine import machine_info
 
 
-def _seconds(fn, device, warmup: int, repeats: int, after=None, statistic=statistics.median) -> float:
-    times = []
+def _interleaved_seconds(runs: dict, device, warmup: int, repeats: int, statistic=statistics.median,
+                         on_repeat=lambda: None) -> dict:
+    """Seconds of each of `runs` (key -> (fn, after or None)), all measured in every repeat in a rotating order: a
+    machine whose speed drifts during the measurement (other work starting, clocks changing) slows every run alike,
+    so the ratios between them, which are what a plan reads, stay right. Returns key -> `statistic` of its repeats
+    after `warmup`."""
+    keys, times = list(runs), defaultdict(list)
     for i in range(warmup + repeats):
-        start = clock(device)
-        fn()
-        if i >= warmup:
-            times.append(clock(device) - start)
-        if after is not None:
-            after()
-    return statistic(times)
+        for key in keys[i % len(keys):] + keys[: i % len(keys)]:
+            fn, after = runs[key]
+            start = clock(device)
+            fn()
+            if i >= warmup:
+                times[key].append(clock(device) - start)
+            if after is not None:
+                after()
+        on_repeat()
+    return {key: statistic(t) for key, t in times.items()}
 
 
 @torch.no_grad()
@@ -44,16 +52,16 @@ def profile_sps(target, rows: int | Sequence[int] = 1, max_tokens_per_row: int =
                 verify: bool = True, statistic=statistics.median) -> dict:
     """Median seconds of verification forwards of R x n tokens after `context` cached tokens, for R in `rows` and
     n = 1..max_tokens_per_row, as SPS(B = R n); with a `draft`, also the seconds of one draft pass per R (verify=False:
-    only those). progress: show a bar (a string: its label). statistic: of the repeats (`min` ignores load spikes
-    when few repeats are affordable)."""
+    only those). Per R every shape is measured in every repeat, interleaved. progress: show a bar (a string: its
+    label). statistic: of the repeats (`min` ignores load spikes when few repeats are affordable)."""
     from tqdm.auto import tqdm
 
     from ..generation.drafting import drafter  # generation imports scheduling: import it when called
 
     rows = [rows] if isinstance(rows, int) else list(rows)
     steps = max_tokens_per_row if verify else 0
-    bar = tqdm(total=len(rows) * (steps + (draft is not None)), desc=progress if isinstance(progress, str) else
-               "profile", disable=not progress)
+    bar = tqdm(total=len(rows) * (warmup + repeats), desc=progress if isinstance(progress, str) else "profile",
+               disable=not progress)
     device = target.device
     vocab = target.get_output_embeddings().weight.shape[0]
     g = torch.Generator(device="cpu").manual_seed(0)
@@ -63,27 +71,21 @@ def profile_sps(target, rows: int | Sequence[int] = 1, max_tokens_per_row: int =
         cache = DynamicCache()
         out = target(input_ids=prompt, past_key_values=cache, use_cache=True, logits_to_keep=1,
                      output_hidden_states=draft.hidden_states_request if draft is not None else None)
-        grid[R] = {}
-        for n in range(1, steps + 1):
-            new = torch.randint(0, vocab, (R, n), generator=g, device="cpu").to(device)
-            mask = torch.ones(R, context + n, dtype=torch.long, device=device)
-            positions = torch.arange(context, context + n, device=device).expand(R, -1)
-            grid[R][n] = 1.0 / _seconds(
-                lambda: target(input_ids=new, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                               use_cache=True, logits_to_keep=0),
-                device, warmup, repeats, after=lambda: cache.crop(-n), statistic=statistic)
-            bar.update(1)
+        runs = {n: _verification(target, cache, context, n, torch.randint(0, vocab, (R, n), generator=g,
+                                                                          device="cpu").to(device))
+                for n in range(1, steps + 1)}
         if draft is not None:
             positions = torch.arange(context, device=device).expand(R, -1)
             ctx = draft.encode_context(draft.target_features(out.hidden_states), positions,
                                        torch.ones_like(positions, dtype=torch.bool))
-            anchor, anchor_pos = prompt[:, -1], torch.full((R,), context, device=device)
-            draft_block = drafter(draft)
-            draft_seconds[R] = _seconds(lambda: draft_block(anchor, anchor_pos, ctx), device, warmup, repeats,
-                                        statistic=statistic)
-            bar.update(1)
+            anchor, anchor_pos, draft_block = prompt[:, -1], torch.full((R,), context, device=device), drafter(draft)
+            runs["draft"] = (lambda: draft_block(anchor, anchor_pos, ctx), None)
+        seconds = _interleaved_seconds(runs, device, warmup, repeats, statistic, on_repeat=lambda: bar.update(1))
+        if steps:
+            grid[R] = {n: 1.0 / seconds[n] for n in range(1, steps + 1)}
+        if draft is not None:
+            draft_seconds[R] = seconds["draft"]
     bar.close()
-    grid = {R: row for R, row in grid.items() if row}
     by_tokens = defaultdict(list)
     for R, row in grid.items():
         for n, v in row.items():
@@ -92,6 +94,16 @@ def profile_sps(target, rows: int | Sequence[int] = 1, max_tokens_per_row: int =
             "repeats": repeats, "machine": machine_info(target, draft),
             "sps": {b: statistics.median(v) for b, v in sorted(by_tokens.items())},
             "grid": grid, "draft_seconds": draft_seconds or None}
+
+
+def _verification(target, cache, context: int, n: int, tokens: torch.Tensor):
+    """(run, undo) for one verification forward of (R, n) `tokens` after `context` cached ones."""
+    R, device = tokens.shape[0], tokens.device
+    mask = torch.ones(R, context + n, dtype=torch.long, device=device)
+    positions = torch.arange(context, context + n, device=device).expand(R, -1)
+    return (lambda: target(input_ids=tokens, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                           use_cache=True, logits_to_keep=0),
+            lambda: cache.crop(-n))
 
 
 def save_profile(profile: dict, path: str | Path) -> None:
@@ -136,9 +148,13 @@ def load_draft_cost(path: str | Path) -> Callable[[int], float] | None:
 
 
 # -- the cost model the default policy plans against, measured once per machine and cached on disk ----------------
-AUTO_CONTEXT = 16  # cached tokens under the measured forwards: the cost of a small target barely depends on it
+# cached tokens under the measured forwards, as in `dspark profile` and a chat prompt: attention over the context
+# makes a longer verification cost relatively more (SmolLM2-135M at batch 8 on 2 CPU cores: 6 tokens per row cost
+# 1.95x one at 16 tokens of context, 2.14x at 256), and a plan that underrates it drafts where it loses
+AUTO_CONTEXT = 256
 AUTO_REPEATS = 3  # the fastest of three: a cost measured once is kept, so a load spike must not make it
-AUTO_METHOD = "fastest of 3, monotone in tokens"  # part of the cache key: costs measured otherwise are re-measured
+# part of the cache key: costs measured otherwise are re-measured
+AUTO_METHOD = "fastest of 3, shapes interleaved, context 256, monotone in tokens"
 
 
 @dataclass
@@ -206,7 +222,7 @@ def cached_costs(target, draft, rows: Sequence[int], progress: bool = True) -> E
     """The costs of `target` on its device, dtype and thread count (and of `draft`'s pass) for `rows`: read from the
     profile cache, and what is missing measured now (a few seconds per row count, shown as a bar) and added to it.
 
-    Measured at a short cached context, up to block_size + 1 verified tokens per row."""
+    Measured after AUTO_CONTEXT cached tokens, up to block_size + 1 verified tokens per row."""
     key = _target_key(target)
     path = profile_cache_dir() / (hashlib.sha1(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:20]
                                   + ".json")
