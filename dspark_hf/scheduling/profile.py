@@ -154,7 +154,7 @@ def load_draft_cost(path: str | Path) -> Callable[[int], float] | None:
 AUTO_CONTEXT = 256
 AUTO_REPEATS = 3  # the fastest of three: a cost measured once is kept, so a load spike must not make it
 # part of the cache key: costs measured otherwise are re-measured
-AUTO_METHOD = "fastest of 3, shapes interleaved, context 256, monotone in tokens"
+AUTO_METHOD = f"fastest of {AUTO_REPEATS}, shapes interleaved, context {AUTO_CONTEXT}, monotone in tokens"
 
 
 @dataclass
