@@ -287,7 +287,7 @@ def auto(engine, gamma=7, **kw):
 
     policy = AutoScheduled(**kw)
     policy.costs = engine
-    policy._seen = torch.zeros(3, gamma, dtype=torch.float64)
+    policy.learned = policy.fresh(gamma)
     return policy
 
 
@@ -329,6 +329,51 @@ def test_a_short_request_with_a_draft_that_never_pays_pays_for_one_probe():
     policy = auto(costs(draft=0.04))  # a probe costs 0.82 of a plain step: the default budget pauses 41+ rounds
     drafted = play(policy, torch.full((1, 7), 0.6), lambda lengths: torch.zeros_like(lengths), 32)
     assert drafted[0] and sum(drafted) == 1
+
+
+def request(engine, target, draft, batch_size=1, sampling=False):
+    """A fresh default policy, prepared as generate() prepares it for one call."""
+    from dspark_hf import AutoScheduled
+
+    policy = AutoScheduled()
+    policy.costs = engine
+    policy.prepare(target, draft, batch_size, sampling=sampling)
+    return policy
+
+
+NEVER_ACCEPTED = (lambda lengths: torch.zeros_like(lengths))
+
+
+def test_greedy_requests_go_on_where_the_last_one_stopped_so_short_ones_pay_one_probe_per_pause_not_per_request():
+    target = tiny_target("llama")
+    draft = tiny_draft(target)
+    engine, confidences = costs(draft=0.04), torch.full((1, 4), 0.6)
+    one_long = play(request(engine, target, tiny_draft(target)), confidences, NEVER_ACCEPTED, 8 * 32)
+    many_short = sum((play(request(engine, target, draft), confidences, NEVER_ACCEPTED, 32) for _ in range(8)), [])
+    assert many_short == one_long and sum(many_short) < 8
+
+
+def test_sampled_requests_start_afresh_and_hand_nothing_on_so_a_seed_gives_the_same_sample_every_call():
+    target = tiny_target("llama")
+    draft = tiny_draft(target)
+    engine, confidences = costs(draft=0.04), torch.full((1, 4), 0.6)
+    greedy = play(request(engine, target, draft), confidences, NEVER_ACCEPTED, 32)
+    sampled = [play(request(engine, target, draft, sampling=True), confidences, NEVER_ACCEPTED, 32) for _ in range(3)]
+    greedy += play(request(engine, target, draft), confidences, NEVER_ACCEPTED, 32)
+    assert sampled[0] == sampled[1] == sampled[2] and sampled[0][0], "each sampled call probes in its first round"
+    assert greedy == play(request(engine, target, tiny_draft(target)), confidences, NEVER_ACCEPTED, 64)
+
+
+def test_what_a_greedy_request_hands_on_belongs_to_its_draft_target_and_batch_size():
+    target = tiny_target("llama")
+    draft = tiny_draft(target)
+    engine = costs(draft=0.04)
+    play(request(engine, target, draft), torch.full((1, 4), 0.6), NEVER_ACCEPTED, 32)
+    assert not request(engine, target, draft).draft_this_round(1), "the same three: still in the pause"
+    other_target = tiny_target("llama", seed=3)
+    for policy in (request(engine, target, draft, batch_size=2), request(engine, target, tiny_draft(target)),
+                   request(engine, other_target, draft)):
+        assert policy.draft_this_round(1) and policy.gain == 1.0
 
 
 def test_a_probe_that_verifies_more_tokens_pauses_longer():
@@ -455,7 +500,7 @@ def test_the_default_policy_can_plan_against_a_dspark_profile_file(tmp_path):
 def test_a_probe_is_counted_in_the_gain_as_the_plan_would_have_done_not_at_what_exploring_cost():
     engine = costs(draft=0.04, verify=lambda n: 0.05 + 0.03 * n)
     policy = auto(engine)
-    policy._seen[0, 0] = 20  # position 1 verified 20 times, never accepted: the plan verifies nothing
+    policy.learned.seen[0, 0] = 20  # position 1 verified 20 times, never accepted: the plan verifies nothing
     lengths = policy(torch.full((1, 7), 0.05), 7, 1)
     assert int(lengths) == 1, "the probe verifies one token all the same"
     policy.observe(lengths, torch.ones(1, dtype=torch.long), drafted=True)  # and it is accepted
@@ -472,7 +517,7 @@ def test_any_object_with_the_four_policy_methods_is_a_policy_without_subclassing
         def __init__(self):
             self.rounds = 0
 
-        def prepare(self, target, draft, batch_size):
+        def prepare(self, target, draft, batch_size, sampling):
             pass
 
         def draft_this_round(self, num_rows):
@@ -492,3 +537,16 @@ def test_any_object_with_the_four_policy_methods_is_a_policy_without_subclassing
     out = target.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=10,
                           assistant_model=tiny_draft(target), verification_policy=mine, return_dict_in_generate=True)
     assert mine.rounds > 1 and [len(r.drafted) for r in out.rounds[0][:2]] == [0, 4]
+
+
+def test_generate_hands_the_default_policy_s_learning_on_between_greedy_calls_only():
+    from dspark_hf import AutoScheduled
+
+    target = tiny_target("llama")
+    draft = tiny_draft(target)
+    ids, mask = left_padded_prompts(2)
+    policies = [AutoScheduled(progress=False) for _ in range(3)]
+    for policy, sampling in zip(policies, (False, False, True)):
+        target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=sampling,
+                        assistant_model=draft, verification_policy=policy)
+    assert policies[1].learned is policies[0].learned and policies[2].learned is not policies[0].learned

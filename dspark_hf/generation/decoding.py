@@ -255,7 +255,7 @@ class _Decoder:
         if self.streamer is not None:
             self.streamer.put(self.prompt.cpu())
         if self.max_new > 0:
-            self.policy.prepare(self.target, self.draft, self.prompt.shape[0])
+            self.policy.prepare(self.target, self.draft, self.prompt.shape[0], sampling=self.do_sample)
             self._prefill()
             self.timings["prefill"] = clock(device) - start
             while self.rows.numel() > 0:

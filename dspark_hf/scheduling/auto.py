@@ -4,6 +4,8 @@ drafting pays, so that adding a draft to generate() does not make it slower than
 from __future__ import annotations
 
 import math
+import weakref
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -11,6 +13,21 @@ import torch
 from .policies import Policy
 from .profile import EngineCosts, cached_costs
 from .scheduler import prefix_schedule
+
+
+@dataclass
+class Learned:
+    """What the default policy has learned about a draft beside a target at one batch size."""
+
+    seen: torch.Tensor  # per position: (rounds examined, tokens accepted, confidence spent), (3, gamma)
+    pause: int  # rounds the next pause lasts, should the estimate stay below 1
+    gain: float = 1.0  # running estimate of drafting's speed over plain decoding's; starts at break-even
+    skip: int = 0  # rounds left in the current pause
+    probing: bool = True  # is the next drafted round a probe: the first one, or the first after a pause
+
+
+# draft -> target -> (batch size, profile) -> Learned: what greedy calls hand on to the next call in this process
+_CARRIED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 class AutoScheduled(Policy):
@@ -38,6 +55,11 @@ class AutoScheduled(Policy):
       of past rounds (Algorithm 1's early stop cannot find it on a padded batch); probes (the first drafted round,
       and the first after a pause) verify at least one token, so that a draft better than its confidence head says
       gets found out. The gain estimate counts a probe as the plan would have done in it.
+    - Across calls: greedy decoding carries all of the above (`Learned`) over to the next greedy call in this
+      process with the same draft, target and batch size, which goes on where the last one stopped: with a weak
+      draft a stream of short requests pays one probe per pause, not one per request. No decision can change
+      greedy output. Sampled calls start afresh and hand nothing on, because the tokens drawn depend on how many
+      were drafted: a seed gives the same sample on every call.
 
     Decisions read the costs and the acceptance seen so far, never a clock: greedy output is plain generate()'s,
     and a seed gives the same sampled output every run with the same cached costs. One instance per generate() call.
@@ -49,21 +71,32 @@ class AutoScheduled(Policy):
         self.probe_budget = probe_budget
         self.progress = progress
         self.costs: EngineCosts | None = None
-        self.gain = 1.0  # running estimate of drafting's speed over plain decoding's; starts at break-even
-        self._skip, self._pause = 0, probe_every
-        self._seen = None  # per position: (rounds examined, tokens accepted, confidence spent), (3, gamma)
+        self.learned: Learned | None = None
         self._planned = None  # this round's raw confidences (R, gamma), or None
-        self._probing = True  # is the next drafted round a probe: the first one, or the first after a pause
 
-    def prepare(self, target, draft, batch_size: int) -> None:
+    @property
+    def gain(self) -> float:
+        """The running estimate of drafting's speed over plain decoding's (1: break-even)."""
+        return self.learned.gain
+
+    def fresh(self, block_size: int) -> Learned:
+        """What a policy knows before its first round: nothing."""
+        return Learned(seen=torch.zeros(3, block_size, dtype=torch.float64, device="cpu"), pause=self.probe_every)
+
+    def prepare(self, target, draft, batch_size: int, sampling: bool = False) -> None:
         if self.costs is None:
             self.costs = (EngineCosts.from_profile(self.profile) if self.profile is not None else
                           cached_costs(target, draft, sorted({1, batch_size}), progress=self.progress))
-        self._seen = torch.zeros(3, draft.config.block_size, dtype=torch.float64, device="cpu")
+        if sampling:
+            self.learned = self.fresh(draft.config.block_size)
+            return
+        by_target = _CARRIED.setdefault(draft, weakref.WeakKeyDictionary())
+        key = (batch_size, None if self.profile is None else str(self.profile))
+        self.learned = by_target.setdefault(target, {}).setdefault(key, self.fresh(draft.config.block_size))
 
     def draft_this_round(self, num_rows: int) -> bool:
-        if self._skip > 0:
-            self._skip -= 1
+        if self.learned.skip > 0:
+            self.learned.skip -= 1
             return False
         return True
 
@@ -76,7 +109,7 @@ class AutoScheduled(Policy):
         # A plan learns only at the positions it verifies: a probe (the first drafted round, and the first after each
         # pause) verifies at least one token, so that a draft planned at zero can still be found out. The gain
         # estimate counts a probe as the plan would have done in it, not at what exploring cost.
-        return lengths.clamp_min(1) if self._probing else lengths
+        return lengths.clamp_min(1) if self.learned.probing else lengths
 
     def _plan(self, planned: torch.Tensor | None, num_rows: int) -> torch.Tensor:
         """This round's (R,) lengths on the CPU: every row verifies at least `_common_length`, and further where
@@ -84,7 +117,7 @@ class AutoScheduled(Policy):
         common = self._common_length(num_rows)
         if planned is None:  # no confidence head: the acceptance seen is all there is to plan with
             return torch.full((num_rows,), common, dtype=torch.long, device="cpu")
-        c = (planned * self._rates(prior=1.0, weight=1.0, against=self._seen[2])).clamp(0, 1)
+        c = (planned * self._rates(prior=1.0, weight=1.0, against=self.learned.seen[2])).clamp(0, 1)
         t_draft = self.costs.draft(num_rows)
         lengths = prefix_schedule(c, lambda b: 1.0 / (t_draft + self.costs.verify(num_rows, b // num_rows)),
                                   padded=True)
@@ -95,7 +128,7 @@ class AutoScheduled(Policy):
         seen in past rounds. Algorithm 1 alone cannot find it on a padded batch: its first admission pays the
         padding of every row for one row's token, so its early stop ends the search there. Reading only past
         rounds, never this block, it is lossless as it is."""
-        survival = torch.cumprod(self._rates(prior=0.5, weight=2.0, against=self._seen[0]), 0).tolist()
+        survival = torch.cumprod(self._rates(prior=0.5, weight=2.0, against=self.learned.seen[0]), 0).tolist()
         t_draft, best, best_rate = self.costs.draft(num_rows), 0, 0.0
         for length in range(len(survival) + 1):
             rate = (1 + sum(survival[:length])) / (t_draft + self.costs.verify(num_rows, 1 + length))
@@ -108,7 +141,7 @@ class AutoScheduled(Policy):
         previous position's rate (the first towards `prior`) with `weight`: positions verified rarely or never so
         far inherit what was seen before them."""
         rates, previous = [], prior
-        for took, seen in zip(self._seen[1].tolist(), against.tolist()):
+        for took, seen in zip(self.learned.seen[1].tolist(), against.tolist()):
             previous = (took + weight * previous) / (seen + weight)
             rates.append(previous)
         return torch.tensor(rates, dtype=torch.float64, device="cpu")
@@ -117,30 +150,31 @@ class AutoScheduled(Policy):
         if not drafted:
             return
         verified, accepted = verified.cpu(), accepted.cpu()
-        R, gamma = verified.shape[0], self._seen.shape[1]
+        learned = self.learned
+        R, gamma = verified.shape[0], learned.seen.shape[1]
         k = torch.arange(1, gamma + 1, device="cpu")
         examined = (k <= verified[:, None]) & (k <= accepted[:, None] + 1)  # verified, all before it accepted
         took = k <= accepted[:, None]
-        self._seen[0] += examined.sum(0)
-        self._seen[1] += took.sum(0)
+        learned.seen[0] += examined.sum(0)
+        learned.seen[1] += took.sum(0)
         if self._planned is not None:
-            self._seen[2] += (self._planned * examined).sum(0)
+            learned.seen[2] += (self._planned * examined).sum(0)
 
         longest = int(verified.max())  # what this round really verified: the next probe's cost is priced by it
-        if self._probing:
+        if learned.probing:
             verified, accepted = self._counterfactual(verified, accepted)
-            self._probing = False
+            learned.probing = False
         plain_rate = R / self.costs.verify(R, 1)
         round_seconds = self.costs.draft(R) + self.costs.verify(R, 1 + int(verified.max()))
         this_round = float((accepted + 1).sum()) / round_seconds / plain_rate
-        self.gain = (1 - self.smoothing) * self.gain + self.smoothing * this_round
-        if self.gain >= 1:
-            self._pause = self.probe_every
+        learned.gain = (1 - self.smoothing) * learned.gain + self.smoothing * this_round
+        if learned.gain >= 1:
+            learned.pause = self.probe_every
         else:
             floor = math.ceil(self._probe_overhead(R, longest) / self.probe_budget)
-            self._skip = min(max(self._pause, floor), self.max_pause)
-            self._pause = min(2 * self._skip, self.max_pause)  # the next pause, should the estimate stay below 1
-            self._probing = True  # the next drafted round ends a pause
+            learned.skip = min(max(learned.pause, floor), self.max_pause)
+            learned.pause = min(2 * learned.skip, self.max_pause)  # the next pause, should the estimate stay below 1
+            learned.probing = True  # the next drafted round ends a pause
 
     def _probe_overhead(self, num_rows: int, verified: int) -> float:
         """What a probe costs beyond a plain step, in plain steps: a draft pass and `verified` (at least one) more

@@ -21,8 +21,9 @@ import torch
 class VerificationPolicy(Protocol):
     """What generate() calls around the rounds of one call; one instance per call (a policy keeps state)."""
 
-    def prepare(self, target, draft, batch_size: int) -> None:
-        """Once, before the first round."""
+    def prepare(self, target, draft, batch_size: int, sampling: bool) -> None:
+        """Once, before the first round; sampling: the call samples (its tokens depend on what is drafted), else it
+        decodes greedily (no decision changes its output)."""
 
     def draft_this_round(self, num_rows: int) -> bool:
         """Before each round's draft; False decodes one plain token per row. Decided from past rounds only, so it
@@ -41,7 +42,7 @@ class Policy:
     def __call__(self, confidences: torch.Tensor | None, gamma: int, num_rows: int) -> torch.Tensor:
         raise NotImplementedError
 
-    def prepare(self, target, draft, batch_size: int) -> None:
+    def prepare(self, target, draft, batch_size: int, sampling: bool = False) -> None:
         """Called once per generate() call before the first round."""
 
     def draft_this_round(self, num_rows: int) -> bool:
