@@ -331,11 +331,11 @@ def test_a_short_request_with_a_draft_that_never_pays_pays_for_one_probe():
     assert drafted[0] and sum(drafted) == 1
 
 
-def request(engine, target, draft, batch_size=1, sampling=False):
+def request(engine, target, draft, batch_size=1, sampling=False, **settings):
     """A fresh default policy, prepared as generate() prepares it for one call."""
     from dspark_hf import AutoScheduled
 
-    policy = AutoScheduled()
+    policy = AutoScheduled(**settings)
     policy.costs = engine
     policy.prepare(target, draft, batch_size, sampling=sampling)
     return policy
@@ -364,7 +364,7 @@ def test_sampled_requests_start_afresh_and_hand_nothing_on_so_a_seed_gives_the_s
     assert greedy == play(request(engine, target, tiny_draft(target)), confidences, NEVER_ACCEPTED, 64)
 
 
-def test_what_a_greedy_request_hands_on_belongs_to_its_draft_target_and_batch_size():
+def test_what_a_greedy_request_hands_on_belongs_to_its_draft_target_batch_size_and_settings():
     target = tiny_target("llama")
     draft = tiny_draft(target)
     engine = costs(draft=0.04)
@@ -372,7 +372,7 @@ def test_what_a_greedy_request_hands_on_belongs_to_its_draft_target_and_batch_si
     assert not request(engine, target, draft).draft_this_round(1), "the same three: still in the pause"
     other_target = tiny_target("llama", seed=3)
     for policy in (request(engine, target, draft, batch_size=2), request(engine, target, tiny_draft(target)),
-                   request(engine, other_target, draft)):
+                   request(engine, other_target, draft), request(engine, target, draft, probe_every=2)):
         assert policy.draft_this_round(1) and policy.gain == 1.0
 
 

@@ -26,7 +26,7 @@ class Learned:
     probing: bool = True  # is the next drafted round a probe: the first one, or the first after a pause
 
 
-# draft -> target -> (batch size, profile) -> Learned: what greedy calls hand on to the next call in this process
+# draft -> target -> (batch size, profile, settings) -> Learned: what greedy calls hand on to the next in this process
 _CARRIED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -56,9 +56,9 @@ class AutoScheduled(Policy):
       and the first after a pause) verify at least one token, so that a draft better than its confidence head says
       gets found out. The gain estimate counts a probe as the plan would have done in it.
     - Across calls: greedy decoding carries all of the above (`Learned`) over to the next greedy call in this
-      process with the same draft, target and batch size, which goes on where the last one stopped: with a weak
-      draft a stream of short requests pays one probe per pause, not one per request. No decision can change
-      greedy output. Sampled calls start afresh and hand nothing on, because the tokens drawn depend on how many
+      process with the same draft, target, batch size and settings, which goes on where the last one stopped:
+      with a weak draft a stream of short requests pays one probe per pause, not one per request. No decision can
+      change greedy output. Sampled calls start afresh and hand nothing on, because the tokens drawn depend on how many
       were drafted: a seed gives the same sample on every call.
 
     Decisions read the costs and the acceptance seen so far, never a clock: greedy output is plain generate()'s,
@@ -91,7 +91,8 @@ class AutoScheduled(Policy):
             self.learned = self.fresh(draft.config.block_size)
             return
         by_target = _CARRIED.setdefault(draft, weakref.WeakKeyDictionary())
-        key = (batch_size, None if self.profile is None else str(self.profile))
+        key = (batch_size, None if self.profile is None else str(self.profile), self.smoothing, self.probe_every,
+               self.max_pause, self.probe_budget)  # a policy set up otherwise would have learned otherwise
         self.learned = by_target.setdefault(target, {}).setdefault(key, self.fresh(draft.config.block_size))
 
     def draft_this_round(self, num_rows: int) -> bool:
