@@ -43,7 +43,7 @@ def main():
             runs = {way: [] for way in WAYS}
             for i in range(args.repeats):  # every way in every repeat, rotating order: a drifting machine skews no ratio
                 ways = list(WAYS)
-                for way in ways[i % 2:] + ways[:i % 2]:
+                for way in ways[i % len(ways):] + ways[:i % len(ways)]:
                     seconds(lambda: WAYS[way](x, w), 2)
                     runs[way].append(seconds(lambda: WAYS[way](x, w), calls))
             row = {"shape": name, "out": out_features, "in": in_features, "per_forward": per_forward, "rows": m,
