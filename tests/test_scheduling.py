@@ -369,7 +369,8 @@ def test_what_a_greedy_request_hands_on_belongs_to_its_draft_target_batch_size_a
     draft = tiny_draft(target)
     engine = costs(draft=0.04)
     play(request(engine, target, draft), torch.full((1, 4), 0.6), NEVER_ACCEPTED, 32)
-    assert not request(engine, target, draft).draft_this_round(1), "the same draft, target, batch size and settings: still in the pause"
+    assert not request(engine, target, draft).draft_this_round(1), \
+        "the same draft, target, batch size and settings: still in the pause"
     other_target = tiny_target("llama", seed=3)
     for policy in (request(engine, target, draft, batch_size=2), request(engine, target, tiny_draft(target)),
                    request(engine, other_target, draft), request(engine, target, draft, probe_every=2)):

@@ -41,7 +41,8 @@ def main():
         for m in args.rows:
             x = torch.randn(m, in_features)
             runs = {way: [] for way in WAYS}
-            for i in range(args.repeats):  # every way in every repeat, rotating order: a drifting machine skews no ratio
+            # every way in every repeat, in rotating order: a machine that drifts skews no ratio
+            for i in range(args.repeats):
                 ways = list(WAYS)
                 for way in ways[i % len(ways):] + ways[:i % len(ways)]:
                     seconds(lambda: WAYS[way](x, w), 2)
@@ -53,7 +54,8 @@ def main():
     per_forward = {}
     for m in args.rows:
         per_forward[m] = {way: sum(r[way] * r["per_forward"] for r in results if r["rows"] == m) for way in WAYS}
-        print(f"per forward, rows {m:2d}: " + "  ".join(f"{way} {s * 1e3:6.1f} ms" for way, s in per_forward[m].items()))
+        print(f"per forward, rows {m:2d}: "
+              + "  ".join(f"{way} {s * 1e3:6.1f} ms" for way, s in per_forward[m].items()))
     with open(args.output, "w") as f:
         json.dump({"machine": machine_info(), "repeats": args.repeats, "shapes": results,
                    "per_forward_seconds": per_forward}, f, indent=1)
