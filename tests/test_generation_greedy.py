@@ -11,6 +11,7 @@ from transformers.generation.streamers import BaseStreamer
 from conftest import PAD, left_padded_prompts, tiny_draft, tiny_target
 from dspark_hf import FixedLength, FullBlock, HalfPrecisionGreedyWarning, dspark_generate, fast_draft_dtype
 from dspark_hf.evaluation import OracleDraft
+from dspark_hf.generation.ragged import Commit
 
 
 def plain(target, ids, mask, **kw):
@@ -385,3 +386,13 @@ def test_a_draft_whose_weights_went_non_finite_says_so_instead_of_failing_inside
     with pytest.raises(FloatingPointError, match="non-finite probabilities"):
         target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=do_sample,
                         assistant_model=draft, verification_policy=FullBlock())
+
+
+def test_a_commit_keeps_each_rows_accepted_entries_flush_right():
+    appended = torch.tensor([[1, 2, 3], [4, 5, 6], [7, 8, 9]])
+    commit = Commit(3, keep=torch.tensor([2, 1, 2]))
+    assert torch.equal(commit(appended, 1), torch.tensor([[1, 2], [0, 4], [7, 8]]))
+    assert not commit.keeps_all
+    assert not Commit(3, keep=torch.tensor([2, 2, 2])).keeps_all  # the third entry goes from every row
+    whole = Commit(3, keep=torch.tensor([3, 3, 3]))
+    assert whole.keeps_all and torch.equal(whole(appended, 1), appended)  # the buffers stay as they are

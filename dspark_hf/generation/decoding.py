@@ -191,6 +191,9 @@ class _Decoder:
         the whole original batch in order; rows of other lengths are filled with padding and their outputs unused."""
         lengths = self.n_gen[rows]
         B = self.prompt.shape[0]
+        if rows.numel() == B and bool((lengths == lengths[0]).all()):  # no row finished, none ahead: nothing to fill
+            yield torch.arange(B, device=rows.device), torch.cat([self.prompt, self.gen[:, :int(lengths[0])], extra], 1)
+            return
         for g in lengths.unique().tolist():
             sel = (lengths == g).nonzero().squeeze(1)
             r = rows[sel]
@@ -222,7 +225,9 @@ class _Decoder:
             return stop_at
         for k in range(1, int(counts.max()) + 1):
             for sel, ids in self._plain_batches(rows, chunk[:, :k]):
-                fired = self.criteria(ids, self._full(rows, sel, scores[:, k - 1]))[rows[sel]].to(counts.device)
+                # criteria only read the scores: a whole batch in order goes as it is, without a copy
+                full = scores[:, k - 1] if sel.numel() == ids.shape[0] else self._full(rows, sel, scores[:, k - 1])
+                fired = self.criteria(ids, full)[rows[sel]].to(counts.device)
                 s = sel[fired & (stop_at[sel] == 0) & (counts[sel] >= k)]
                 stop_at[s] = k
         return stop_at
@@ -316,8 +321,8 @@ class _Decoder:
 
         inputs = torch.cat([anchor[:, None], x], 1)
         positions = anchor_pos[:, None] + torch.arange(L + 1, device=rows.device)
-        out = self._verify_forward(inputs, torch.cat([mask, mask.new_ones(R, L + 1)], 1), positions, block,
-                                   verify_len)
+        mask = torch.cat([mask, mask.new_ones(R, L + 1)], 1)
+        out = self._verify_forward(inputs, mask, positions, block, verify_len)
         scores = torch.stack([self._process(rows, x[:, :j], out.logits[:, j]) for j in range(L + 1)], 1)
 
         if self.do_sample:
@@ -339,9 +344,10 @@ class _Decoder:
 
         # keep the target's and the draft's state of [anchor, accepted drafts]; the next token is the new anchor
         commit = Commit(L + 1, keep=n + 1)
-        for layer in self.cache.layers:
-            layer.keys, layer.values = commit(layer.keys, 2), commit(layer.values, 2)
-        self.mask = commit(torch.cat([mask, mask.new_ones(R, L + 1)], 1), 1)
+        if not commit.keeps_all:
+            for layer in self.cache.layers:
+                layer.keys, layer.values = commit(layer.keys, 2), commit(layer.values, 2)
+        self.mask = commit(mask, 1)
         features = self.draft.target_features(out.hidden_states)
         if not drafted:  # every row keeps its one token; nothing reads the draft context before the next draft
             self.pending = torch.cat([self.pending, features], 1)
