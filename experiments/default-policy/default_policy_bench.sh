@@ -21,3 +21,8 @@ dspark bench serve --batch-sizes 1 2 4 8 16 32 --max-new-tokens 32 --repeats 3 -
 
 # 4. what the first call costs when it measures this machine (an empty cost cache), against the same call cached
 python experiments/default-policy/profiling_overhead.py --batch-size 1 --max-new-tokens 96 --output "$OUT/profiling_overhead.json"
+
+# 5. what our decoding loop adds to the same target forwards, with drafting off in every round (the default policy's
+#    state in most rounds when the draft does not pay), against plain generate()
+python experiments/default-policy/loop_cost.py --batch-sizes 1 16 --max-new-tokens 96 32 --repeats 4 \
+  --output "$OUT/loop_cost.json"
