@@ -225,7 +225,7 @@ class _Decoder:
             return stop_at
         for k in range(1, int(counts.max()) + 1):
             for sel, ids in self._plain_batches(rows, chunk[:, :k]):
-                # criteria only read the scores: a whole batch in order goes as it is, without a copy
+                # criteria read the scores, never write them: a whole batch in order gets them without a copy
                 full = scores[:, k - 1] if sel.numel() == ids.shape[0] else self._full(rows, sel, scores[:, k - 1])
                 fired = self.criteria(ids, full)[rows[sel]].to(counts.device)
                 s = sel[fired & (stop_at[sel] == 0) & (counts[sel] >= k)]
