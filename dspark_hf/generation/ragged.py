@@ -25,8 +25,12 @@ class Commit:
         self.surplus = appended - keep_max  # entries no row keeps, cut from the right end
         shifts = keep_max - keep
         self.moves = [(s, (shifts == s).nonzero().squeeze(1)) for s in shifts.unique().tolist() if s != 0]
-        # every row kept all it appended (a round without a draft, or a block accepted whole by every row)
-        self.keeps_all = self.surplus == 0 and not self.moves
+
+    @property
+    def keeps_all(self) -> bool:
+        """Every row kept all it appended (a round without a draft, or a block accepted whole by every row): applying
+        the commit would change nothing."""
+        return self.surplus == 0 and not self.moves
 
     def __call__(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         x = x.narrow(dim, 0, x.shape[dim] - self.surplus)
