@@ -203,12 +203,14 @@ class SSDMixin:
         if self._pool is None:
             self._speculation = job()
             return super()._verify_forward(inputs, mask, positions, block, verify_len)
+        if self._stream is not None:  # the block and its verified lengths may still be queued on this stream
+            self._stream.wait_stream(torch.cuda.current_stream(self._stream.device))
         future = self._pool.submit(self._on_stream, job)
         out = super()._verify_forward(inputs, mask, positions, block, verify_len)
-        start = clock(inputs.device)
+        start = self._verifier_clock()
         self._speculation = future.result()
-        self.timings["wait"] += clock(inputs.device) - start
-        if self._stream is not None:
+        self.timings["wait"] += self._verifier_clock() - start
+        if self._stream is not None:  # what the speculator made is read on this stream from here on
             torch.cuda.current_stream(self._stream.device).wait_stream(self._stream)
         return out
 
@@ -225,6 +227,14 @@ class SSDMixin:
         speculation = self._speculate_now(block, verify_len, anchor, anchor_pos, context)
         self.timings["speculate"] += self._speculator_clock() - start
         return speculation
+
+    def _verifier_clock(self) -> float:
+        """The clock for the verification's own work: on the current stream only, so that the wait for the
+        speculator is timed from the verification's end (a device-wide sync would wait for the speculator too)."""
+        if self._stream is None:
+            return clock(self.prompt.device)
+        torch.cuda.current_stream(self._stream.device).synchronize()
+        return time.perf_counter()
 
     def _speculator_clock(self) -> float:
         """The clock for the speculator's own work: on its CUDA stream only (a device-wide sync would wait for the
