@@ -245,27 +245,30 @@ class _Decoder:
 
     def _forward(self, input_ids, mask, positions, cache, logits_to_keep, timing: str | None = "target"):
         """Target forward returning only the hidden states the draft reads; its time is added to `timing`."""
-        start = clock(input_ids.device)
+        start = self._clock()
         out = self.target(input_ids=input_ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
                           use_cache=True, output_hidden_states=self.draft.hidden_states_request,
                           logits_to_keep=logits_to_keep)
         if timing is not None:
-            self.timings[timing] += clock(input_ids.device) - start
+            self.timings[timing] += self._clock() - start
         return out
+
+    def _clock(self) -> float:
+        """The clock of the decode's timings (`devices.clock` on its device)."""
+        return clock(self.prompt.device)
 
     # -- the decode ------------------------------------------------------------------------------------------------
     def run(self):
-        device = self.prompt.device
-        start = clock(device)
+        start = self._clock()
         if self.streamer is not None:
             self.streamer.put(self.prompt.cpu())
         if self.max_new > 0:
             self.policy.prepare(self.target, self.draft, self.prompt.shape[0], sampling=self.do_sample)
             self._prefill()
-            self.timings["prefill"] = clock(device) - start
+            self.timings["prefill"] = self._clock() - start
             while self.rows.numel() > 0:
                 self._round()
-        self.timings["total"] = clock(device) - start
+        self.timings["total"] = self._clock() - start
         if self.streamer is not None:
             self.streamer.end()
         sequences = torch.cat([self.prompt, self.gen[:, : min(int(self.n_gen.max()), self.max_new)]], 1)
@@ -365,11 +368,11 @@ class _Decoder:
         # it decides before this round's block exists, so the choice cannot depend on it (lossless)
         if not self.policy.draft_this_round(rows.numel()):  # an empty block: the round adds the target's own token
             return empty_block(self.draft, anchor), torch.zeros_like(rows)
-        start = clock(rows.device)
+        start = self._clock()
         self._encode_pending()
         block = self.draft_block(anchor, anchor_pos, self.context, self.do_sample,
                                  process_logits=lambda prefix, logits: self._process(rows, prefix, logits))
-        self.timings["draft"] += clock(rows.device) - start
+        self.timings["draft"] += self._clock() - start
         return block, self._verify_lengths(block)
 
     def _verify_lengths(self, block):

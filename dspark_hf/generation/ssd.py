@@ -15,7 +15,6 @@ next; verification and acceptance are the same, against the distribution each to
 
 from __future__ import annotations
 
-import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, fields
 
@@ -136,7 +135,7 @@ class SSDMixin:
         if not self._drafted:  # nothing to verify, so nothing to speculate on: the next block is drafted in time
             self._next, self._hit = None, torch.zeros(R, dtype=torch.bool, device=rows.device)
             return empty_block(self.draft, anchor), torch.zeros_like(rows)
-        start = clock(rows.device)
+        start = self._clock()
         self._encode_pending()
         ready = self._next
         hit = ready.hit if ready is not None else torch.zeros(R, dtype=torch.bool, device=rows.device)
@@ -152,7 +151,7 @@ class SSDMixin:
         if ready is not None:  # the rounds that had a cache to look in
             self.ssd_stats["rounds"] += R
             self.ssd_stats["hits"] += int(hit.sum())
-        self.timings["draft"] += clock(rows.device) - start
+        self.timings["draft"] += self._clock() - start
         return block, torch.minimum(self._verify_lengths(block), self._available)
 
     def _fallback(self, anchor, anchor_pos, missed):
@@ -207,9 +206,9 @@ class SSDMixin:
             self._stream.wait_stream(torch.cuda.current_stream(self._stream.device))
         future = self._pool.submit(self._on_stream, job)
         out = super()._verify_forward(inputs, mask, positions, block, verify_len)
-        start = self._verifier_clock()
+        start = self._clock()
         self._speculation = future.result()
-        self.timings["wait"] += self._verifier_clock() - start
+        self.timings["wait"] += self._clock() - start
         if self._stream is not None:  # what the speculator made is read on this stream from here on
             torch.cuda.current_stream(self._stream.device).wait_stream(self._stream)
         return out
@@ -228,21 +227,15 @@ class SSDMixin:
         self.timings["speculate"] += self._speculator_clock() - start
         return speculation
 
-    def _verifier_clock(self) -> float:
-        """The clock for the verification's own work: on the current stream only, so that the wait for the
-        speculator is timed from the verification's end (a device-wide sync would wait for the speculator too)."""
-        if self._stream is None:
-            return clock(self.prompt.device)
-        torch.cuda.current_stream(self._stream.device).synchronize()
-        return time.perf_counter()
+    def _clock(self) -> float:
+        """The verifier's clock: with the speculator on a CUDA stream, the current stream's work only (a device-wide
+        sync would wait for the speculator it overlaps, and serialize the two)."""
+        stream = None if self._stream is None else torch.cuda.current_stream(self._stream.device)
+        return clock(self.prompt.device, stream)
 
     def _speculator_clock(self) -> float:
-        """The clock for the speculator's own work: on its CUDA stream only (a device-wide sync would wait for the
-        verification it is meant to overlap)."""
-        if self._stream is None:
-            return clock(self.prompt.device)
-        self._stream.synchronize()
-        return time.perf_counter()
+        """The speculator's clock: its own CUDA stream's work only, for the same reason."""
+        return clock(self.prompt.device, self._stream)
 
     def _speculate_now(self, block, verify_len, anchor, anchor_pos, context) -> _Speculation | None:
         fan_out = self._fan_out()
