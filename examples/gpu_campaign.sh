@@ -7,6 +7,7 @@
 #   bash examples/gpu_campaign.sh data            # on the GPU: assemble the target, regenerate answers, start training
 #   bash examples/gpu_campaign.sh train           # on the GPU: train on (resumes) until the time budget is spent
 #   bash examples/gpu_campaign.sh finish          # on the GPU: calibrate, export bf16, evaluate, pack what returns
+#   bash examples/gpu_campaign.sh ssd             # on the GPU, if the lease has minutes left: SSD on CUDA (issue 12)
 #   bash examples/gpu_campaign.sh unpack DIR      # here again: join what came back into runs/gpu/
 #
 # `pack` prints the call plan: which folder of .campaign/ each call carries and which step it runs. The machine's
@@ -33,10 +34,11 @@
 #   CAMPAIGN_DTYPE          dtype of the target for regeneration and training (default bfloat16)
 #   CAMPAIGN_HELDOUT        share of prompts held out for the report and calibration (default 0.05)
 #   CAMPAIGN_RECIPE         training flags shared by both drafts (default: the recipe below)
+#   CAMPAIGN_SSD_FLAGS      settings of the ssd step's `dspark bench ssd` (default: the CPU run's, caches to 64)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-STEP=${1:?usage: gpu_campaign.sh pack|receive|data|train|finish|unpack DIR}
+STEP=${1:?usage: gpu_campaign.sh pack|receive|data|train|finish|ssd|unpack DIR}
 PACK=${CAMPAIGN_PACK:-.campaign}
 STATE=${CAMPAIGN_STATE:-/tmp/dspark-campaign}
 OUT=${OUT:-$STATE/out}
@@ -55,6 +57,7 @@ BASE_MODEL=HuggingFaceTB/SmolLM2-135M-Instruct
 RECIPE=${CAMPAIGN_RECIPE:-"--layers 3 --target-layer-ids 1 14 27 --copy-target-layers --markov-rank 128
   --draft-vocab-size 8192 --block-size 7 --anchors 48 --batch-size 64 --auto-find-batch-size --lr 3e-3
   --save-every 500 --gpu-memory-fraction 0.45"}
+SSD_FLAGS=${CAMPAIGN_SSD_FLAGS:-"--max-new-tokens 48 --cache-sizes 2 4 8 16 64 --speed-cache-size 8"}
 DEVICE_LIMIT_BYTES=$((64 * 1024 * 1024))  # what one device call may carry, the tracked tree included
 MARGIN_BYTES=$((1024 * 1024))
 dspark() { python3 -m dspark_hf "$@"; }  # the source tree itself: nothing to install on the device
@@ -119,6 +122,7 @@ json.loads(l)), 'id': 'cpu:' + o['id']}) + '\n') for l in open(sys.argv[1]) if l
   echo "  $data_call. carry [$carry]  bash examples/gpu_campaign.sh data"
   echo "  $((data_call + 1)). bash examples/gpu_campaign.sh train   (again while it says 'not finished')"
   echo "  $((data_call + 2)). bash examples/gpu_campaign.sh finish  -> $OUT: draft parts + results.tar.gz"
+  echo "  $((data_call + 3)). bash examples/gpu_campaign.sh ssd     (minutes left?) -> $OUT: bench_ssd.json + ssd.png"
 }
 
 receive() {  # keep whatever this call carried; cheap and repeatable
@@ -211,6 +215,24 @@ finish() {
   log "back to this machine: $(ls "$OUT" | tr '\n' ' ')"
 }
 
+ssd() {  # issue 12 on CUDA: the speculator on its own stream, tested for identity, then measured
+  [ -f "$STATE/target/config.json" ] || { echo "no target on the device: run the data step first" >&2; exit 1; }
+  mkdir -p "$OUT"
+  local draft=() which="the draft shipped in this checkout"
+  if [ -f "$STATE/export/config.json" ]; then
+    draft=(--draft "$STATE/export") which="the draft trained in this lease"
+  fi
+  python3 -m pytest -q -p no:cacheprovider tests/test_ssd.py -k cuda 2>&1 | tee "$OUT/ssd-tests.log"
+  # the first prompt of each evaluation domain: the prompts of the CPU run in experiments/ssd/
+  python3 -c "import itertools, sys; from dspark_hf.training.prompts import read_prompts, write_prompts; \
+write_prompts([next(g) for _, g in itertools.groupby(read_prompts(sys.argv[1]), lambda p: p['domain'])], sys.argv[2])" \
+    "$STATE/load/eval-prompts.jsonl.gz" "$STATE/ssd-prompts.jsonl.gz"
+  log "bench ssd with $which"
+  # shellcheck disable=SC2086  # the settings are a list of flags
+  dspark bench ssd --target "$STATE/target" "${draft[@]}" --prompts "$STATE/ssd-prompts.jsonl.gz" --limit 3 \
+    $SSD_FLAGS --output "$OUT/bench_ssd.json" --plot "$OUT"
+}
+
 unpack() {
   local from=${1:?usage: gpu_campaign.sh unpack DIR (the files that came back)}
   local to=${CAMPAIGN_UNPACK:-runs/gpu}
@@ -222,7 +244,7 @@ unpack() {
 }
 
 case $STEP in
-  pack | receive | data | train | finish) "$STEP" ;;
+  pack | receive | data | train | finish | ssd) "$STEP" ;;
   unpack) unpack "${2:-}" ;;
-  *) echo "unknown step $STEP: pack, receive, data, train, finish or unpack DIR" >&2; exit 2 ;;
+  *) echo "unknown step $STEP: pack, receive, data, train, finish, ssd or unpack DIR" >&2; exit 2 ;;
 esac

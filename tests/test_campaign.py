@@ -93,3 +93,13 @@ def test_the_campaign_runs_end_to_end_and_brings_back_a_loadable_draft(tmp_path)
         assert report["training"]["steps"] >= 1 and set(report["domains"]) <= {"chat", "code", "math"}
         assert report["training"]["train_examples"] + report["sequences"] == 32 + 4  # the device's and the carried
     assert json.loads((back / "eval_export.json").read_text())["domains"]
+
+    # the lease's last minutes: SSD with the new draft, in a call that starts with an empty $OUT
+    shutil.rmtree(tmp_path / "out")
+    env["CAMPAIGN_SSD_FLAGS"] = "--max-new-tokens 8 --cache-sizes 2 4 --saguaro-c 1 --batch-sizes 1 --repeats 1"
+    assert "bench ssd with the draft trained in this lease" in run("ssd", env)
+    report = json.loads((tmp_path / "out" / "bench_ssd.json").read_text())
+    assert report["prompts"] == 3 and list(report["fan_out"]["geometric"]) == ["2", "4"]
+    assert report["block_size"] == 4, "the toy recipe's draft, not the shipped one"
+    assert all(m["identical_rows"] in (None, 3) for m in report["speed"]["1"].values() if "identical_rows" in m)
+    assert (tmp_path / "out" / "ssd.png").exists() and (tmp_path / "out" / "ssd-tests.log").exists()
