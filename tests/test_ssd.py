@@ -195,11 +195,13 @@ def test_greedy_ssd_is_token_identical_with_eos_inside_blocks_and_different_stop
 def test_greedy_ssd_with_the_speculator_on_its_own_cuda_stream_is_token_identical(config):
     # the speculator reads the block and its verified lengths while they may still be queued on the verifier's
     # stream, and the verifier reads the cache the speculator's stream wrote: both orders must hold
-    target = tiny_target("llama").cuda()
+    target = tiny_target("llama")
+    draft = tiny_draft(target)
+    target, draft = target.cuda(), draft.cuda()
     ids, mask = (t.cuda() for t in left_padded_prompts(3))
     free, eos = eos_inside_a_block(target, ids, mask)
     reference = plain(target, ids, mask, max_new_tokens=30, eos_token_id=eos)
-    draft = oracle(target, tiny_draft(target).cuda(), free, mask, 0.3)
+    draft = oracle(target, draft, free, mask, 0.3)
     for _ in range(3):
         out = ssd_generate(target, draft, ids, mask, max_new_tokens=30, eos_token_id=eos, ssd=config)
         assert torch.equal(out.sequences, reference)
