@@ -1,4 +1,4 @@
-"""The expected greedy tau of each draft at each lag, from feature_lag.sh's result files."""
+"""The expected greedy tau of each draft at each lag, from feature_lag.sh or feature_lag_dose.sh result files."""
 
 import json
 import sys
