@@ -229,8 +229,8 @@ write_prompts([next(g) for _, g in itertools.groupby(read_prompts(sys.argv[1]), 
     "$STATE/load/eval-prompts.jsonl.gz" "$STATE/ssd-prompts.jsonl.gz"
   log "bench ssd with $which"
   # shellcheck disable=SC2086  # the settings are a list of flags
-  dspark bench ssd --target "$STATE/target" ${draft[@]+"${draft[@]}"} --prompts "$STATE/ssd-prompts.jsonl.gz" --limit 3 \
-    $SSD_FLAGS --output "$OUT/bench_ssd.json" --plot "$OUT"
+  dspark bench ssd --target "$STATE/target" ${draft[@]+"${draft[@]}"} --prompts "$STATE/ssd-prompts.jsonl.gz" \
+    --limit 3 $SSD_FLAGS --output "$OUT/bench_ssd.json" --plot "$OUT"
 }
 
 unpack() {
