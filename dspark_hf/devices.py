@@ -38,7 +38,7 @@ def synchronize(device: torch.device | str) -> None:
         torch.cuda.synchronize(device)
 
 
-def clock(device: torch.device | str, stream: "torch.cuda.Stream | None" = None) -> float:
+def clock(device: torch.device | str, stream: torch.cuda.Stream | None = None) -> float:
     """time.perf_counter() once the work queued on `device` is done (only that on `stream`, a CUDA stream of it,
     where given): differences of two readings time that work."""
     if stream is not None:

@@ -112,6 +112,8 @@ class SSDMixin:
         self._speculation: _Speculation | None = None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="dspark-ssd") if ssd.overlap else None
         self._stream = torch.cuda.Stream(device) if ssd.overlap and device.type == "cuda" else None
+        # the stream the decode (and its verification) runs on, which the speculator's stream is ordered against
+        self._verifier_stream = torch.cuda.current_stream(device) if self._stream is not None else None
         # the speculator samples with its own generator, seeded from the caller's: a seed gives the same output
         self._generator = torch.Generator(device=device).manual_seed(int(torch.randint(2 ** 62, (1,))))
         self._available = None  # (R,) tokens of this round's block that may be verified (n-gram blocks are short)
@@ -203,14 +205,14 @@ class SSDMixin:
             self._speculation = job()
             return super()._verify_forward(inputs, mask, positions, block, verify_len)
         if self._stream is not None:  # the block and its verified lengths may still be queued on this stream
-            self._stream.wait_stream(torch.cuda.current_stream(self._stream.device))
+            self._stream.wait_stream(self._verifier_stream)
         future = self._pool.submit(self._on_stream, job)
         out = super()._verify_forward(inputs, mask, positions, block, verify_len)
         start = self._clock()
         self._speculation = future.result()
         self.timings["wait"] += self._clock() - start
         if self._stream is not None:  # what the speculator made is read on this stream from here on
-            torch.cuda.current_stream(self._stream.device).wait_stream(self._stream)
+            self._verifier_stream.wait_stream(self._stream)
         return out
 
     def _on_stream(self, job):
@@ -230,8 +232,7 @@ class SSDMixin:
     def _clock(self) -> float:
         """The verifier's clock: with the speculator on a CUDA stream, the current stream's work only (a device-wide
         sync would wait for the speculator it overlaps, and serialize the two)."""
-        stream = None if self._stream is None else torch.cuda.current_stream(self._stream.device)
-        return clock(self.prompt.device, stream)
+        return clock(self.prompt.device, self._verifier_stream)
 
     def _speculator_clock(self) -> float:
         """The speculator's clock: its own CUDA stream's work only, for the same reason."""
