@@ -586,9 +586,12 @@ def test_a_fresh_draft_has_one_default_shape_from_the_api_and_from_training(tmp_
             (defaults.num_hidden_layers, defaults.markov_rank, defaults.block_size, defaults.head_type)
 
 
-def test_feature_lag_trains_blocks_that_see_their_last_tokens_without_features(tmp_path):
+def test_feature_lag_trains_blocks_that_see_their_last_tokens_without_features(tmp_path, monkeypatch):
     """`dspark train --feature-lag 3`: each block's last 0..3 context tokens enter as known tokens (the ids right
     before the anchor, right-aligned), the context the block sees ends before them, and lag 0 is training as usual."""
+    from unittest.mock import ANY
+
+    from dspark_hf.training import objective
     from dspark_hf.training.objective import lagged_tokens, train_step
 
     ids = torch.arange(100, 120)[None].expand(2, -1)
@@ -603,6 +606,10 @@ def test_feature_lag_trains_blocks_that_see_their_last_tokens_without_features(t
     lags = {sum(t >= 0 for t in row) for row in lagged_tokens(ids, anchors.repeat(1, 30), 3,
                                                               torch.Generator().manual_seed(1)).view(-1, 3).tolist()}
     assert lags == {0, 1, 2, 3}
+    weighted = lagged_tokens(ids, torch.tensor([[5, 10, 15]]).repeat(2, 2000), 3, torch.Generator().manual_seed(2),
+                             lag_weights=[6, 3, 0, 1])  # as SSD meets them: mostly lag 0, never lag 2 here
+    counts = torch.bincount((weighted >= 0).sum(-1).flatten(), minlength=4) / weighted[..., 0].numel()
+    assert counts[2] == 0 and counts.tolist() == pytest.approx([0.6, 0.3, 0.0, 0.1], abs=0.02)
     exact = lagged_tokens(ids, anchors, 3, None, exact=True)  # what heldout reports at one lag use
     assert exact[0, 1].tolist() == [107, 108, 109] and exact[0, 0].tolist() == [-1, -1, 100], "none before 0"
 
@@ -627,3 +634,11 @@ def test_feature_lag_trains_blocks_that_see_their_last_tokens_without_features(t
     assert float(lagged["total"].detach()) != pytest.approx(float(plain["total"].detach()))
     with pytest.raises(ValueError, match="feature_lag=-1"):
         TrainConfig(dataset="d", output_dir="o", feature_lag=-1)
+    drawn = []
+    monkeypatch.setattr(objective, "lagged_tokens", lambda *args: drawn.append(args[2:]) or lagged_tokens(*args))
+    train(TrainConfig(dataset=str(data), output_dir=str(tmp_path / "weighted"), max_steps=2, feature_lag=3,
+                      feature_lag_weights=[0, 0, 0, 1]), target=target, progress=False)
+    assert drawn == [(3, ANY, False, [0, 0, 0, 1])] * 2, "`dspark train` draws its lags by the weights given"
+    for lag, weights in ((3, [1, 1]), (0, [1]), (1, [1, -1]), (1, [0, 0])):
+        with pytest.raises(ValueError, match=r"feature_lag_weights=.*one per lag 0..feature_lag"):
+            TrainConfig(dataset="d", output_dir="o", feature_lag=lag, feature_lag_weights=weights)

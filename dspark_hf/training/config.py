@@ -25,9 +25,13 @@ class TrainConfig:
     batch_size: int = field(default=4, metadata={"help": "Sequences per optimizer step (per process)."})
     anchors_per_sequence: int = field(default=48, metadata={"help": "Random blocks per sequence (reference: 512)."})
     feature_lag: int = field(default=0, metadata={"help": "Train on lagged contexts, as SSD's pre-speculated blocks "
-                             "see them: each block's last L tokens before its anchor (L uniform in 0..feature_lag) "
-                             "enter as tokens without target features; block_size + 1 covers every SSD outcome "
-                             "(0: off)."})
+                             "see them: each block's last L tokens before its anchor (L in 0..feature_lag, uniform "
+                             "unless feature_lag_weights) enter as tokens without target features; block_size + 1 "
+                             "covers every SSD outcome (0: off)."})
+    feature_lag_weights: list[float] | None = field(default=None, metadata={"help": "Draw the lags 0..feature_lag "
+                                                    "in proportion to these feature_lag + 1 weights instead of "
+                                                    "uniformly: e.g. the `verified` counts per lag in `dspark bench "
+                                                    "ssd`'s acceptance_by_lag, the lags SSD meets with a draft like it."})
     learning_rate: float = field(default=1e-3, metadata={"help": "AdamW peak learning rate."})
     weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay."})
     warmup_ratio: float = field(default=0.04, metadata={"help": "Linear warm-up share of the run (its steps, or its "
@@ -99,6 +103,11 @@ class TrainConfig:
             raise ValueError(f"gpu_memory_fraction={self.gpu_memory_fraction}: give a share in (0, 1].")
         if self.feature_lag < 0:
             raise ValueError(f"feature_lag={self.feature_lag}: give the largest lag in tokens (>= 0; 0 is off).")
+        weights = self.feature_lag_weights
+        if weights is not None and (self.feature_lag == 0 or len(weights) != self.feature_lag + 1
+                                    or min(weights) < 0 or sum(weights) <= 0):
+            raise ValueError(f"feature_lag_weights={weights}: give feature_lag + 1 weights >= 0 (not all 0), one per "
+                             f"lag 0..feature_lag, with feature_lag > 0 (now {self.feature_lag}).")
         if self.target_dtype not in ("auto", "float32", "bfloat16"):
             raise ValueError(f"target_dtype={self.target_dtype!r}: choose 'auto', 'float32' or 'bfloat16'.")
         if self.copy_target_layers and (self.lora or self.init_from):

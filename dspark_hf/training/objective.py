@@ -44,13 +44,16 @@ def target_distribution_at(target, last: torch.Tensor, anchors: torch.Tensor, ga
     return p_t[where].view(*idx.shape, -1), outside[where].view(idx.shape), top[where].view(idx.shape)
 
 
-def lagged_tokens(ids: torch.Tensor, anchors: torch.Tensor, max_lag: int, generator, exact: bool = False
-                  ) -> torch.Tensor:
-    """For SSD's lagged contexts: each anchor's last L tokens before it (L uniform in 0..max_lag, drawn on the CPU
-    `generator`; L = max_lag for every anchor if `exact`), right-aligned in (B, A, max_lag), -1 elsewhere. The draft
-    sees them as tokens, without features."""
+def lagged_tokens(ids: torch.Tensor, anchors: torch.Tensor, max_lag: int, generator, exact: bool = False,
+                  lag_weights: list[float] | None = None) -> torch.Tensor:
+    """For SSD's lagged contexts: each anchor's last L tokens before it (L in 0..max_lag, drawn on the CPU
+    `generator`, uniformly or in proportion to `lag_weights` (max_lag + 1 of them); L = max_lag for every anchor if
+    `exact`), right-aligned in (B, A, max_lag), -1 elsewhere. The draft sees them as tokens, without features."""
     if exact:
         lags = torch.full(anchors.shape, max_lag, device=anchors.device)
+    elif lag_weights is not None:
+        lags = torch.multinomial(torch.tensor(lag_weights, dtype=torch.float64), anchors.numel(), replacement=True,
+                                 generator=generator).view(anchors.shape).to(anchors.device)
     else:
         lags = torch.randint(0, max_lag + 1, anchors.shape, generator=generator, device="cpu").to(anchors.device)
     j = torch.arange(max_lag, device=anchors.device)
@@ -62,10 +65,10 @@ def lagged_tokens(ids: torch.Tensor, anchors: torch.Tensor, max_lag: int, genera
 
 
 def train_step(draft, target, examples, features, anchors_per_sequence, weights, generator, forward=None,
-               feature_lag: int = 0, exact_lag: bool = False):
+               feature_lag: int = 0, exact_lag: bool = False, lag_weights: list[float] | None = None):
     """Losses of one batch (no backward). `forward` is the (possibly data-parallel wrapped) draft to call.
-    feature_lag > 0: each block sees its last 0..feature_lag context tokens (exactly feature_lag if `exact_lag`) as
-    tokens only ([`lagged_tokens`])."""
+    feature_lag > 0: each block sees its last 0..feature_lag context tokens (exactly feature_lag if `exact_lag`, in
+    proportion to `lag_weights` if given) as tokens only ([`lagged_tokens`])."""
     forward = forward or draft
     gamma = draft.config.block_size
     feats, last = features(examples)
@@ -81,7 +84,8 @@ def train_step(draft, target, examples, features, anchors_per_sequence, weights,
     labels = gather_blocks(ids, anchors + 1, gamma)  # position k predicts anchor + k + 1
     block_valid = valid[..., None] & ((anchors[..., None] + 1 + torch.arange(gamma, device=device))
                                       < lengths[:, None, None])
-    known = lagged_tokens(ids, anchors, feature_lag, generator, exact_lag) if feature_lag > 0 else None
+    known = (lagged_tokens(ids, anchors, feature_lag, generator, exact_lag, lag_weights) if feature_lag > 0
+             else None)
     out = forward(ids.gather(1, anchors), anchors, block_tokens=labels, context_features=feats,
                   context_positions=positions, context_valid=context_valid, known=known)
     vocab = draft.draft_vocab if draft.config.draft_vocab_size is not None else None

@@ -126,7 +126,8 @@ def train(config: TrainConfig, target=None, progress: bool = True):
                 group["lr"] = config.learning_rate * lr_factor(*span, config.warmup_ratio)
             with accelerator.autocast():
                 losses, valid = train_step(core, target, batch, features, config.anchors_per_sequence, weights,
-                                           generator, forward=draft, feature_lag=config.feature_lag)
+                                           generator, forward=draft, feature_lag=config.feature_lag,
+                                           lag_weights=config.feature_lag_weights)
             timer.forward_done(device)
             accelerator.backward(losses["total"])
             accelerator.clip_grad_norm_(draft.parameters(), 1.0)
