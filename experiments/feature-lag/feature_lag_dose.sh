@@ -11,7 +11,7 @@ STEPS=${STEPS:-256}
 DATA=$RUNS/recipe/data.jsonl
 FEATURES=$RUNS/recipe/features
 OUT=$RUNS/feature-lag-$STEPS
-R=experiments/feature-lag/results-$STEPS
+R=${RESULTS:-experiments/feature-lag/results-$STEPS}
 SHIP=dspark_hf/assets/dspark-smollm2-135m-instruct
 if [ ! -f "$DATA" ] || [ ! -d "$FEATURES" ]; then
   echo "no $DATA or $FEATURES: run experiments/recipe-study/recipe_study.sh first (its steps 1-2 make them)" >&2
@@ -21,9 +21,9 @@ mkdir -p "$OUT" "$R"
 
 COMMON="--dataset $DATA --feature-cache $FEATURES --init-from $SHIP --max-steps $STEPS --batch-size 4
   --heldout-fraction 0.1"
-train() {  # NAME FLAGS...: one fine-tune on one thread, skipped when done
+train() {  # NAME FLAGS...: one fine-tune on one thread, skipped when done or already measured at every lag
   local name=$1; shift
-  [ -f "$OUT/$name/heldout.json" ] && return
+  [ -f "$OUT/$name/heldout.json" ] || [ -f "$R/${name}_lag8.json" ] && return
   # shellcheck disable=SC2086  # COMMON is a list of flags
   OMP_NUM_THREADS=1 dspark train $COMMON "$@" --output-dir "$OUT/$name" > "$OUT/$name.log" 2>&1
 }
@@ -41,6 +41,11 @@ pair() {  # run two commands (each one quoted string) side by side; fail if eith
 }
 export -f train measure && export COMMON OUT R DATA FEATURES
 pair "train lag0" "train lag8 --feature-lag 8"
-pair "train lag0-seed1 --seed 1" "measure shipped $SHIP; measure lag0 $OUT/lag0; measure lag8 $OUT/lag8"
-measure lag0-seed1 "$OUT/lag0-seed1"
+# Shaped lags (added 2026-11-24, after results-256): SSD with the shipped draft verifies at lags 0, 1 and 2 in the
+# proportion 507 : 150 : 6 (experiments/ssd/results/bench_ssd.json, acceptance_by_lag), so `ssd-lags` draws them
+# so; `half0` keeps half the blocks unlagged and spreads the rest uniformly over lags 1..8.
+pair "train ssd-lags --feature-lag 2 --feature-lag-weights 507 150 6" \
+  "train half0 --feature-lag 8 --feature-lag-weights 8 1 1 1 1 1 1 1 1"
+pair "train lag0-seed1 --seed 1" "for arm in lag0 lag8 ssd-lags half0; do measure \$arm $OUT/\$arm; done"
+pair "measure shipped $SHIP" "measure lag0-seed1 $OUT/lag0-seed1"
 python experiments/feature-lag/table.py "$R"
