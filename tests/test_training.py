@@ -588,7 +588,8 @@ def test_a_fresh_draft_has_one_default_shape_from_the_api_and_from_training(tmp_
 
 def test_feature_lag_trains_blocks_that_see_their_last_tokens_without_features(tmp_path, monkeypatch):
     """`dspark train --feature-lag 3`: each block's last 0..3 context tokens enter as known tokens (the ids right
-    before the anchor, right-aligned), the context the block sees ends before them, and lag 0 is training as usual."""
+    before the anchor, right-aligned), the context the block sees ends before them, and lag 0 is training as usual;
+    `--feature-lag-weights` draws the lags in proportion to the weights given."""
     from unittest.mock import ANY
 
     from dspark_hf.training import objective

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # feature_lag.sh's question at a larger dose: the shipped draft fine-tuned for 256 steps (not 48) without and
-# with `--feature-lag 8`, plus the no-lag fine-tune again from another seed (the noise any difference must beat), on
-# the recipe study's 800 mixed answers (chat, code, math), whose feature cache spares every step the target's
-# forward; all measured teacher-forced at lags 0, 1, 4 and 8 on that data's held-out 10%, which no fine-tune saw.
-# Needs the recipe study's data and cache (`bash experiments/recipe-study/recipe_study.sh` makes both in its first
-# two steps). About 50 minutes on a 2-core CPU, two jobs on one thread each.
+# with `--feature-lag 8` or shaped lags (below), plus the no-lag fine-tune again from another seed (the noise any
+# difference must beat), on the recipe study's 800 mixed answers (chat, code, math), whose feature cache spares
+# every step the target's forward; all measured teacher-forced at lags 0, 1, 4 and 8 on that data's held-out 10%,
+# which no fine-tune saw. Needs the recipe study's data and cache (`bash experiments/recipe-study/recipe_study.sh`
+# makes both in its first two steps). About 40 minutes on a 2-core Intel Xeon, two jobs on one thread each; RESULTS= names the folder.
 set -euo pipefail
 RUNS=${RUNS:-runs}
 STEPS=${STEPS:-256}
