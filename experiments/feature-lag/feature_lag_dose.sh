@@ -4,7 +4,8 @@
 # difference must beat), on the recipe study's 800 mixed answers (chat, code, math), whose feature cache spares
 # every step the target's forward; all measured teacher-forced at lags 0, 1, 4 and 8 on that data's held-out 10%,
 # which no fine-tune saw. Needs the recipe study's data and cache (`bash experiments/recipe-study/recipe_study.sh`
-# makes both in its first two steps). About 40 minutes on a 2-core Intel Xeon, two jobs on one thread each; RESULTS= names the folder.
+# makes both in its first two steps). About 40 minutes on a 2-core Intel Xeon, two jobs on one thread each.
+# RESULTS= names the results folder (default results-256).
 set -euo pipefail
 RUNS=${RUNS:-runs}
 STEPS=${STEPS:-256}
