@@ -2,13 +2,15 @@
 outcomes and lookup, Saguaro sampling (Theorem 15), the fallback (Theorem 17), and decoding with `ssd=`: greedy
 output identical to plain generate(), sampled output exact, whatever the cache hits."""
 
+import dataclasses
+
 import pytest
 import torch
 
 from conftest import left_padded_prompts, tiny_draft, tiny_target
 from dspark_hf import SSDConfig
 from dspark_hf.generation.drafting import saguaro
-from dspark_hf.generation.ssd import ngram_proposal
+from dspark_hf.generation.ssd import SSDMixin, ngram_proposal
 from dspark_hf.generation.speculation import predict_outcomes
 from dspark_hf.scheduling.ssd import (critical_batch_size, expected_hit_rate, fit_power_law, geometric_fan_out,
                                       outcome_probabilities, ssd_speedup, uniform_fan_out)
@@ -189,23 +191,63 @@ def test_greedy_ssd_is_token_identical_with_eos_inside_blocks_and_different_stop
         assert len(set(lengths.tolist())) > 1, "rows stop at different times"
 
 
+def cache_records(out):
+    """What the speculation cache decided, round by round: it must not depend on when the speculator ran."""
+    return [[(r.drafted, r.verified, r.accepted, r.next_token, r.cache_hit) for r in rows] for rows in out.rounds], \
+        out.ssd_stats
+
+
+OVERLAP_CONFIGS = pytest.mark.parametrize("config", [
+    SSDConfig(cache_size=EVERY_OUTCOME, fan_out="uniform", fallback="draft"),  # every round hits
+    SSDConfig(cache_size=6, fallback="draft"),  # most rounds miss
+], ids=["all-hit", "draft"])
+
+
+@OVERLAP_CONFIGS
+def test_the_speculator_beside_the_verification_builds_the_cache_it_builds_after_it(config):
+    # greedy decoding fixes every block the speculator drafts, so running it in its own thread during the target's
+    # verification (overlap) must leave the same records as running it afterwards: a difference is a stale read
+    target = tiny_target("llama")
+    ids, mask = left_padded_prompts(3)
+    free, eos = eos_inside_a_block(target, ids, mask)
+    reference = plain(target, ids, mask, max_new_tokens=30, eos_token_id=eos)
+    records = []
+    for overlap in (False, True):
+        draft = oracle(target, tiny_draft(target), free, mask, 0.3)
+        out = ssd_generate(target, draft, ids, mask, max_new_tokens=30, eos_token_id=eos,
+                           ssd=dataclasses.replace(config, overlap=overlap))
+        assert torch.equal(out.sequences, reference)
+        records.append(cache_records(out))
+    assert records[0][1]["hits"] > 0 and records[1] == records[0]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the campaign's ssd step runs it)")
-@pytest.mark.parametrize("config", [SSDConfig(cache_size=EVERY_OUTCOME, fan_out="uniform"),
-                                    SSDConfig(cache_size=6, fallback="draft")], ids=["all-hit", "draft"])
-def test_greedy_ssd_with_the_speculator_on_its_own_cuda_stream_is_token_identical(config):
-    # the speculator reads the block and its verified lengths while they may still be queued on the verifier's
-    # stream, and the verifier reads the cache the speculator's stream wrote: both orders must hold
+@OVERLAP_CONFIGS
+def test_greedy_ssd_with_the_speculator_on_its_own_cuda_stream_is_token_identical(config, monkeypatch):
+    # the speculator's stream reads the verification's inputs (its anchors) while they may still be queued on the
+    # verifier's stream: a delay queued right before them makes a missing wait read unfinished memory, and the
+    # cache it builds then differs from the one built after the verification (greedy output alone would not show it)
     target = tiny_target("llama")
     draft = tiny_draft(target)
     target, draft = target.cuda(), draft.cuda()
     ids, mask = (t.cuda() for t in left_padded_prompts(3))
     free, eos = eos_inside_a_block(target, ids, mask)
     reference = plain(target, ids, mask, max_new_tokens=30, eos_token_id=eos)
-    draft = oracle(target, draft, free, mask, 0.3)
-    for _ in range(3):
-        out = ssd_generate(target, draft, ids, mask, max_new_tokens=30, eos_token_id=eos, ssd=config)
+    verify_forward = SSDMixin._verify_forward
+
+    def late_inputs(self, inputs, mask, positions, block, verify_len):
+        torch.cuda._sleep(50_000_000)  # tens of milliseconds of the verifier stream's time
+        return verify_forward(self, inputs + 0, mask, positions + 0, block, verify_len)
+
+    monkeypatch.setattr(SSDMixin, "_verify_forward", late_inputs)
+    records = []
+    for overlap in (False, True, True, True):
+        out = ssd_generate(target, oracle(target, draft, free, mask, 0.3), ids, mask, max_new_tokens=30,
+                           eos_token_id=eos, ssd=dataclasses.replace(config, overlap=overlap))
         assert torch.equal(out.sequences, reference)
-    assert out.timings["speculate"] > 0 and out.ssd_stats["rounds"] > 0
+        records.append(cache_records(out))
+    assert records[0][1]["hits"] > 0 and all(r == records[0] for r in records[1:])
+    assert out.timings["speculate"] > 0
 
 
 def test_length_limits_and_a_cache_that_hits_every_round():
