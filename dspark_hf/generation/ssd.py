@@ -212,6 +212,9 @@ class SSDMixin:
         self._speculation = future.result()
         self.timings["wait"] += self._clock() - start
         if self._stream is not None:  # what the speculator made is read on this stream from here on
+            # Its tensors belong to the speculator stream's memory pool and may be freed while reads of them are
+            # still queued here; no record_stream is needed because the next job's stream first waits for this
+            # one (above), so that memory cannot be reused before those reads are done.
             self._verifier_stream.wait_stream(self._stream)
         return out
 
