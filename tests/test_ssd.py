@@ -197,6 +197,20 @@ def cache_records(out):
         out.ssd_stats
 
 
+def decode_with_overlaps(target, draft, ids, mask, config, overlaps):
+    """Greedy SSD decodes with the speculator beside the verification or after it (one per entry of `overlaps`),
+    each checked against plain generate(); returns their cache records and the last output."""
+    free, eos = eos_inside_a_block(target, ids, mask)
+    reference = plain(target, ids, mask, max_new_tokens=30, eos_token_id=eos)
+    records = []
+    for overlap in overlaps:
+        out = ssd_generate(target, oracle(target, draft, free, mask, 0.3), ids, mask, max_new_tokens=30,
+                           eos_token_id=eos, ssd=dataclasses.replace(config, overlap=overlap))
+        assert torch.equal(out.sequences, reference)
+        records.append(cache_records(out))
+    return records, out
+
+
 OVERLAP_CONFIGS = pytest.mark.parametrize("config", [
     SSDConfig(cache_size=EVERY_OUTCOME, fan_out="uniform", fallback="draft"),  # every round hits
     SSDConfig(cache_size=6, fallback="draft"),  # most rounds miss
@@ -209,15 +223,7 @@ def test_the_speculator_beside_the_verification_builds_the_cache_it_builds_after
     # verification (overlap) must leave the same records as running it afterwards: a difference is a stale read
     target = tiny_target("llama")
     ids, mask = left_padded_prompts(3)
-    free, eos = eos_inside_a_block(target, ids, mask)
-    reference = plain(target, ids, mask, max_new_tokens=30, eos_token_id=eos)
-    records = []
-    for overlap in (False, True):
-        draft = oracle(target, tiny_draft(target), free, mask, 0.3)
-        out = ssd_generate(target, draft, ids, mask, max_new_tokens=30, eos_token_id=eos,
-                           ssd=dataclasses.replace(config, overlap=overlap))
-        assert torch.equal(out.sequences, reference)
-        records.append(cache_records(out))
+    records, _ = decode_with_overlaps(target, tiny_draft(target), ids, mask, config, (False, True))
     assert records[0][1]["hits"] > 0 and records[1] == records[0]
 
 
@@ -231,8 +237,6 @@ def test_greedy_ssd_with_the_speculator_on_its_own_cuda_stream_is_token_identica
     draft = tiny_draft(target)
     target, draft = target.cuda(), draft.cuda()
     ids, mask = (t.cuda() for t in left_padded_prompts(3))
-    free, eos = eos_inside_a_block(target, ids, mask)
-    reference = plain(target, ids, mask, max_new_tokens=30, eos_token_id=eos)
     verify_forward = SSDMixin._verify_forward
 
     def late_inputs(self, inputs, mask, positions, block, verify_len):
@@ -240,12 +244,7 @@ def test_greedy_ssd_with_the_speculator_on_its_own_cuda_stream_is_token_identica
         return verify_forward(self, inputs + 0, mask, positions + 0, block, verify_len)
 
     monkeypatch.setattr(SSDMixin, "_verify_forward", late_inputs)
-    records = []
-    for overlap in (False, True, True, True):
-        out = ssd_generate(target, oracle(target, draft, free, mask, 0.3), ids, mask, max_new_tokens=30,
-                           eos_token_id=eos, ssd=dataclasses.replace(config, overlap=overlap))
-        assert torch.equal(out.sequences, reference)
-        records.append(cache_records(out))
+    records, out = decode_with_overlaps(target, draft, ids, mask, config, (False, True, True, True))
     assert records[0][1]["hits"] > 0 and all(r == records[0] for r in records[1:])
     assert out.timings["speculate"] > 0
 
