@@ -227,6 +227,23 @@ def test_the_speculator_beside_the_verification_builds_the_cache_it_builds_after
     assert records[0][1]["hits"] > 0 and records[1] == records[0]
 
 
+def test_the_speculator_thread_drafts_under_the_callers_autocast():
+    # autocast is thread-local: unless the speculator's thread enters the caller's, it drafts the cache in float32
+    # where the speculator run after the verification drafts in bfloat16, and the cached blocks part
+    target = tiny_target("llama")
+    draft = tiny_draft(target)
+    ids, mask = left_padded_prompts(3)
+    free, eos = eos_inside_a_block(target, ids, mask)
+    records = []
+    for overlap in (False, True):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = ssd_generate(target, oracle(target, draft, free, mask, 0.3), ids, mask, max_new_tokens=30,
+                               eos_token_id=eos, ssd=SSDConfig(cache_size=EVERY_OUTCOME, fan_out="uniform",
+                                                               fallback="draft", overlap=overlap))
+        records.append(cache_records(out))
+    assert records[0][1]["hits"] > 0 and records[1] == records[0]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the campaign's ssd step runs it)")
 @OVERLAP_CONFIGS
 def test_greedy_ssd_with_the_speculator_on_its_own_cuda_stream_is_token_identical(config, monkeypatch):

@@ -206,7 +206,7 @@ class SSDMixin:
             return super()._verify_forward(inputs, mask, positions, block, verify_len)
         if self._stream is not None:  # the block and its verified lengths may still be queued on this stream
             self._stream.wait_stream(self._verifier_stream)
-        future = self._pool.submit(self._on_stream, job)
+        future = self._pool.submit(self._on_stream, job, _callers_autocast(self.prompt.device.type))
         out = super()._verify_forward(inputs, mask, positions, block, verify_len)
         start = self._clock()
         self._speculation = future.result()
@@ -218,8 +218,8 @@ class SSDMixin:
             self._verifier_stream.wait_stream(self._stream)
         return out
 
-    def _on_stream(self, job):
-        with torch.no_grad():
+    def _on_stream(self, job, autocast):
+        with torch.no_grad(), autocast:
             if self._stream is None:
                 return job()
             with torch.cuda.stream(self._stream):
@@ -328,6 +328,14 @@ class SSDMixin:
         # the times of a round of R rows (an n-gram lookup costs next to nothing beside it)
         return critical_batch_size(hit_rate, tokens_draft, tokens_draft, 1.0, self._costs.verify(R, gamma + 1),
                                    self._costs.draft(R), 0.0)
+
+
+def _callers_autocast(device_type: str) -> torch.autocast:
+    """The caller's `torch.autocast` state, to re-enter in the speculator's thread: autocast is thread-local, and
+    without it the speculator would draft in float32 beside a bfloat16 fallback (and overlap would change which
+    blocks are cached)."""
+    return torch.autocast(device_type, dtype=torch.get_autocast_dtype(device_type),
+                          enabled=torch.is_autocast_enabled(device_type), cache_enabled=torch.is_autocast_cache_enabled())
 
 
 def _merge(block: DraftBlock, cached: DraftBlock, use_cached: torch.Tensor) -> DraftBlock:
