@@ -299,6 +299,17 @@ def test_unsupported_options_raise_clear_errors(options, message):
                         **options)
 
 
+@pytest.mark.parametrize("option", ["ssd", "verification_policy"])
+def test_dspark_options_without_a_dspark_draft_say_to_pass_one(option):
+    from dspark_hf import FullBlock, SSDConfig
+
+    target = tiny_target("llama")
+    ids, mask = left_padded_prompts(1)
+    value = {"ssd": SSDConfig(), "verification_policy": FullBlock()}[option]
+    with pytest.raises(ValueError, match=f"{option}= applies to DSpark decoding: pass assistant_model=.*NoneType"):
+        target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, **{option: value})
+
+
 def test_a_draft_for_another_target_is_refused():
     draft = tiny_draft(tiny_target("llama", vocab=64))
     target = tiny_target("llama")

@@ -28,6 +28,7 @@ def _generate(self, *args, **kwargs):
     bound = _signature.bind_partial(self, *args, **kwargs).arguments
     draft = unwrap_draft(bound.get("assistant_model"))  # a DSpark draft, possibly with peft adapters
     if not isinstance(draft, DSparkDraftModel):
+        _refuse_dspark_options_without_a_draft(bound)
         return _original_generate(self, *args, **kwargs)
     if bound.get("custom_generate") is not None:
         raise ValueError("Pass either assistant_model=<DSpark draft> or custom_generate, not both.")
@@ -39,6 +40,18 @@ def _generate(self, *args, **kwargs):
     _stop_strings_as_criteria(self, bound, extra)
     return _original_generate(self, **bound, **extra, custom_generate=dspark_generate, draft_model=draft,
                               token_streamer=streamer, verification_policy=policy, ssd=ssd)
+
+
+def _refuse_dspark_options_without_a_draft(bound: dict) -> None:
+    """ssd= and verification_policy= mean nothing to plain or assisted generate(), whose own error would only call
+    them unused model_kwargs."""
+    if bound.get("custom_generate") is not None:  # someone else's decoding loop: its arguments are its own
+        return
+    for name in ("ssd", "verification_policy"):
+        if bound.get("kwargs", {}).get(name) is not None:
+            got = type(bound.get("assistant_model")).__name__
+            raise ValueError(f"{name}= applies to DSpark decoding: pass assistant_model=<a DSparkDraftModel> as well "
+                             f"(got assistant_model of type {got}).")
 
 
 def _stop_strings_as_criteria(model, bound: dict, extra: dict) -> None:
