@@ -5,7 +5,7 @@ import warnings
 
 import pytest
 import torch
-from transformers import StoppingCriteria, StoppingCriteriaList
+from transformers import LogitsProcessor, MaxLengthCriteria, StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
 from conftest import PAD, left_padded_prompts, tiny_draft, tiny_target
@@ -89,6 +89,24 @@ def test_max_length_counts_the_padded_prompt_like_plain_generate():
     assert torch.equal(out.sequences, plain(target, ids, mask, max_length=ids.shape[1] + 7))
 
 
+@pytest.mark.parametrize("limit", [5, 9])
+def test_a_callers_max_length_criterion_replaces_max_new_tokens_like_plain_generate(limit):
+    target = tiny_target("llama")
+    ids, mask = left_padded_prompts(3)
+    kw = dict(max_new_tokens=7, stopping_criteria=StoppingCriteriaList([MaxLengthCriteria(ids.shape[1] + limit)]))
+    assert torch.equal(dspark(target, tiny_draft(target), ids, mask, **kw).sequences, plain(target, ids, mask, **kw))
+
+
+@pytest.mark.parametrize("kw", [dict(cache_implementation="dynamic"), dict(dtype=torch.int32)], ids=str)
+def test_a_dynamic_cache_and_int32_ids_decode_like_plain_generate(kw):
+    target = tiny_target("llama")
+    ids, mask = left_padded_prompts(3)
+    ids = ids.to(kw.pop("dtype", ids.dtype))
+    reference = plain(target, ids, mask, max_new_tokens=12, **kw)
+    out = dspark(target, tiny_draft(target), ids, mask, max_new_tokens=12, **kw).sequences
+    assert out.dtype == reference.dtype == torch.long and torch.equal(out, reference)
+
+
 def eos_inside_a_block(target, ids, mask, row=0, index=6, block=4):
     """(free continuation, a token that row `row` first emits at or after `index`, strictly inside a chunk of
     block + 1 tokens, so an oracle draft accepts it in the middle of a block)."""
@@ -161,6 +179,32 @@ def test_input_dependent_logits_processors_see_what_plain_generate_sees(policy):
     draft = oracle(target, tiny_draft(target), plain(target, ids, mask, **kw), mask, 0.2)
     out = dspark(target, draft, ids, mask, policy=policy, **kw)
     assert torch.equal(out.sequences, reference)
+
+
+class RecordIds(LogitsProcessor):
+    """Reads the ids (so DSpark calls it row group by row group) and records what every call showed."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, input_ids, scores):
+        self.calls.append(input_ids.clone())
+        return scores
+
+
+def test_a_processor_called_for_some_rows_sees_every_row_with_its_own_prompt():
+    # rows that accepted different amounts are processed in groups of one length; the other rows of each call must
+    # still look like rows plain generate() shows (their own ids), not like padding where the prompt was
+    target = tiny_target("llama")
+    ids, mask = left_padded_prompts(3)
+    reference = plain(target, ids, mask, max_new_tokens=20)
+    recorder = RecordIds()
+    out = dspark(target, oracle(target, tiny_draft(target), reference, mask, 0.3), ids, mask, max_new_tokens=20,
+                 logits_processor=[recorder])
+    assert torch.equal(out.sequences, reference)
+    lengths = {call.shape[1] for call in recorder.calls}
+    assert len(recorder.calls) > len(lengths)  # some round was processed in more than one group
+    assert all(torch.equal(call[:, :ids.shape[1]], ids) for call in recorder.calls)
 
 
 def test_round_records_add_up():
@@ -290,6 +334,11 @@ def test_two_models_generate_at_the_same_time():
     (dict(cache_implementation="static"), "static"),
     (dict(output_scores=True), "output_scores"),
     (dict(penalty_alpha=0.6, top_k=4), "contrastive"),
+    (dict(prompt_lookup_num_tokens=3), r"assisted_generation \(chosen by prompt_lookup_num_tokens=3\)"),
+    (dict(guidance_scale=1.5), "guidance_scale=1.5 is not supported"),
+    (dict(token_healing=True), r"heal the prompt first, input_ids = target.heal_tokens"),
+    (dict(inputs_embeds=torch.zeros(1, 4, 64)), "inputs_embeds is not supported.*pass input_ids instead"),
+    (dict(position_ids=torch.arange(1, 10)[None]), "Custom position_ids are not supported"),
 ])
 def test_unsupported_options_raise_clear_errors(options, message):
     target = tiny_target("llama")

@@ -33,6 +33,9 @@ _UNSUPPORTED_OUTPUTS = ("output_scores", "output_logits", "output_attentions", "
 _IDS_FREE_PROCESSORS = (lp.TemperatureLogitsWarper, lp.TopKLogitsWarper, lp.TopPLogitsWarper, lp.MinPLogitsWarper,
                         lp.TypicalLogitsWarper, lp.EpsilonLogitsWarper, lp.EtaLogitsWarper)
 _KNOWN_MODEL_KWARGS = {"attention_mask", "position_ids", "past_key_values", "use_cache", "logits_to_keep"}
+# generation-config options that choose a decoding mode other than greedy search or sampling
+_MODE_OPTIONS = ("num_beams", "num_beam_groups", "penalty_alpha", "dola_layers", "prompt_lookup_num_tokens",
+                 "constraints", "force_words_ids")
 
 
 def dspark_generate(
@@ -62,6 +65,7 @@ def dspark_generate(
     ``return_dict_in_generate=True`` a [`DSparkGenerateOutput`].
     """
     draft_model = unwrap_draft(draft_model)
+    input_ids = input_ids.long()  # plain generate() returns int64 ids for any integer prompt
     _check_request(model, draft_model, generation_config, synced_gpus, model_kwargs, input_ids, token_streamer)
     if not draft_model.is_bound_to(model):
         draft_model.bind_target(model)
@@ -108,8 +112,13 @@ def _check_request(model, draft, cfg, synced_gpus, model_kwargs, input_ids, stre
         raise ValueError("DSpark decoding supports decoder-only targets.")
     mode = cfg.get_generation_mode()
     if mode not in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE):
-        raise ValueError(f"DSpark decoding supports greedy search and sampling, not {mode.value} (num_beams="
-                         f"{cfg.num_beams}, penalty_alpha={cfg.penalty_alpha}). Drop those options or the draft.")
+        chosen_by = ", ".join(f"{name}={getattr(cfg, name)!r}" for name in _MODE_OPTIONS
+                              if getattr(cfg, name, None) not in (None, 1, False))
+        raise ValueError(f"DSpark decoding supports greedy search and sampling, not {mode.value} (chosen by "
+                         f"{chosen_by or 'the generation config'}). Drop those options or the draft.")
+    if cfg.guidance_scale is not None and cfg.guidance_scale != 1:
+        raise ValueError(f"guidance_scale={cfg.guidance_scale} is not supported with a DSpark draft: classifier-free "
+                         "guidance runs the model inside a logits processor once per token. Drop it or the draft.")
     for flag in _UNSUPPORTED_OUTPUTS:
         if getattr(cfg, flag, False):
             raise ValueError(f"{flag}=True is not supported with a DSpark draft yet; use return_dict_in_generate=True "
@@ -118,13 +127,16 @@ def _check_request(model, draft, cfg, synced_gpus, model_kwargs, input_ids, stre
         raise ValueError("synced_gpus=True is not supported with a DSpark draft.")
     if cfg.use_cache is False:
         raise ValueError("DSpark decoding needs the KV cache; do not pass use_cache=False.")
-    if cfg.cache_implementation is not None:
+    if cfg.cache_implementation not in (None, "dynamic"):
         raise ValueError(f"cache_implementation={cfg.cache_implementation!r} is not supported with a DSpark draft: "
                          "it keeps its own dynamic cache (rows are re-aligned every round).")
     cache = model_kwargs.get("past_key_values")
     if cache is not None and (not isinstance(cache, DynamicCache) or cache.get_seq_length() > 0):
         raise ValueError("Passing past_key_values is not supported with a DSpark draft: the prompt is prefilled "
                          "inside the DSpark loop.")
+    if model_kwargs.get("inputs_embeds") is not None:
+        raise ValueError("inputs_embeds is not supported with a DSpark draft, which reads token ids: pass input_ids "
+                         "instead (or drop the draft).")
     unknown = set(k for k, v in model_kwargs.items() if v is not None) - _KNOWN_MODEL_KWARGS
     if unknown:
         raise ValueError(f"DSpark decoding does not accept these generate() arguments: {sorted(unknown)}.")
@@ -134,6 +146,12 @@ def _check_request(model, draft, cfg, synced_gpus, model_kwargs, input_ids, stre
             f"rows {mask.bool().any(1).logical_not().nonzero().flatten().tolist()} of the prompt are all padding"
         raise ValueError(f"DSpark decoding needs at least one prompt token in every row, but {empty}: start each "
                          "prompt with a token (e.g. the BOS token, or apply the chat template).")
+    positions = model_kwargs.get("position_ids")
+    if positions is not None:  # generate() passes the mask's own positions; others change plain generate()'s output
+        real = mask.bool() if mask is not None else torch.ones_like(input_ids, dtype=torch.bool)
+        if not torch.equal(positions[real], (real.long().cumsum(1) - 1)[real]):
+            raise ValueError("Custom position_ids are not supported with a DSpark draft, which numbers tokens by the "
+                             "attention mask (0, 1, 2, ... over its real tokens): drop position_ids or the draft.")
     if streamer is not None and input_ids.shape[0] > 1:
         raise ValueError("Streamers support batch size 1, as in transformers.")
     if mode == GenerationMode.GREEDY_SEARCH and model.dtype in (torch.bfloat16, torch.float16):
@@ -174,7 +192,9 @@ class _Decoder:
         self.pads_finished = any(hasattr(c, "eos_token_id") for c in criteria)
         self.do_sample = cfg.get_generation_mode() == GenerationMode.SAMPLE
         B, P = prompt.shape
-        self.max_new = cfg.max_length - P
+        # a MaxLengthCriteria of the caller's replaces the one generate() builds from max_length
+        limits = [c.max_length for c in criteria if isinstance(c, MaxLengthCriteria)]
+        self.max_new = (min(limits) if limits else cfg.max_length) - P
         pad = cfg._pad_token_tensor
         self.pad_id = int(pad) if pad is not None else 0
         self.gen = prompt.new_full((B, max(self.max_new, 0)), self.pad_id)
@@ -188,16 +208,18 @@ class _Decoder:
         """Yield (selector into rows, input_ids (B, T)) so that every active row is called with exactly the ids plain
         generate() would pass its logits processors and stopping criteria: padded prompt + generated tokens +
         `extra`. Processors may keep per-row state (e.g. repetition_penalty's prompt lengths), so each call covers
-        the whole original batch in order; rows of other lengths are filled with padding and their outputs unused."""
+        the whole original batch in order; rows of other lengths show their own ids cut or padded to the length
+        (ids plain generate() shows too: earlier steps, or a finished row) and their outputs are unused."""
         lengths = self.n_gen[rows]
-        B = self.prompt.shape[0]
+        B, P = self.prompt.shape
         if rows.numel() == B and bool((lengths == lengths[0]).all()):  # no row finished, none ahead: nothing to fill
             yield torch.arange(B, device=rows.device), torch.cat([self.prompt, self.gen[:, :int(lengths[0])], extra], 1)
             return
+        history = torch.cat([self.prompt, self.gen, self.gen.new_full((B, extra.shape[1]), self.pad_id)], 1)
         for g in lengths.unique().tolist():
             sel = (lengths == g).nonzero().squeeze(1)
             r = rows[sel]
-            ids = self.prompt.new_full((B, self.prompt.shape[1] + g + extra.shape[1]), self.pad_id)
+            ids = history[:, :P + g + extra.shape[1]].clone()
             ids[r] = torch.cat([self.prompt[r], self.gen[r, :g], extra[sel]], dim=1)
             yield sel, ids
 

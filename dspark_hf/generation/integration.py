@@ -37,6 +37,7 @@ def _generate(self, *args, **kwargs):
     bound.pop("assistant_model")
     streamer = bound.pop("streamer", None)
     policy, ssd = extra.pop("verification_policy", None), extra.pop("ssd", None)
+    _refuse_token_healing(self, bound, extra)
     _stop_strings_as_criteria(self, bound, extra)
     return _original_generate(self, **bound, **extra, custom_generate=dspark_generate, draft_model=draft,
                               token_streamer=streamer, verification_policy=policy, ssd=ssd)
@@ -52,6 +53,14 @@ def _refuse_dspark_options_without_a_draft(bound: dict) -> None:
             got = type(bound.get("assistant_model")).__name__
             raise ValueError(f"{name}= applies to DSpark decoding: pass assistant_model=<a DSparkDraftModel> as well "
                              f"(got assistant_model of type {got}).")
+
+
+def _refuse_token_healing(model, bound: dict, extra: dict) -> None:
+    """generate() heals tokens with the tokenizer, which it drops on the custom_generate route."""
+    config = bound.get("generation_config") or model.generation_config
+    if extra.get("token_healing", getattr(config, "token_healing", None)):
+        raise ValueError("token_healing=True is not supported with a DSpark draft: heal the prompt first, "
+                         "input_ids = target.heal_tokens(input_ids, tokenizer), and generate without token_healing.")
 
 
 def _stop_strings_as_criteria(model, bound: dict, extra: dict) -> None:
