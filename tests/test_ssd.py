@@ -114,6 +114,9 @@ def test_saguaro_down_weights_the_top_tokens_and_stays_a_distribution():
     assert torch.allclose(s_rest, s_rest[..., :1].expand(-1, -1, 3))
     assert torch.allclose(ratio.gather(-1, top), 0.5 * s_rest[..., :2])
     assert torch.equal(saguaro(probs, 2, 1.0), probs)
+    only_two = torch.tensor([[0.0, 0.7, 0.0, 0.3, 0.0]])  # a top-k of 2, say: C = 0 would leave no mass
+    assert torch.equal(saguaro(only_two, 2, 0.0), only_two)
+    assert torch.allclose(saguaro(only_two, 1, 0.0), torch.tensor([[0.0, 0.0, 0.0, 1.0, 0.0]]))
     with pytest.raises(ValueError, match=r"in \[0, 1\]"):
         saguaro(probs, 2, 1.5)
 
@@ -178,6 +181,9 @@ def test_greedy_ssd_is_token_identical_with_eos_inside_blocks_and_different_stop
     hits = [r.cache_hit for rows in out.rounds for r in rows]
     stats = out.ssd_stats
     assert stats["hits"] == sum(h is True for h in hits) and stats["rounds"] >= stats["hits"]
+    drafted = [r for rows in out.rounds for r in rows if r.cache_hit is not None]
+    assert stats["tokens_hit"] + stats["tokens_miss"] == sum(r.committed for r in drafted), \
+        "tokens committed, where an EOS inside a block commits fewer than were accepted"
     if config.cache_size == EVERY_OUTCOME:
         for rows in out.rounds:
             for before, now in zip(rows, rows[1:]):
@@ -331,6 +337,32 @@ def test_the_auto_fallback_drafts_below_the_critical_batch_size_and_looks_up_n_g
         assert fallbacks[used] > 0 and sum(fallbacks.values()) == fallbacks[used]
 
 
+@pytest.mark.parametrize("fallback", ["ngram", "random"])
+def test_a_confidence_policy_verifies_lookup_blocks_as_far_as_they_reach(fallback):
+    from dspark_hf import ThresholdPolicy
+
+    target = tiny_target("llama")
+    ids, mask = left_padded_prompts(3)
+    out = ssd_generate(target, tiny_draft(target), ids, mask, max_new_tokens=16, verification_policy=ThresholdPolicy(
+        0.3), ssd=SSDConfig(cache_size=4, fallback=fallback))
+    assert torch.equal(out.sequences, plain(target, ids, mask, max_new_tokens=16))
+    assert out.ssd_stats["fallbacks"][fallback] > 0
+
+
+def test_processors_that_read_which_token_a_column_is_see_target_ids_in_the_cache():
+    # suppress_tokens names target ids: a cache kept over the draft's own vocabulary would suppress other tokens
+    target = tiny_target("llama")
+    draft = tiny_draft(target, draft_vocab=list(range(0, 96, 2)))
+    ids, mask = left_padded_prompts(3)
+    suppressed = list(range(2, 96, 4))  # half the draft's vocabulary
+    kw = dict(max_new_tokens=16, suppress_tokens=suppressed, renormalize_logits=True, remove_invalid_values=True)
+    out = ssd_generate(target, draft, ids, mask, ssd=SSDConfig(cache_size=EVERY_OUTCOME, fan_out="uniform",
+                                                               fallback="draft"), **kw)
+    assert torch.equal(out.sequences, plain(target, ids, mask, **kw))
+    drafted = {t for rows in out.rounds for r in rows if r.cache_hit for t in r.drafted}
+    assert drafted and not drafted & set(suppressed)
+
+
 def test_ngram_lookup_proposes_what_followed_the_latest_earlier_occurrence():
     assert ngram_proposal([5, 6, 7, 1, 5, 6, 9, 5, 6], 3) == [9, 5, 6], "the latest occurrence of [5, 6]"
     assert ngram_proposal([1, 2, 3, 4, 2], 2) == [3, 4], "down to a 1-gram"
@@ -342,6 +374,10 @@ def test_bad_ssd_settings_and_processors_that_read_ids_are_refused():
         SSDConfig(fan_out="tree")
     with pytest.raises(ValueError, match=r"saguaro_c must be in \[0, 1\]"):
         SSDConfig(saguaro_c=2.0)
+    for bad, message in ((dict(cache_size=2.5), "cache_size must be an int"), (dict(saguaro_c=None), "a number"),
+                         (dict(power_law_r=float("nan")), "got NaN"), (dict(overlap="no"), "True or False")):
+        with pytest.raises((TypeError, ValueError), match=message):
+            SSDConfig(**bad)
     target = tiny_target("llama")
     ids, mask = left_padded_prompts(2)
     with pytest.raises(ValueError, match="RepetitionPenaltyLogitsProcessor"):
@@ -389,7 +425,8 @@ def setup():
 
 
 @pytest.mark.parametrize("config", [SSDConfig(cache_size=3, saguaro_c=0.3, fallback="draft"),
-                                    SSDConfig(cache_size=2, fallback="ngram")], ids=["saguaro-0.3", "ngram"])
+                                    SSDConfig(cache_size=12, saguaro_c=0.0, fallback="draft"),
+                                    SSDConfig(cache_size=2, fallback="ngram")], ids=["saguaro-0.3", "saguaro-0", "ngram"])
 def test_sampled_ssd_follows_the_target_distribution(setup, config):
     target, draft, settings, probs = setup
     torch.manual_seed(7)

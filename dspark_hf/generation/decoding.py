@@ -22,16 +22,15 @@ from ..model.modeling_dspark import DSparkDraftModel
 from ..scheduling.auto import AutoScheduled
 from ..scheduling.policies import FullBlock, as_policy
 from . import verify
-from .drafting import drafter, empty_block
+from .drafting import VOCAB_FREE_PROCESSORS, drafter, empty_block
 from .ssd import SSDConfig, SSDMixin
 from .ragged import Commit, leading_padding
 from .records import DSparkGenerateOutput, DSparkRound
 from .streamers import RoundStreamer
 
 _UNSUPPORTED_OUTPUTS = ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
-# processors that read only the scores: safe to apply to any subset of rows in one call
-_IDS_FREE_PROCESSORS = (lp.TemperatureLogitsWarper, lp.TopKLogitsWarper, lp.TopPLogitsWarper, lp.MinPLogitsWarper,
-                        lp.TypicalLogitsWarper, lp.EpsilonLogitsWarper, lp.EtaLogitsWarper)
+# processors that read no ids, only the scores: safe to apply to any subset of rows in one call
+_IDS_FREE_PROCESSORS = VOCAB_FREE_PROCESSORS + (lp.SuppressTokensLogitsProcessor,)
 _KNOWN_MODEL_KWARGS = {"attention_mask", "position_ids", "past_key_values", "use_cache", "logits_to_keep"}
 # generation-config options that choose a decoding mode other than greedy search or sampling
 _MODE_OPTIONS = ("num_beams", "num_beam_groups", "penalty_alpha", "dola_layers", "prompt_lookup_num_tokens",

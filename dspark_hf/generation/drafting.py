@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Callable, Protocol, runtime_checkable
 
 import torch
+from transformers.generation import logits_process as lp
 
 from ..model.modeling_dspark import DSparkContext, DSparkDraftModel
 
@@ -66,6 +67,12 @@ def drafter(draft: DSparkDraftModel) -> Callable[..., DraftBlock]:
     return lambda *args, **kwargs: sample_block(draft, *args, **kwargs)
 
 
+# logits processors that read only the scores' values, not which token a column is: safe on a draft's own vocabulary
+VOCAB_FREE_PROCESSORS = (lp.TemperatureLogitsWarper, lp.TopKLogitsWarper, lp.TopPLogitsWarper, lp.MinPLogitsWarper,
+                         lp.TypicalLogitsWarper, lp.EpsilonLogitsWarper, lp.EtaLogitsWarper,
+                         lp.InfNanRemoveLogitsProcessor, lp.LogitNormalization)
+
+
 @torch.no_grad()
 def sample_block(
     draft: DSparkDraftModel,
@@ -89,8 +96,8 @@ def sample_block(
     sampled at position k (0-based; Saguaro sampling, [`saguaro`]); the block records it, so verification stays
     exact. Greedy drafting proposes the draft's own argmax however it is reweighted. target_vocab=False keeps the
     distributions over the draft's own vocabulary, if it has one (`DraftBlock.vocab`; for SmolLM2's shipped draft
-    a sixth of the memory), for logits processors that read only the scores: the target ids outside it have
-    probability 0 either way.
+    a sixth of the memory), for logits processors that read only the scores (`VOCAB_FREE_PROCESSORS`): the target
+    ids outside it have probability 0 either way.
     """
     one_per_row = anchor_ids.dim() == 1
     anchors = anchor_ids[:, None] if one_per_row else anchor_ids
@@ -160,5 +167,8 @@ def saguaro(probs: torch.Tensor, fan_out: int, C: float) -> torch.Tensor:
     if C == 1.0 or fan_out <= 0:
         return probs
     top = probs.topk(min(fan_out, probs.shape[-1] - 1), dim=-1).indices
-    weights = torch.ones_like(probs).scatter_(-1, top, C)
-    return (probs * weights) / (probs * weights).sum(-1, keepdim=True)
+    weighted = probs * torch.ones_like(probs).scatter_(-1, top, C)
+    total = weighted.sum(-1, keepdim=True)
+    # C = 0 leaves no mass where every possible token is cached (a top-k as small as the fan-out, say): such a row
+    # keeps q, which is as exact to draft from as any other distribution
+    return torch.where(total > 0, weighted / total, probs)

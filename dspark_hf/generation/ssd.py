@@ -15,6 +15,8 @@ next; verification and acceptance are the same, against the distribution each to
 
 from __future__ import annotations
 
+import math
+import numbers
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, fields
 
@@ -22,7 +24,7 @@ import torch
 
 from ..devices import clock
 from ..scheduling.ssd import critical_batch_size, geometric_fan_out, uniform_fan_out
-from .drafting import BlockProposer, DraftBlock, empty_block, sample_block, saguaro
+from .drafting import VOCAB_FREE_PROCESSORS, BlockProposer, DraftBlock, empty_block, sample_block, saguaro
 from .speculation import PredictedOutcomes, predict_outcomes
 
 FAN_OUTS = ("geometric", "uniform")
@@ -50,6 +52,16 @@ class SSDConfig:
                           "while the target verifies; False runs the two one after the other."})
 
     def __post_init__(self):
+        if isinstance(self.cache_size, bool) or not isinstance(self.cache_size, numbers.Integral):
+            raise TypeError(f"SSDConfig.cache_size must be an int (blocks per row), got {self.cache_size!r}.")
+        for name in ("power_law_r", "saguaro_c") + (("acceptance",) if self.acceptance is not None else ()):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                raise TypeError(f"SSDConfig.{name} must be a number, got {value!r}.")
+            if math.isnan(value):
+                raise ValueError(f"SSDConfig.{name} must be a number, got NaN.")
+        if not isinstance(self.overlap, bool):
+            raise TypeError(f"SSDConfig.overlap must be True or False, got {self.overlap!r}.")
         for name, allowed in (("fan_out", FAN_OUTS), ("fallback", FALLBACKS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"SSDConfig.{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}.")
@@ -122,6 +134,8 @@ class SSDMixin:
                           "tokens_miss": 0, "rounds_miss": 0, "fallbacks": {name: 0 for name in FALLBACKS[1:]},
                           "by_lag": {}}  # lag -> [accepted, verified] (lag 0: drafted in time)
         self._costs = None
+        # N x S blocks: kept over the draft's own vocabulary, unless a processor reads which token a column is
+        self._needs_target_vocab = not all(isinstance(p, VOCAB_FREE_PROCESSORS) for p in self.processors)
         # measured overlap: seconds the speculator ran, and seconds verification then waited for it
         self.timings.update(speculate=0.0, wait=0.0)
 
@@ -192,7 +206,10 @@ class SSDMixin:
             tokens[i, : len(proposal)] = torch.tensor(proposal, dtype=torch.long, device=tokens.device)
             self._available[i] = len(proposal)
         probs = torch.nn.functional.one_hot(tokens, V).float()
-        return DraftBlock(tokens, probs, None)
+        # no confidence head scores a lookup: confidence 1 lets a confidence policy verify it as far as it reaches
+        # (`_available` cuts it there), and keeps rounds whose rows mix cache hits and lookups scored for the policy
+        confidences = torch.ones(R, gamma, device=tokens.device) if self.draft.config.confidence_head else None
+        return DraftBlock(tokens, probs, confidences)
 
     # -- the cache, built while the target verifies ----------------------------------------------------------------
     def _verify_forward(self, inputs, mask, positions, block, verify_len):
@@ -256,18 +273,11 @@ class SSDMixin:
         process = (lambda prefix, logits: self.processors(prefix, logits.float())) if len(self.processors) else None
         blocks = sample_block(self.draft, outcomes.bonus, anchor_pos[:, None] + outcomes.accepted + 1, context,
                               self.do_sample, process_logits=process, generator=self._generator, known=known,
-                              reweight=self._reweight(fan_out), target_vocab=False)  # N x S blocks: keep them small
+                              reweight=self._reweight(fan_out), target_vocab=self._needs_target_vocab)
         return _Speculation(outcomes, blocks)
 
     def _outcome(self, accepted, next_token):
         spec, self._speculation = self._speculation, None
-        stats = self.ssd_stats
-        if self._drafted:
-            committed = (accepted + 1).tolist()
-            for h, c in zip(self._hit.tolist(), committed):
-                key = "hit" if h else "miss"
-                stats[f"tokens_{key}"] += c
-                stats[f"rounds_{key}"] += 1
         if spec is None:
             self._next = None
             return
@@ -282,6 +292,10 @@ class SSDMixin:
         for i, r in enumerate(self.rows.tolist()):
             self.rounds[r][-1].cache_hit = bool(self._hit[i]) if drafted else None
         if drafted:
+            for h, c in zip(self._hit.tolist(), counts.tolist()):  # committed: a stop may cut the chunk short
+                key = "hit" if h else "miss"
+                self.ssd_stats[f"tokens_{key}"] += c
+                self.ssd_stats[f"rounds_{key}"] += 1
             self.ssd_stats["accepted"] += int(n.sum())
             for lag, a, v in zip(self._lag.tolist(), n.tolist(), verify_len.tolist()):
                 counts = self.ssd_stats["by_lag"].setdefault(lag, [0, 0])
