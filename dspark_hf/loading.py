@@ -36,6 +36,10 @@ def load_draft(name_or_path: str | None, target, dtype: torch.dtype | str = "aut
         from peft import PeftConfig, PeftModel
 
         base = PeftConfig.from_pretrained(name_or_path).base_model_name_or_path
+        if base is None:
+            raise ValueError(f"The adapter in {name_or_path} does not name its base draft (base_model_name_or_path "
+                             "in adapter_config.json): set it to the draft's folder or Hub id, or load the draft and "
+                             "apply the adapter with peft.PeftModel.from_pretrained(draft, adapter_folder).")
         draft = DSparkDraftModel.from_pretrained(base, dtype=dtype).to(target.device)
         # merged, every caller sees a plain draft (calibrate and export save a full one); same function
         draft = PeftModel.from_pretrained(draft, name_or_path).merge_and_unload()

@@ -239,6 +239,55 @@ def test_config_rejects_the_final_layer_and_bad_head_types():
         DSparkConfig(head_type="lstm")
 
 
+@pytest.mark.parametrize("bad, message", [
+    (dict(block_size=0), "block_size must be a positive int"),
+    (dict(block_size=2.5), "block_size must be a positive int"),
+    (dict(num_attention_heads=0), "num_attention_heads must be a positive int"),
+    (dict(hidden_act="nope"), "hidden_act='nope' is not an activation"),
+    (dict(rms_norm_eps=-1.0), "rms_norm_eps must be > 0"),
+    (dict(confidence_temperatures=[0.0] * 4), "confidence_temperatures must be finite and > 0"),
+    (dict(draft_vocab_size=500), r"draft_vocab_size \(500\) cannot exceed the target's vocabulary \(96\)"),
+], ids=str)
+def test_settings_that_cannot_work_are_refused_however_they_arrive(tmp_path, bad, message):
+    target = tiny_target("llama")
+    tiny_draft(target).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=message):
+        tiny_draft(target, **bad)
+    with pytest.raises(ValueError, match=message):  # transformers sets these overrides after the config is built
+        DSparkDraftModel.from_pretrained(tmp_path, **bad)
+    with pytest.raises(ValueError, match=message):
+        AutoConfig.from_pretrained(tmp_path, **bad)
+
+
+def test_a_folder_of_another_model_or_a_misspelled_field_is_refused(tmp_path):
+    target = tiny_target("llama")
+    target.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="config of a 'llama' model, not of a DSpark draft"):
+        DSparkDraftModel.from_pretrained(tmp_path)
+    with pytest.raises(TypeError, match=r"fields that DSparkConfig does not have: \['num_layers'\]"):
+        DSparkDraftModel.from_target(target, num_layers=1)
+    with pytest.raises(ValueError, match="ids must be distinct; 1 are repeated"):
+        DSparkDraftModel.from_target(target, draft_vocab=[1, 1, 2])
+    with pytest.raises(ValueError, match=r"target ids in \[0, 96\), got \[1000\]"):
+        DSparkDraftModel.from_target(target, draft_vocab=[1, 1000])
+
+
+def test_copies_of_a_draft_borrow_the_target_and_pickles_leave_it_out():
+    import copy
+    import io
+
+    target = tiny_target("llama")
+    draft = tiny_draft(target)
+    twin = copy.deepcopy(draft)
+    assert twin.is_bound_to(target) and twin.binding.embed is target.get_input_embeddings()
+    buffer = io.BytesIO()
+    torch.save(draft, buffer)  # the binding was the pickle's only way to the target's modules
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert loaded.binding is None and draft.is_bound_to(target)
+    assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), draft.state_dict().values()))
+
+
 def test_save_and_auto_load_round_trip_bit_identically_without_target_weights(tmp_path):
     target = tiny_target("qwen3")
     draft = tiny_draft(target)
@@ -284,6 +333,24 @@ def test_a_fresh_process_loads_the_draft_with_remote_code_and_no_dspark_hf(tmp_p
     assert out.returncode == 0, out.stderr
     name, total = out.stdout.split()
     assert name == "DSparkDraftModel" and float(total) == pytest.approx(expected)
+
+
+def test_a_draft_loaded_as_remote_code_before_dspark_hf_says_how_to_load_it_for_generate(tmp_path):
+    target = tiny_target("llama")
+    target.save_pretrained(tmp_path / "target")
+    tiny_draft(target).save_pretrained(tmp_path / "draft")
+    script = (  # the folder's own modeling file defines another DSparkDraftModel class than the package's
+        "import torch\n"
+        "from transformers import AutoModel, AutoModelForCausalLM\n"
+        "draft = AutoModel.from_pretrained('draft', trust_remote_code=True)\n"
+        "import dspark_hf\n"
+        "target = AutoModelForCausalLM.from_pretrained('target')\n"
+        "target.generate(input_ids=torch.ones(1, 3, dtype=torch.long), max_new_tokens=2, assistant_model=draft)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path, timeout=120,
+                         env={"HF_HUB_OFFLINE": "1", "PATH": "", "PYTHONPATH": str(Path(dspark_hf.__file__).parents[1])})
+    assert "loaded as remote code before dspark_hf was imported: load it with dspark_hf.DSparkDraftModel" \
+        in out.stderr.splitlines()[-1], out.stderr
 
 
 def test_unbound_draft_says_how_to_bind(tmp_path):

@@ -120,6 +120,15 @@ def test_lora_needs_a_base_draft_for_a_target_of_its_own(tmp_path, target, base_
 
 
 # -- saving and loading ----------------------------------------------------------------------------------------------
+def test_an_adapter_that_names_no_base_draft_says_how_to_load_it(tmp_path, target):
+    from dspark_hf import load_draft
+
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    get_peft_model(tiny_draft(target), lora).save_pretrained(tmp_path)  # a draft never saved: no base path
+    with pytest.raises(ValueError, match=r"does not name its base draft.*PeftModel.from_pretrained\(draft"):
+        load_draft(str(tmp_path), target, torch.float32)
+
+
 def test_the_saved_adapter_loads_onto_its_base_with_peft_and_drafts_the_same_blocks(tmp_path, target, base_dir):
     data = tiny_dataset(tmp_path, target, n=8)
     trained = train(lora_config(tmp_path, data, base_dir, heads="all"), target=target, progress=False)

@@ -13,9 +13,10 @@ from __future__ import annotations
 import functools
 import inspect
 
-from transformers import StoppingCriteriaList, StopStringCriteria
+from transformers import PreTrainedConfig, StoppingCriteriaList, StopStringCriteria
 from transformers.generation.utils import GenerationMixin
 
+from ..model.configuration_dspark import DSparkConfig
 from ..model.modeling_dspark import DSparkDraftModel
 from .decoding import dspark_generate, unwrap_draft
 
@@ -28,6 +29,7 @@ def _generate(self, *args, **kwargs):
     bound = _signature.bind_partial(self, *args, **kwargs).arguments
     draft = unwrap_draft(bound.get("assistant_model"))  # a DSpark draft, possibly with peft adapters
     if not isinstance(draft, DSparkDraftModel):
+        _refuse_a_draft_of_another_class(draft)
         _refuse_dspark_options_without_a_draft(bound)
         return _original_generate(self, *args, **kwargs)
     if bound.get("custom_generate") is not None:
@@ -41,6 +43,16 @@ def _generate(self, *args, **kwargs):
     _stop_strings_as_criteria(self, bound, extra)
     return _original_generate(self, **bound, **extra, custom_generate=dspark_generate, draft_model=draft,
                               token_streamer=streamer, verification_policy=policy, ssd=ssd)
+
+
+def _refuse_a_draft_of_another_class(model) -> None:
+    """A DSpark draft loaded as remote code (trust_remote_code=True) before `import dspark_hf` is another class
+    object than this package's, and transformers' assisted decoding cannot use it."""
+    config = getattr(model, "config", None)
+    if isinstance(config, PreTrainedConfig) and config.model_type == DSparkConfig.model_type:
+        raise ValueError(f"This DSpark draft is a {type(model).__module__}.{type(model).__name__}, loaded as remote "
+                         "code before dspark_hf was imported: load it with dspark_hf.DSparkDraftModel.from_pretrained "
+                         "(or import dspark_hf before AutoModel.from_pretrained).")
 
 
 def _refuse_dspark_options_without_a_draft(bound: dict) -> None:

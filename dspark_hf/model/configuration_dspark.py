@@ -1,10 +1,15 @@
 """Configuration of a DSpark draft model (DSpark, DeepSeek 2026, sec. 2.2 and 3.1-3.2.1)."""
 
+import math
+import numbers
 from dataclasses import field
 
 from transformers import PreTrainedConfig
+from transformers.activations import ACT2FN
 
 HEAD_TYPES = ("markov", "rnn", "none")
+_SIZES = ("block_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+          "num_key_value_heads", "max_position_embeddings")
 
 
 class DSparkConfig(PreTrainedConfig):
@@ -105,6 +110,7 @@ class DSparkConfig(PreTrainedConfig):
     )
 
     def __post_init__(self, **kwargs):
+        self._check_sizes()
         if self.head_dim is None:
             self.head_dim = self.hidden_size // self.num_attention_heads
         if self.confidence_temperatures is not None:
@@ -112,12 +118,39 @@ class DSparkConfig(PreTrainedConfig):
         super().__post_init__(**kwargs)
         self.validate_dspark()
 
+    @classmethod
+    def from_dict(cls, config_dict: dict, **kwargs):
+        """As transformers' `from_dict`, refusing another model's config, and checking the keyword overrides that
+        transformers sets after construction."""
+        model_type = config_dict.get("model_type", cls.model_type)
+        if model_type != cls.model_type:
+            raise ValueError(f"This is the config of a {model_type!r} model, not of a DSpark draft: load a folder or "
+                             "Hub repo written by DSparkDraftModel.save_pretrained (`dspark convert` turns DeepSpec, "
+                             "SpecForge and DFlash drafts into one).")
+        loaded = super().from_dict(config_dict, **kwargs)
+        (loaded[0] if isinstance(loaded, tuple) else loaded).validate_dspark()
+        return loaded
+
     @property
     def vocab_size(self) -> int | None:
         return self.target_vocab_size
 
+    @vocab_size.setter
+    def vocab_size(self, value):
+        raise ValueError(f"A DSpark draft has no vocabulary of its own (vocab_size={value}): it proposes its target's "
+                         "tokens (target_vocab_size), or a subset of them (draft_vocab_size).")
+
+    def _check_sizes(self):
+        named = _SIZES + tuple(name for name in ("head_dim", "draft_vocab_size", "markov_rank")
+                               if getattr(self, name) is not None)
+        for name in named:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < (name != "markov_rank"):
+                raise ValueError(f"{name} must be a positive int, got {value!r}.")
+
     def validate_dspark(self):
         """Raise a ValueError naming the field and the fix for settings that cannot work."""
+        self._check_sizes()
         if self.head_type not in HEAD_TYPES:
             raise ValueError(f"head_type={self.head_type!r} is not one of {HEAD_TYPES}.")
         if self.block_size < 1:
@@ -138,9 +171,22 @@ class DSparkConfig(PreTrainedConfig):
                         f"target_layer_ids {bad} are out of range for a target with {self.target_num_hidden_layers} "
                         f"layers: use ids in [0, {self.target_num_hidden_layers - 2}] (never the last layer, which "
                         "HF returns after the final norm).")
-        if self.confidence_temperatures is not None and len(self.confidence_temperatures) != self.block_size:
-            raise ValueError(f"confidence_temperatures has {len(self.confidence_temperatures)} entries; it needs one "
-                             f"per block position ({self.block_size}).")
+        if self.confidence_temperatures is not None:
+            if len(self.confidence_temperatures) != self.block_size:
+                raise ValueError(f"confidence_temperatures has {len(self.confidence_temperatures)} entries; it needs "
+                                 f"one per block position ({self.block_size}).")
+            if not all(math.isfinite(t) and t > 0 for t in self.confidence_temperatures):
+                raise ValueError(f"confidence_temperatures must be finite and > 0, got {self.confidence_temperatures} "
+                                 "(None: uncalibrated).")
+        if self.hidden_act not in ACT2FN:
+            raise ValueError(f"hidden_act={self.hidden_act!r} is not an activation transformers knows (e.g. 'silu', "
+                             "'gelu_pytorch_tanh').")
+        if not self.rms_norm_eps > 0:
+            raise ValueError(f"rms_norm_eps must be > 0, got {self.rms_norm_eps}.")
+        vocab, draft_vocab = self.target_vocab_size, self.draft_vocab_size
+        if vocab is not None and draft_vocab is not None and draft_vocab > vocab:
+            raise ValueError(f"draft_vocab_size ({self.draft_vocab_size}) cannot exceed the target's vocabulary "
+                             f"({self.target_vocab_size}).")
         if self.target_hidden_size is not None and self.target_hidden_size != self.hidden_size:
             raise ValueError(f"hidden_size ({self.hidden_size}) must equal target_hidden_size "
                              f"({self.target_hidden_size}): the draft shares the target's embedding and LM head.")

@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass
+from dataclasses import fields as dataclass_fields
 from typing import Any, Callable, ClassVar
 
 import torch
@@ -193,6 +194,16 @@ class TargetBinding:
         """Whether these are `target`'s own modules (identity, not equality: a target is bound, not its copy)."""
         return self.embed is target.get_input_embeddings() and self.lm_head is target.get_output_embeddings()
 
+    def __deepcopy__(self, memo) -> "TargetBinding":
+        return self  # a copy of the draft borrows the same target modules; copying them would copy the target's
+
+    def __reduce__(self):
+        return _unbound, ()  # pickling a draft (torch.save) keeps its own weights only: it loads unbound
+
+
+def _unbound() -> None:
+    return None
+
 
 # ---------------------------------------------------------------------------------------------------------------
 # the model
@@ -287,6 +298,9 @@ class DSparkDraftModel(DSparkPreTrainedModel):
             target_fingerprint=target_fingerprint(target),
             final_logit_softcapping=getattr(t, "final_logit_softcapping", None),
         )
+        unknown = sorted(set(overrides) - {f.name for f in dataclass_fields(DSparkConfig)} - {"draft_vocab"})
+        if unknown:
+            raise TypeError(f"from_target() got fields that DSparkConfig does not have: {unknown}.")
         fields.update(overrides)
         draft_vocab = fields.pop("draft_vocab", None)
         if draft_vocab is not None:
@@ -299,8 +313,16 @@ class DSparkDraftModel(DSparkPreTrainedModel):
     def set_draft_vocab(self, ids: torch.Tensor) -> None:
         """Set the target ids the draft may propose (requires ``draft_vocab_size == len(ids)``)."""
         ids = ids.to(self.draft_vocab.device, torch.long)
-        if ids.shape != self.draft_vocab.shape or ids.unique().numel() != ids.numel():
-            raise ValueError(f"draft vocabulary needs {self.draft_vocab.numel()} distinct ids, got {ids.numel()}.")
+        if ids.shape != self.draft_vocab.shape:
+            raise ValueError(f"the draft vocabulary holds {self.draft_vocab.numel()} ids (draft_vocab_size), got "
+                             f"{ids.numel()}.")
+        if ids.unique().numel() != ids.numel():
+            raise ValueError(f"the draft vocabulary's ids must be distinct; {ids.numel() - ids.unique().numel()} "
+                             "are repeated.")
+        V = self.config.target_vocab_size
+        if bool(((ids < 0) | (ids >= V)).any()):
+            raise ValueError(f"the draft vocabulary's ids must be target ids in [0, {V}), got "
+                             f"{ids[(ids < 0) | (ids >= V)].tolist()[:5]}.")
         self.draft_vocab.copy_(ids)
         self.target_to_draft.fill_(ids.numel())
         self.target_to_draft[ids] = torch.arange(ids.numel(), device=ids.device)
