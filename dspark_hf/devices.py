@@ -20,6 +20,8 @@ def resolve_device(device: str | torch.device | None = "auto") -> torch.device:
         device = torch.device(device)
     except (RuntimeError, TypeError) as error:
         raise ValueError(f"device={str(device)!r} is not a device: use 'auto', 'cpu', 'cuda' or 'cuda:N'.") from error
+    if device.type not in ("cpu", "cuda"):  # what dspark-hf is built and tested for
+        raise ValueError(f"device={str(device)!r} is not supported: use 'auto', 'cpu', 'cuda' or 'cuda:N'.")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device={str(device)!r}, but torch sees no CUDA GPU here (a CPU-only build, or no driver): "
                          "use 'cpu', or 'auto' to take a GPU only when there is one.")

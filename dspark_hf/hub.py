@@ -119,7 +119,7 @@ def push_draft(folder: str | Path, repo_id: str, base_model: str | None = None,
         raise FileNotFoundError(f"{folder} holds no saved draft (no config.json): pass the --output-dir of "
                                 "`dspark train` or the --output of `dspark calibrate`.")
     draft = DSparkDraftModel.from_pretrained(folder)
-    data = CardData(base_model=base_model, eval_results=_json(eval_results),
+    data = CardData(base_model=base_model, eval_results=read_json(eval_results),
                     calibration=folder_calibration(folder, calibration),
                     recipe=_recipe(recipe, folder))
     return push_to_hub(draft, repo_id, commit_message=commit_message, private=private, token=token,
@@ -186,13 +186,18 @@ def folder_calibration(folder: str | Path, calibration: str | Path | dict | None
     calibration.json that `dspark calibrate` wrote into `folder`, if any."""
     if calibration is None and (Path(folder) / "calibration.json").is_file():
         calibration = Path(folder) / "calibration.json"
-    return _json(calibration)
+    return read_json(calibration)
 
 
-def _json(value: str | Path | dict | None) -> dict | None:
+def read_json(value: str | Path | dict | None) -> dict | None:
+    """A result file (`dspark eval`, `dspark calibrate`, ...) by path, or the dict itself; a ValueError names a file
+    that is not JSON."""
     if value is None or isinstance(value, dict):
         return value
-    return json.loads(Path(value).read_text())
+    try:
+        return json.loads(Path(value).read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"{value} is not a JSON file ({error}).") from error
 
 
 def _recipe(recipe: str | Path | None, folder: Path) -> str | None:
@@ -200,7 +205,8 @@ def _recipe(recipe: str | Path | None, folder: Path) -> str | None:
         return Path(recipe).read_text() if isinstance(recipe, Path) or _is_file(recipe) else recipe
     if (folder / "train_config.json").is_file():
         heldout = folder / "heldout.json"
-        return training_recipe(_json(folder / "train_config.json"), _json(heldout) if heldout.is_file() else None)
+        return training_recipe(read_json(folder / "train_config.json"),
+                               read_json(heldout) if heldout.is_file() else None)
     return None
 
 

@@ -11,6 +11,16 @@ from .defaults import default_draft, default_target, fast_draft_dtype
 from .devices import resolve_device
 
 
+def _check_name(name_or_path: str, what: str) -> None:
+    """A local folder that exists, or a Hub id: say which it is not, before transformers reads a path as a repo id."""
+    path = Path(name_or_path).expanduser()
+    if path.is_file():
+        raise ValueError(f"{what} {name_or_path} is a file: give the folder a model was saved to, or a Hub id.")
+    looks_local = name_or_path.startswith(("/", ".", "~")) or name_or_path.count("/") > 1 or "\\" in name_or_path
+    if looks_local and not path.exists():
+        raise ValueError(f"{what} {name_or_path}: no such folder.")
+
+
 def load_target(name_or_path: str | None = None, dtype: torch.dtype = torch.float32,
                 device: str | torch.device = "auto"):
     """(model, tokenizer) of a Hub id or local path, or of the embedded SmolLM2-135M-Instruct when None, in `dtype`
@@ -19,6 +29,7 @@ def load_target(name_or_path: str | None = None, dtype: torch.dtype = torch.floa
         return default_target(dtype=dtype, device=device)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    _check_name(name_or_path, "the target")
     model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype).to(resolve_device(device)).eval()
     return model, AutoTokenizer.from_pretrained(name_or_path, padding_side="left")
 
@@ -32,6 +43,7 @@ def load_draft(name_or_path: str | None, target, dtype: torch.dtype | str = "aut
     dtype = fast_draft_dtype(target) if dtype == "auto" else dtype
     if name_or_path is None:
         return default_draft(target, dtype)
+    _check_name(name_or_path, "the draft")
     if (Path(name_or_path) / "adapter_config.json").exists():
         from peft import PeftConfig, PeftModel
 

@@ -39,15 +39,21 @@ def test_auto_takes_the_gpu_only_when_there_is_one():
 def test_devices_torch_cannot_use_are_refused_with_what_to_pass_instead():
     with pytest.raises(ValueError, match="'gpu0' is not a device: use 'auto', 'cpu', 'cuda' or 'cuda:N'"):
         resolve_device("gpu0")
+    for other in ("mps", "meta", "xpu"):  # torch devices, but none that dspark-hf is built and tested for
+        with pytest.raises(ValueError, match=f"'{other}' is not supported: use 'auto', 'cpu', 'cuda' or 'cuda:N'"):
+            resolve_device(other)
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="torch sees no CUDA GPU here.*use 'cpu', or 'auto'"):
             resolve_device("cuda")
 
 
-def test_default_draft_refuses_a_device_other_than_its_targets():
-    target = tiny_target("llama")
+def test_default_draft_refuses_a_device_other_than_its_targets(monkeypatch):
+    import dspark_hf.defaults
+
+    target = tiny_target("llama")  # on the CPU; a machine with a second device is not needed to ask for one
+    monkeypatch.setattr(dspark_hf.defaults, "resolve_device", lambda device: torch.device("cuda", 1))
     with pytest.raises(ValueError, match="a draft runs on its target's device"):
-        default_draft(target, device="meta")
+        default_draft(target, device="cuda:1")
 
 
 POLICIES = {

@@ -327,6 +327,39 @@ def test_cli_errors_a_user_can_fix_are_one_line_with_status_2_and_the_traceback_
         main([*missing, "--debug"])
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["generate", "--temperature", "nan"], "argument --temperature: give a finite number in [0, inf), got nan"),
+    (["eval", "--suite", "gsm", "--batch-size", "0"], "argument --batch-size: give a whole number >= 1, got 0"),
+    (["bench", "speed", "--limit", "-1"], "argument --limit: give a whole number >= 1, got -1"),
+    (["profile", "--rows", "0"], "argument --rows: give a whole number >= 1, got 0"),
+    (["calibrate", "--dataset", "d", "--output", "o", "--heldout-fraction", "0"], "give a finite number in (0, 1]"),
+    (["prepare-data", "--output", "o", "--top-p", "0"], "argument --top-p: give a finite number in (0, 1]"),
+], ids=lambda v: v[0] if isinstance(v, list) else None)
+def test_cli_flags_refuse_values_that_cannot_work_before_any_model_loads(capsys, argv, message):
+    with pytest.raises(SystemExit) as exit:
+        main(argv)
+    assert exit.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_cli_values_that_cannot_work_get_one_line(tiny_models, tmp_path, capsys):
+    models = ["--target", str(tiny_models / "target"), "--draft", str(tiny_models / "draft")]
+    assert "no such folder" in cli_error(capsys, ["eval", "--target", str(tiny_models / "target"), "--draft",
+                                                  str(tmp_path / "nope"), "--suite", "gsm"])
+    assert "is not supported: use 'auto', 'cpu'" in cli_error(capsys, ["eval", *models, "--device", "mps",
+                                                                         "--suite", "gsm"])
+    assert "confidence threshold must be in [0, 1], got nan" in cli_error(
+        capsys, ["bench", "speed", *models, "--policy", "threshold nan", "--suite", "gsm"])
+    assert "--no-draft skips the draft's cost" in cli_error(capsys, ["profile", *models, "--no-draft"])
+    (tmp_path / "null.jsonl").write_text('{"id": 1, "prompt": null}\n')
+    assert 'null.jsonl:1: "prompt" must be a non-empty string' in cli_error(
+        capsys, ["eval", *models, "--prompts", str(tmp_path / "null.jsonl")])
+    assert "are not an earlier export" in cli_error(
+        capsys, ["export", str(tiny_models / "draft"), "--output", str(tiny_models / "target"),
+                 "--base-model", "org/tiny-target"])
+    assert "loss weights" in cli_error(capsys, ["train", "--dataset", "d.jsonl", "--output-dir", str(tmp_path / "r"),
+                                                "--loss-ce", "nan"])
+
+
 def test_dspark_bench_ssd_compares_fan_out_shapes_saguaro_and_speed(tiny_models, tmp_path, capsys):
     out = tmp_path / "ssd.json"
     assert main(["bench", "ssd", "--target", str(tiny_models / "target"), "--draft", str(tiny_models / "draft"),

@@ -84,4 +84,9 @@ def load_prompts(path: str | None = None, suites: list[str] | None = None, limit
         sources.append({"humaneval": humaneval, "mtbench": mtbench, "gsm": gsm}[suite]())
     if not sources:
         raise ValueError("Give a prompt file (--prompts FILE.jsonl) or at least one --suite.")
-    return [p for source in sources for p in (source[:limit] if limit else source)]
+    if limit is not None and limit < 1:
+        raise ValueError(f"limit={limit}: give at least 1 prompt per source.")
+    prompts = [p for source in sources for p in (source[:limit] if limit else source)]
+    if not prompts:
+        raise ValueError(f"{path} holds no prompts.")
+    return prompts

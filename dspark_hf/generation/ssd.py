@@ -349,7 +349,8 @@ def _callers_autocast(device_type: str) -> torch.autocast:
     without it the speculator would draft in float32 beside a bfloat16 fallback (and overlap would change which
     blocks are cached)."""
     return torch.autocast(device_type, dtype=torch.get_autocast_dtype(device_type),
-                          enabled=torch.is_autocast_enabled(device_type), cache_enabled=torch.is_autocast_cache_enabled())
+                          enabled=torch.is_autocast_enabled(device_type),
+                          cache_enabled=torch.is_autocast_cache_enabled())
 
 
 def _merge(block: DraftBlock, cached: DraftBlock, use_cached: torch.Tensor) -> DraftBlock:

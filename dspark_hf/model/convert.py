@@ -59,6 +59,9 @@ _ARCHITECTURES = {"deepspec": "Qwen3DSparkModel", "specforge": "DSparkDraftModel
 def backbone_fields(raw: dict, source: str) -> dict:
     """The Qwen3 backbone fields shared by all three layouts -> DSparkConfig fields."""
     architectures = raw.get("architectures") or []
+    if raw.get("model_type") == "dspark":
+        raise ValueError("this is a dspark-hf draft already: load it with DSparkDraftModel.from_pretrained (or pass it "
+                         "as --draft); there is nothing to convert.")
     if architectures != [_ARCHITECTURES[source]] or raw.get("model_type") != "qwen3":
         hint = {"DFlashDraftModel": " (a DFlash draft: use --from dflash)",
                 "DSparkDraftModel": " (a SpecForge DSpark draft: use --from specforge)",

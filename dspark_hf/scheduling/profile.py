@@ -110,6 +110,7 @@ def save_profile(profile: dict, path: str | Path) -> None:
     def keys_to_str(d):
         return {str(k): keys_to_str(v) if isinstance(v, dict) else v for k, v in d.items()}
 
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps({k: keys_to_str(v) if isinstance(v, dict) and k != "machine" else v
                                       for k, v in profile.items()}, indent=2))
 
@@ -131,17 +132,28 @@ def _interpolate(table: dict[int, float], beyond: Callable[[int, float, int], fl
     return f
 
 
+def read_profile(path: str | Path) -> dict:
+    """The JSON `dspark profile` wrote, or a ValueError naming the file."""
+    try:
+        profile = json.loads(Path(path).read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"{path} is not a `dspark profile` JSON file ({error}).") from error
+    if not isinstance(profile, dict) or not profile.get("sps"):
+        raise ValueError(f"{path} holds no SPS measurements: make it with `dspark profile`.")
+    return profile
+
+
 def load_profile(path: str | Path) -> Callable[[int], float]:
     """A callable B -> SPS(B): measured values, linear between them; beyond the largest measured B, throughput
     in tokens is held constant (SPS falls as 1/B), a conservative extrapolation."""
-    table = {int(k): float(v) for k, v in json.loads(Path(path).read_text())["sps"].items()}
+    table = {int(k): float(v) for k, v in read_profile(path)["sps"].items()}
     return _interpolate(table, lambda b, v, x: v * b / x)
 
 
 def load_draft_cost(path: str | Path) -> Callable[[int], float] | None:
     """A callable R -> seconds of one draft pass for R requests, or None if the profile was made without a draft.
     Linear between measured R; beyond the largest, proportional to R."""
-    measured = json.loads(Path(path).read_text()).get("draft_seconds")
+    measured = read_profile(path).get("draft_seconds")
     if not measured:
         return None
     return _interpolate({int(k): float(v) for k, v in measured.items()}, lambda r, v, x: v * x / r)
@@ -180,7 +192,7 @@ class EngineCosts:
     @classmethod
     def from_profile(cls, path: str | Path) -> "EngineCosts":
         """The costs in a `dspark profile` JSON (its grid of SPS by rows and tokens, and its draft pass)."""
-        profile = json.loads(Path(path).read_text())
+        profile = read_profile(path)
         if not profile.get("grid") or not profile.get("draft_seconds"):
             raise ValueError(f"{path}: the default policy needs the verification grid and the draft's cost; make the "
                              "profile with `dspark profile` without --no-draft.")

@@ -105,6 +105,8 @@ class ThresholdPolicy(Policy):
     """The reference baseline: verify up to the first position whose confidence is below `threshold`."""
 
     def __init__(self, threshold: float):
+        if not 0.0 <= threshold <= 1.0:  # NaN included: a confidence is a probability
+            raise ValueError(f"the confidence threshold must be in [0, 1], got {threshold}.")
         self.threshold = threshold
 
     def __call__(self, confidences, gamma: int, num_rows: int) -> torch.Tensor:

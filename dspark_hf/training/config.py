@@ -3,6 +3,7 @@ fields and help text `dspark train`'s flags are generated from."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 # the backbone's linear layers (attention and MLP of every draft layer); `fc` (the context projection) may be added
@@ -96,6 +97,21 @@ class TrainConfig:
 
     def __post_init__(self):
         # checked before train() touches output_dir, so a refused command leaves an existing run as it was
+        for name in ("batch_size", "anchors_per_sequence", "max_length", "save_every", "lora_rank") + \
+                (("max_steps",) if self.max_steps is not None else ()):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)}: give a positive whole number.")
+        for name in ("epochs", "position_decay", "learning_rate"):
+            if not math.isfinite(getattr(self, name)) or getattr(self, name) <= 0:
+                raise ValueError(f"{name}={getattr(self, name)}: give a positive number.")
+        losses = {name: getattr(self, name) for name in ("loss_ce", "loss_l1", "loss_confidence", "loss_kl")}
+        if not all(math.isfinite(w) and w >= 0 for w in losses.values()) or sum(losses.values()) <= 0:
+            raise ValueError(f"loss weights {losses}: give finite weights >= 0, not all 0.")
+        for name in ("weight_decay", "warmup_ratio", "lora_dropout"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise ValueError(f"{name}={getattr(self, name)}: give a value in [0, 1].")
+        if not 0 <= self.heldout_fraction < 1:
+            raise ValueError(f"heldout_fraction={self.heldout_fraction}: give a share in [0, 1).")
         for name in ("time_budget", "stop_after"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ValueError(f"{name}={getattr(self, name)}: give a positive number of minutes, or leave it unset.")

@@ -87,6 +87,9 @@ def prepare_data(target, tokenizer, prompts: Iterator[dict], output: str | Path,
             chosen.append((p, text, n_tokens))
         if len(chosen) == num_examples:
             break
+    if not chosen:
+        raise ValueError(f"no prompt to answer: the prompts are empty (or all skipped), or none fits within "
+                         f"max_prompt_tokens={max_prompt_tokens} tokens with the chat template.")
     rows = [_Row(_sample_id(p["id"], k, settings.samples_per_prompt), p, text, n, k)
             for p, text, n in chosen for k in range(settings.samples_per_prompt)]
     foreign = done - {r.id for r in rows}

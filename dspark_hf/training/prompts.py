@@ -239,8 +239,12 @@ def read_prompts(path: str | Path) -> Iterator[dict]:
         if not isinstance(obj, dict) or "id" not in obj or ("prompt" in obj) == ("messages" in obj):
             raise DataFileError(f'{path}:{n}: expected {{"id", "prompt"}} or {{"id", "messages"}} (exactly one '
                                 f"of prompt/messages), got keys {sorted(obj) if isinstance(obj, dict) else obj}.")
-        messages = obj.get("messages") or [{"role": "user", "content": obj["prompt"]}]
-        if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m and "content" in m
-                                                      for m in messages):
-            raise DataFileError(f'{path}:{n}: "messages" must be a list of {{"role", "content"}} objects.')
+        if "prompt" in obj and not (isinstance(obj["prompt"], str) and obj["prompt"].strip()):
+            raise DataFileError(f'{path}:{n}: "prompt" must be a non-empty string, got {obj["prompt"]!r}.')
+        messages = obj["messages"] if "messages" in obj else [{"role": "user", "content": obj["prompt"]}]
+        if not isinstance(messages, list) or not messages or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in messages):
+            raise DataFileError(f'{path}:{n}: "messages" must be a non-empty list of {{"role", "content"}} objects '
+                                "with string values.")
         yield {"id": str(obj["id"]), "messages": messages, "domain": obj.get("domain"), "source": obj.get("source")}
