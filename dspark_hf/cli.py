@@ -521,10 +521,13 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--suite", action="append", choices=["humaneval", "mtbench", "gsm"],
                        help="packaged evaluation prompts (repeatable)")
         p.add_argument("--limit", type=POSITIVE, help="first K prompts of each source")
+        generation_options(p, batch_size=1)
+
+    def generation_options(p, batch_size):
         p.add_argument("--max-new-tokens", type=POSITIVE, default=128,
                        help="new tokens per prompt (as generate()'s max_new_tokens)")
         p.add_argument("--temperature", type=TEMPERATURE, default=0.0, help="0 = greedy")
-        p.add_argument("--batch-size", type=POSITIVE, default=1, help="prompts per generate() call")
+        p.add_argument("--batch-size", type=POSITIVE, default=batch_size, help="prompts per generate() call")
 
     p = sub.add_parser("eval", help="acceptance metrics of a draft per domain")
     models(p)
@@ -639,10 +642,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--heldout-fraction", type=_real(0.0, 1.0, low_open=True), default=0.05,
                    help="as in training")
     p.add_argument("--limit", type=POSITIVE, help="at most this many held-out prompts")
-    p.add_argument("--max-new-tokens", type=POSITIVE, default=128,
-                   help="new tokens per prompt (as generate()'s max_new_tokens)")
-    p.add_argument("--temperature", type=TEMPERATURE, default=0.0, help="0 = greedy")
-    p.add_argument("--batch-size", type=POSITIVE, default=8, help="prompts per generate() call")
+    generation_options(p, batch_size=8)
     p.add_argument("--output", required=True, help="directory for the calibrated draft, calibration.json and "
                                                    "reliability.png")
     p.set_defaults(func=cmd_calibrate)

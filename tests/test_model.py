@@ -240,9 +240,9 @@ def test_config_rejects_the_final_layer_and_bad_head_types():
 
 
 @pytest.mark.parametrize("bad, message", [
-    (dict(block_size=0), "block_size must be a positive int"),
-    (dict(block_size=2.5), "block_size must be a positive int"),
-    (dict(num_attention_heads=0), "num_attention_heads must be a positive int"),
+    (dict(block_size=0), "block_size must be an int >= 1"),
+    (dict(block_size=2.5), "block_size must be an int >= 1"),
+    (dict(num_attention_heads=0), "num_attention_heads must be an int >= 1"),
     (dict(hidden_act="nope"), "hidden_act='nope' is not an activation"),
     (dict(rms_norm_eps=-1.0), "rms_norm_eps must be > 0"),
     (dict(confidence_temperatures=[0.0] * 4), "confidence_temperatures must be finite and > 0"),

@@ -298,9 +298,9 @@ class SSDMixin:
                 self.ssd_stats[f"rounds_{key}"] += 1
             self.ssd_stats["accepted"] += int(n.sum())
             for lag, a, v in zip(self._lag.tolist(), n.tolist(), verify_len.tolist()):
-                counts = self.ssd_stats["by_lag"].setdefault(lag, [0, 0])
-                counts[0] += a
-                counts[1] += v
+                seen = self.ssd_stats["by_lag"].setdefault(lag, [0, 0])
+                seen[0] += a
+                seen[1] += v
             self.ssd_stats["verified"] += int(verify_len.sum())
 
     def _keep(self, alive):

@@ -144,17 +144,15 @@ class DSparkConfig(PreTrainedConfig):
         named = _SIZES + tuple(name for name in ("head_dim", "draft_vocab_size", "markov_rank")
                                if getattr(self, name) is not None)
         for name in named:
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < (name != "markov_rank"):
-                raise ValueError(f"{name} must be a positive int, got {value!r}.")
+            value, low = getattr(self, name), 0 if name == "markov_rank" else 1  # rank 0: no head (head_type='none')
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
+                raise ValueError(f"{name} must be an int >= {low}, got {value!r}.")
 
     def validate_dspark(self):
         """Raise a ValueError naming the field and the fix for settings that cannot work."""
         self._check_sizes()
         if self.head_type not in HEAD_TYPES:
             raise ValueError(f"head_type={self.head_type!r} is not one of {HEAD_TYPES}.")
-        if self.block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {self.block_size}.")
         if self.head_type != "none" and self.markov_rank < 1:
             raise ValueError(f"markov_rank must be >= 1 for head_type={self.head_type!r}; use head_type='none' "
                              "for a head-less draft.")
