@@ -738,19 +738,35 @@ def build_parser() -> argparse.ArgumentParser:
 USER_ERRORS = (ValueError, TypeError, OSError, ImportError, NotImplementedError)
 
 
+def _connection_errors() -> tuple[type[BaseException], ...]:
+    """The transport errors of the HTTP client huggingface_hub uses (httpx2, httpx or requests, by its version)."""
+    import importlib
+
+    found = []
+    for module, name in (("httpx2", "TransportError"), ("httpx", "TransportError"), ("requests", "ConnectionError")):
+        try:
+            found.append(getattr(importlib.import_module(module), name))
+        except (ImportError, AttributeError):
+            pass
+    return tuple(found)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv  # accepted anywhere on the line, before or after the command
     args = build_parser().parse_args([a for a in argv if a != "--debug"])
     if debug:
         return args.func(args)
+    command = " ".join(filter(None, (args.command, getattr(args, "bench", None))))
     try:
         return args.func(args)
     except USER_ERRORS as e:
         message = " ".join(str(e).split()) or type(e).__name__
-        command = " ".join(filter(None, (args.command, getattr(args, "bench", None))))
-        print(f"dspark {command}: error: {message} (run with --debug for the traceback)", file=sys.stderr)
-        return 2
+    except _connection_errors() as e:
+        message = (f"could not reach the Hub ({e}): check the network or HF_ENDPOINT (HF_HUB_OFFLINE=1 loads from the "
+                   "local cache)")
+    print(f"dspark {command}: error: {message} (run with --debug for the traceback)", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

@@ -297,6 +297,16 @@ def test_fresh_processes_push_through_HF_ENDPOINT_and_load_with_HF_HUB_OFFLINE(t
         assert json.loads(line) == expected
 
 
+def test_a_push_that_cannot_reach_the_hub_says_so_in_one_line(tmp_path):
+    folder, _, _ = trained_folder(tmp_path)
+    script = ("import contextlib, io, sys\nfrom dspark_hf.cli import main\n"
+              "with contextlib.redirect_stderr(io.StringIO()) as err:\n"
+              "    status = main(['push', sys.argv[1], 'alice/draft', '--token', 'x'])\n"
+              "print(status, err.getvalue().strip().splitlines()[-1])\n")
+    out = run_python(script, {"HF_ENDPOINT": "http://127.0.0.1:9"}, tmp_path, str(folder))  # nothing listens there
+    assert out.splitlines()[-1].startswith("2 dspark push: error: could not reach the Hub")
+
+
 def test_remote_code_without_dspark_hf_saves_without_a_card(tmp_path):
     """modeling_dspark.py is copied next to the weights and imports dspark_hf lazily: where dspark_hf is absent a
     draft loaded with trust_remote_code still saves (no card), and asking for a card says what is missing."""
