@@ -111,6 +111,16 @@ def test_lora_training_resumes_from_its_adapter_checkpoint(tmp_path, target, bas
     assert (tmp_path / "lora" / "checkpoint-3").exists() and isinstance(resumed, PeftModel)
 
 
+def test_a_seed_gives_the_same_lora_run(tmp_path, target, base_dir):
+    data = tiny_dataset(tmp_path, target, n=8)
+    torch.manual_seed(1)  # whatever the global generator holds, the run's seed decides
+    first = train(lora_config(tmp_path, data, base_dir, output_dir=str(tmp_path / "a")), target=target, progress=False)
+    torch.manual_seed(2)
+    second = train(lora_config(tmp_path, data, base_dir, output_dir=str(tmp_path / "b")), target=target, progress=False)
+    for (name, a), b in zip(first.state_dict().items(), second.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
 def test_lora_needs_a_base_draft_for_a_target_of_its_own(tmp_path, target, base_dir):
     data = tiny_dataset(tmp_path, target, n=4)
     with pytest.raises(ValueError, match="init_from"):

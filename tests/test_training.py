@@ -425,6 +425,23 @@ def test_an_invocation_that_reaches_stop_after_saves_and_the_next_one_finishes(t
     assert report["training"]["steps"] > state["step"] and report["training"]["minutes"] <= 0.8
 
 
+@pytest.mark.parametrize("stop_after_steps", [1, 4])  # inside the first epoch of 3 steps, and inside the second
+def test_a_run_stopped_inside_an_epoch_and_resumed_ends_where_an_uninterrupted_one_does(tmp_path, monkeypatch,
+                                                                                         stop_after_steps):
+    target = tiny_target("llama")
+    data = tiny_dataset(tmp_path, target, n=12)
+    kw = dict(dataset=str(data), batch_size=4, anchors_per_sequence=4, heldout_fraction=0.0, save_every=1000,
+              epochs=2, draft=dict(num_hidden_layers=1, markov_rank=4, block_size=3))
+    straight = train(TrainConfig(output_dir=str(tmp_path / "straight"), **kw), target=target, progress=False)
+    FakeClock(monkeypatch, step_seconds=60.0)  # a minute a step: stop_after counts steps
+    train(TrainConfig(output_dir=str(tmp_path / "resumed"), stop_after=stop_after_steps + 0.5, **kw), target=target,
+          progress=False)
+    monkeypatch.undo()
+    resumed = train(TrainConfig(output_dir=str(tmp_path / "resumed"), **kw), target=target, progress=False)
+    for (name, a), b in zip(straight.state_dict().items(), resumed.state_dict().values()):
+        assert torch.equal(a, b), name  # the same anchors and lags were drawn after the resume
+
+
 def test_the_learning_rate_warms_up_then_decays_to_zero_without_wasting_a_step():
     from dspark_hf.training.trainer import lr_factor
 

@@ -20,11 +20,12 @@ def latest_checkpoint(out_dir: Path) -> Path | None:
     return found[-1] if found else None
 
 
-def save_checkpoint(model, optimizer, step: int, clock, out_dir: Path):
-    """Save `model` (a draft or a peft adapter), the optimizer, the step and the run clock's state, then drop all but
-    the two newest checkpoints."""
+def save_checkpoint(model, optimizer, step: int, clock, out_dir: Path, generator: torch.Generator):
+    """Save `model` (a draft or a peft adapter), the optimizer, the step, the run clock's state and the anchor
+    generator's (a resumed epoch draws the anchors it would have drawn), then drop all but the two newest."""
     path = out_dir / f"checkpoint-{step}"
     model.save_pretrained(path)
-    torch.save({"optimizer": optimizer.state_dict(), "step": step, "clock": clock.state()}, path / STATE_FILE)
+    torch.save({"optimizer": optimizer.state_dict(), "step": step, "clock": clock.state(),
+                "generator": generator.get_state()}, path / STATE_FILE)
     for old in checkpoint_folders(out_dir)[:-2]:
         shutil.rmtree(old, ignore_errors=True)

@@ -69,6 +69,7 @@ def add_lora(draft: DSparkDraftModel, config: TrainConfig, base_name_or_path: st
     lora = LoraConfig(r=config.lora_rank, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
                       target_modules=list(config.lora_target_modules), modules_to_save=heads or None,
                       base_model_name_or_path=base_name_or_path or draft.name_or_path or None)
+    torch.manual_seed(config.seed)  # the adapters' initial weights: a seed gives the same run
     return get_peft_model(draft, lora)
 
 

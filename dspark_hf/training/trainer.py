@@ -88,12 +88,13 @@ def train(config: TrainConfig, target=None, progress: bool = True):
     optimizer = torch.optim.AdamW(params, lr=config.learning_rate, weight_decay=config.weight_decay,
                                   fused=device.type == "cuda" or None)
     draft, optimizer = accelerator.prepare(draft, optimizer)
-    step = 0
+    step, generator_state = 0, None
     if resume is not None:
         state = torch.load(resume / STATE_FILE, weights_only=False)
         optimizer.load_state_dict(state["optimizer"])
         step = state["step"]
         timer.restore(state.get("clock", {}))
+        generator_state = state.get("generator")  # absent in checkpoints of older runs: the epoch reseeds
     model = accelerator.unwrap_model(draft)  # what is saved: the draft, or its peft wrapper (an adapter)
     core = unwrap_draft(model)  # the DSparkDraftModel; with LoRA its layers hold the adapters
     timer.start_loop(heldout_batches=math.ceil(len(heldout) / config.batch_size))
@@ -112,6 +113,9 @@ def train(config: TrainConfig, target=None, progress: bool = True):
         random.Random(config.seed + epoch).shuffle(order)
         shard = order[accelerator.process_index:: accelerator.num_processes]
         generator = torch.Generator().manual_seed(config.seed * 100_003 + step)
+        if generator_state is not None and offset > 0:  # resumed inside an epoch: draw on where the run stopped
+            generator.set_state(generator_state)
+        generator_state = None
         for i in range(offset, steps_per_epoch):
             batch = [train_set[j] for j in shard[i * config.batch_size: (i + 1) * config.batch_size]]
             done = step >= total_steps if total_steps is not None else timer.budget_spent()
@@ -139,14 +143,14 @@ def train(config: TrainConfig, target=None, progress: bool = True):
             bar.update(1 if total_steps is not None else min(round(timer.loop_spent), bar.total) - bar.n)
             bar.set_postfix_str(f"step={step} {_postfix(running)}")
             if step % config.save_every == 0 and accelerator.is_main_process:
-                save_checkpoint(model, optimizer, step, timer, out_dir)
+                save_checkpoint(model, optimizer, step, timer, out_dir, generator)
     bar.close()
     if step == 0:
         warnings.warn(f"{config.output_dir}: the time budget ran out before the first training step; the saved "
                       "draft is untrained. Give a larger time_budget.", stacklevel=2)
     if timer.must_stop() and not (timer.budget_spent() if total_steps is None else step >= total_steps):
         if accelerator.is_main_process:
-            save_checkpoint(model, optimizer, step, timer, out_dir)
+            save_checkpoint(model, optimizer, step, timer, out_dir, generator)
             print(f"stopped after {config.stop_after:g} min at step {step}: run the same command again to resume "
                   f"from {out_dir}")
         return accelerator.unwrap_model(draft, keep_fp32_wrapper=False)
