@@ -573,6 +573,9 @@ def test_a_feature_cache_serves_any_subset_of_its_layers_and_refuses_others(tmp_
         CachedFeatures(tmp_path / "cache", target, [3], examples, progress=False)
     with pytest.raises(ValueError, match="in torch.bfloat16"):
         CachedFeatures(tmp_path / "cache", target.to(torch.bfloat16), [0], examples, progress=False)
+    retrained = tiny_target("llama", seed=1)  # the same name, shape and dtype; other weights
+    with pytest.raises(ValueError, match="with other weights"):
+        CachedFeatures(tmp_path / "cache", retrained, [0], examples, progress=False)
 
 
 def test_dspark_train_flags_are_train_config_s_fields_with_its_defaults():

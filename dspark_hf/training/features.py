@@ -44,6 +44,17 @@ class OnlineFeatures:
         return features, hidden[self.request[-1]]
 
 
+@torch.no_grad()
+def feature_probe(target, tokens: int = 16) -> list[float]:
+    """Eight numbers of the target's last hidden state on fixed tokens: weights that differ give other numbers,
+    where a name or a dtype may not."""
+    vocab = target.get_output_embeddings().weight.shape[0]
+    ids = (torch.arange(tokens, device=target.device) * 7919 % vocab)[None]
+    last = target.base_model(input_ids=ids).last_hidden_state[0].float().cpu()  # (tokens, d)
+    direction = torch.randn(last.shape[1], 8, generator=torch.Generator().manual_seed(0))
+    return [round(x, 4) for x in (last.mean(0) @ direction).tolist()]
+
+
 class CachedFeatures:
     """Features written once to `directory` (fp16 safetensors per example), then read back every epoch.
 
@@ -60,16 +71,22 @@ class CachedFeatures:
         index = self.directory / "index.json"
         meta = {"target": getattr(target.config, "_name_or_path", ""), "dtype": str(target.dtype),
                 "target_layer_ids": list(cache_layer_ids or target_layer_ids)}
+        probe = feature_probe(target)
         if index.exists():
             found = json.loads(index.read_text())
-            if {k: v for k, v in found.items() if k != "target_layer_ids"} != {
-                    k: v for k, v in meta.items() if k != "target_layer_ids"} or not set(target_layer_ids) <= set(
-                    found["target_layer_ids"]):
-                raise ValueError(f"The feature cache in {self.directory} was built for {found}, not for layers "
+            same = {k: v for k, v in found.items() if k not in ("target_layer_ids", "probe")} == {
+                k: v for k, v in meta.items() if k != "target_layer_ids"}
+            # the probe tells other weights under the same name apart (a cache from before it had none)
+            same_weights = "probe" not in found or torch.allclose(torch.tensor(found["probe"]), torch.tensor(probe),
+                                                                  rtol=1e-3, atol=1e-3)
+            if not (same and same_weights) or not set(target_layer_ids) <= set(found["target_layer_ids"]):
+                raise ValueError(f"The feature cache in {self.directory} was built for layers "
+                                 f"{found['target_layer_ids']} of {found['target']} in {found['dtype']}"
+                                 f"{'' if same_weights else ' with other weights'}, not for layers "
                                  f"{list(target_layer_ids)} of {meta['target']} in {meta['dtype']}: remove it or "
                                  "choose another --feature-cache directory.")
-            meta = found
-        index.write_text(json.dumps(meta))
+            meta = {k: v for k, v in found.items() if k != "probe"}
+        index.write_text(json.dumps({**meta, "probe": probe}))
         d = target.config.get_text_config().hidden_size
         cached = meta["target_layer_ids"]
         self.columns = torch.cat([torch.arange(cached.index(i) * d, (cached.index(i) + 1) * d, device="cpu")
