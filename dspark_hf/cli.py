@@ -348,6 +348,22 @@ def cmd_export(args) -> int:
     return 0
 
 
+def _calibration_fraction(draft: str | None, asked: float | None) -> float:
+    """The held-out share to calibrate on: never past what the draft's training held out (the split by hashed prompt
+    id nests, so a smaller share is a subset of the held-out prompts)."""
+    trained = Path(draft) / "train_config.json" if draft else None
+    if trained is None or not trained.is_file():
+        return 0.05 if asked is None else asked
+    held_out = json.loads(trained.read_text()).get("heldout_fraction", 0.05)
+    if held_out == 0:
+        raise ValueError(f"{draft} was trained on all of its dataset (heldout_fraction 0): calibrate it on another "
+                         "dataset's held-out split, or retrain with a held-out share.")
+    if asked is not None and asked > held_out:
+        raise ValueError(f"--heldout-fraction {asked} is more than the {held_out} the draft's training held out: the "
+                         "extra rows were trained on. Leave it unset to use the training's share.")
+    return held_out if asked is None else asked
+
+
 def cmd_calibrate(args) -> int:
     """STS on held-out data: raw confidences of full-block rounds -> per-position temperatures saved with the draft."""
     from tqdm.auto import tqdm
@@ -356,9 +372,13 @@ def cmd_calibrate(args) -> int:
     from .scheduling.calibration import calibration_report, reliability_diagram, sequential_temperature_scaling
     from .training.data import load_dataset, split_heldout
 
+    fraction = _calibration_fraction(args.draft, args.heldout_fraction)
     target, tokenizer, draft = _load(args)
-    _, heldout = split_heldout(load_dataset(args.dataset), args.heldout_fraction)
-    texts = [tokenizer.decode(e.input_ids[: e.answer_start]) for e in heldout][: args.limit]
+    _, heldout = split_heldout(load_dataset(args.dataset), fraction)
+    first_answers = {}  # one rollout per prompt (several answers share one prompt), in file order
+    for e in heldout:
+        first_answers.setdefault(e.prompt_id, e)
+    texts = [tokenizer.decode(e.input_ids[: e.answer_start]) for e in first_answers.values()][: args.limit]
     draft.config.confidence_temperatures = None  # collect raw confidences
     logits, verified, accepted = [], [], []
     for i in tqdm(range(0, len(texts), args.batch_size), desc="held-out rollouts"):
@@ -639,8 +659,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("calibrate", help="Sequential Temperature Scaling of the confidence head on held-out data")
     models(p)
     p.add_argument("--dataset", required=True, help="the training JSONL; its held-out split is used")
-    p.add_argument("--heldout-fraction", type=_real(0.0, 1.0, low_open=True), default=0.05,
-                   help="as in training")
+    p.add_argument("--heldout-fraction", type=_real(0.0, 1.0, low_open=True),
+                   help="the share of the dataset held out in training (default: the draft's train_config.json, "
+                   "else 0.05); never more than training held out")
     p.add_argument("--limit", type=POSITIVE, help="at most this many held-out prompts")
     generation_options(p, batch_size=8)
     p.add_argument("--output", required=True, help="directory for the calibrated draft, calibration.json and "

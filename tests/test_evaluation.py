@@ -309,6 +309,28 @@ def test_dspark_calibrate_saves_temperatures_a_report_and_a_diagram(tiny_models,
     assert "| after STS |" in card.read_text(), "export finds the calibration report next to the draft"
 
 
+def test_calibrate_rolls_out_each_held_out_prompt_once_and_never_past_the_training_split(tiny_models, tmp_path,
+                                                                                          capsys):
+    import shutil
+
+    data = tmp_path / "data.jsonl"
+    with data.open("w") as f:  # three prompts, two answers each
+        for i in range(6):
+            ids = [4 + (i * 5 + j) % 80 for j in range(8 + i)]
+            f.write(json.dumps({"id": f"d{i}", "prompt_id": f"p{i // 2}", "input_ids": ids, "answer_start": 5}) + "\n")
+    draft = tmp_path / "draft"
+    shutil.copytree(tiny_models / "draft", draft)
+    (draft / "train_config.json").write_text(json.dumps({"heldout_fraction": 1.0}))
+    out = tmp_path / "calibrated"
+    assert main(["calibrate", "--target", str(tiny_models / "target"), "--draft", str(draft), "--dataset", str(data),
+                 "--max-new-tokens", "6", "--output", str(out)]) == 0
+    assert json.loads((out / "calibration.json").read_text())["prompts"] == 3
+    (draft / "train_config.json").write_text(json.dumps({"heldout_fraction": 0.02}))
+    assert "more than the 0.02 the draft's training held out" in cli_error(
+        capsys, ["calibrate", "--target", str(tiny_models / "target"), "--draft", str(draft), "--dataset", str(data),
+                 "--heldout-fraction", "0.5", "--output", str(out)])
+
+
 def test_cli_errors_a_user_can_fix_are_one_line_with_status_2_and_the_traceback_is_behind_debug(tiny_models,
                                                                                                   tmp_path, capsys):
     models = ["--target", str(tiny_models / "target"), "--draft", str(tiny_models / "draft")]
