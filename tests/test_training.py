@@ -193,6 +193,11 @@ def test_prepare_data_is_deterministic_and_resumable(tmp_path):
     partial.mkdir()
     (partial / "data.jsonl").write_text("\n".join(full[:4]) + "\n")  # the first batch of 4 survived a crash
     assert tiny_dataset(partial, target).read_text().splitlines() == full
+    for n, cut in enumerate([6, 5]):  # a crash inside the second batch: after its 2nd line, and inside its 2nd line
+        torn = tmp_path / f"torn{n}"
+        torn.mkdir()
+        (torn / "data.jsonl").write_text("\n".join(full[:cut]) + "\n" + (full[cut][:20] if cut == 5 else ""))
+        assert sorted(tiny_dataset(torn, target).read_text().splitlines()) == sorted(full)
     examples = load_dataset(tmp_path / "data.jsonl", vocab_size=VOCAB)
     assert len(examples) == 12 and all(len(e.input_ids) > e.answer_start for e in examples)
 

@@ -77,7 +77,7 @@ def prepare_data(target, tokenizer, prompts: Iterator[dict], output: str | Path,
     settings = settings or GenerationSettings()
     decoding = _decoding(settings)
     output = Path(output)
-    done = {json.loads(line)["id"] for line in output.open()} if output.exists() else set()
+    done = _answered(output)
 
     chosen = []
     for p in prompts:
@@ -104,13 +104,13 @@ def prepare_data(target, tokenizer, prompts: Iterator[dict], output: str | Path,
     batches = [rows[i: i + batch_size] for i in range(0, len(rows), batch_size)]
 
     output.parent.mkdir(parents=True, exist_ok=True)
-    bar = tqdm(total=len(rows), initial=sum(len(b) for b in batches if b[0].id in done),
+    bar = tqdm(total=len(rows), initial=sum(r.id in done for r in rows),
                desc="regenerating answers", disable=not progress)
     eos_ids = eos_token_ids(target.generation_config)
     slowest = 0.0
     with output.open("a", encoding="utf-8") as out:
         for i, batch in enumerate(batches):
-            if batch[0].id in done:
+            if all(r.id in done for r in batch):
                 continue
             if time_budget is not None and time.perf_counter() - started + slowest > time_budget:
                 bar.write(f"time budget reached: {output} holds {bar.n} of {len(rows)} answers; run the same "
@@ -122,19 +122,43 @@ def prepare_data(target, tokenizer, prompts: Iterator[dict], output: str | Path,
             torch.manual_seed(seed + i)
             seqs = target.generate(**inputs, **decoding, max_new_tokens=settings.max_new_tokens).cpu()
             P = inputs["input_ids"].shape[1]
+            lines = []
             for r, mask, row in zip(batch, inputs["attention_mask"].cpu(), seqs):
+                if r.id in done:  # a batch cut short by a crash is generated whole again (same seed, same answers)
+                    continue
                 prompt_ids = row[:P][mask.bool()].tolist()
                 answer = until_eos(row[P:].tolist(), eos_ids)  # what follows EOS is padding
-                out.write(json.dumps({"id": r.id, "prompt_id": r.prompt["id"], "domain": r.prompt.get("domain"),
-                                      "source": r.prompt.get("source"), "prompt": r.text,
-                                      "input_ids": prompt_ids + answer,
-                                      "answer_start": len(prompt_ids)}) + "\n")
+                lines.append(json.dumps({"id": r.id, "prompt_id": r.prompt["id"], "domain": r.prompt.get("domain"),
+                                         "source": r.prompt.get("source"), "prompt": r.text,
+                                         "input_ids": prompt_ids + answer, "answer_start": len(prompt_ids)}) + "\n")
+            out.write("".join(lines))
             out.flush()
-            bar.update(len(batch))
+            bar.update(len(lines))
             slowest = max(slowest, time.perf_counter() - batch_start)
     bar.close()
     write_manifest(output, target, settings, seed, len(rows), time.perf_counter() - started)
     return output
+
+
+def _answered(output: Path) -> set[str]:
+    """The ids already in `output`; a last line torn by a killed run is cut off (with a word), so that the resumed
+    run writes that answer again."""
+    if not output.exists():
+        return set()
+    text = output.read_text(encoding="utf-8")
+    if text and not text.endswith("\n"):
+        kept = text[: text.rfind("\n") + 1]
+        output.write_text(kept, encoding="utf-8")
+        print(f"{output}: dropped an incomplete last line (an interrupted write); its answer is generated again")
+        text = kept
+    done = set()
+    for n, line in enumerate(text.splitlines(), 1):
+        try:
+            done.add(json.loads(line)["id"])
+        except (json.JSONDecodeError, KeyError, TypeError) as error:
+            raise DataFileError(f"{output}:{n}: not an answer line of `dspark prepare-data` ({error}); remove the "
+                                "line or write to a new --output.") from error
+    return done
 
 
 class _Row(NamedTuple):
