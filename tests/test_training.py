@@ -412,6 +412,21 @@ def test_a_time_budget_fits_the_schedule_and_finishes_inside_it(tmp_path, monkey
     assert loaded.config.num_hidden_layers == 1 and draft is not None
 
 
+def test_any_prefix_of_the_held_out_batches_costs_one_forward_pass_a_batch():
+    # the report batches each domain apart, so the time budget's reserve must count its batches the same way
+    from types import SimpleNamespace
+
+    from dspark_hf.training.trainer import _domain_batches
+
+    examples = [SimpleNamespace(domain=f"d{i % 9}", i=i) for i in range(30)]  # 9 domains of 3-4 examples
+    batches = _domain_batches(examples, batch_size=4)
+    assert len(batches) == 9 and {b[0].domain for b in batches[:3]} == {"d0", "d1", "d2"}
+    for k in range(len(batches) + 1):
+        measured = [ex for b in batches[:k] for ex in b]
+        per_domain = {d: sum(ex.domain == d for ex in measured) for d in {ex.domain for ex in measured}}
+        assert sum(math.ceil(n / 4) for n in per_domain.values()) == k
+
+
 def test_an_invocation_that_reaches_stop_after_saves_and_the_next_one_finishes(tmp_path, monkeypatch):
     target = tiny_target("llama")
     data = tiny_dataset(tmp_path, target, n=12)

@@ -97,7 +97,8 @@ def train(config: TrainConfig, target=None, progress: bool = True):
         generator_state = state.get("generator")  # absent in checkpoints of older runs: the epoch reseeds
     model = accelerator.unwrap_model(draft)  # what is saved: the draft, or its peft wrapper (an adapter)
     core = unwrap_draft(model)  # the DSparkDraftModel; with LoRA its layers hold the adapters
-    timer.start_loop(heldout_batches=math.ceil(len(heldout) / config.batch_size))
+    heldout_batches = _domain_batches(heldout, config.batch_size)
+    timer.start_loop(heldout_batches=len(heldout_batches))
 
     if total_steps is not None:
         bar = tqdm(total=total_steps, initial=step, desc="training", disable=not (progress and
@@ -159,7 +160,7 @@ def train(config: TrainConfig, target=None, progress: bool = True):
     core = unwrap_draft(model)
     model.eval()
     if accelerator.is_main_process:
-        measured = _interleave_domains(heldout)[: timer.report_batches() * config.batch_size]
+        measured = [ex for batch in heldout_batches[: timer.report_batches()] for ex in batch]
         report = evaluate_heldout(core, target, measured, features, config.anchors_per_sequence, weights,
                                   batch_size=config.batch_size)
         report["heldout_sequences"] = len(heldout)  # "sequences" were measured; fewer under a tight time budget
@@ -182,12 +183,13 @@ def lr_factor(start: float, end: float, warmup: float) -> float:
 
 
 
-def _interleave_domains(examples: list) -> list:
-    """Examples in round-robin order of their domains, so that any prefix mixes them."""
+def _domain_batches(examples: list, batch_size: int) -> list[list]:
+    """The held-out report's forward passes: each domain's examples in batches (the report batches domains
+    apart), the domains taken in turn, so that any prefix of the batches mixes them and costs one pass a batch."""
     by_domain: dict = {}
     for ex in examples:
         by_domain.setdefault(ex.domain, []).append(ex)
-    queues = list(by_domain.values())
+    queues = [[q[i: i + batch_size] for i in range(0, len(q), batch_size)] for q in by_domain.values()]
     return [q[i] for i in range(max(map(len, queues), default=0)) for q in queues if i < len(q)]
 
 
