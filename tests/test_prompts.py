@@ -46,6 +46,7 @@ class Circle:
     assert [name for name, _, _ in stdlib_functions(tmp_path)] == ["shapes.area", "shapes.Circle.scale"]
     prompts = list(stdlib_prompts(tmp_path))
     assert [p["id"] for p in prompts[:2]] == ["stdlib/shapes.area/completion", "stdlib/shapes.area/instruction"]
+    assert prompts[0]["group"] == prompts[1]["group"] == "stdlib/shapes.area"  # held out together, or trained on
     completion, instruction = (p["messages"][0]["content"] for p in prompts[:2])
     assert completion.startswith("Complete the following Python function.") and "def area(width, height):" in completion
     assert instruction == ("Write a Python function `area(width, height)`. Return the area of a rectangle of the "

@@ -10,6 +10,7 @@ from transformers import BatchEncoding
 from conftest import VOCAB, cli_error, tiny_draft, tiny_target
 from dspark_hf import DSparkDraftModel
 from dspark_hf.training import DataFileError, GenerationSettings, load_dataset, prepare_data, read_prompts
+from dspark_hf.training.prompts import write_prompts
 from dspark_hf.training.data import Example, manifest_path, split_heldout
 from dspark_hf.training.features import CachedFeatures, OnlineFeatures
 from dspark_hf.training.losses import (LossWeights, dspark_losses, position_weights, sample_anchors,
@@ -225,6 +226,21 @@ def test_temperature_zero_regenerates_the_targets_greedy_answers(tmp_path):
     with pytest.raises(ValueError, match="temperature must be >= 0"):
         prepare_data(target, TinyTokenizer(), iter(prompts), tmp_path / "x.jsonl", 6,
                      settings=GenerationSettings(temperature=-1), progress=False)
+
+
+def test_one_question_in_two_phrasings_falls_on_one_side_of_the_split(tmp_path):
+    target = tiny_target("llama")
+    prompts = [{"id": f"q{i}/{kind}", "group": f"q{i}", "messages": [{"role": "user", "content": f"{kind} {i}"}]}
+               for i in range(8) for kind in ("completion", "instruction")]  # as stdlib_prompts asks each function
+    path = tmp_path / "data.jsonl"
+    write_prompts(prompts, tmp_path / "prompts.jsonl")
+    prepare_data(target, TinyTokenizer(), read_prompts(tmp_path / "prompts.jsonl"), path, None, batch_size=8,
+                 progress=False, settings=GenerationSettings(max_new_tokens=4))
+    examples = load_dataset(path)
+    assert {e.group for e in examples} == {f"q{i}" for i in range(8)}
+    for fraction in (0.3, 0.5, 0.7):
+        train_groups, held_groups = ({e.group for e in part} for part in split_heldout(examples, fraction))
+        assert held_groups and not train_groups & held_groups
 
 
 def test_several_samples_per_prompt_are_different_answers_that_share_a_prompt_and_a_split(tmp_path):

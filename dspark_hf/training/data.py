@@ -2,12 +2,12 @@
 
 Dataset format (JSONL, one example per line), written by [`prepare_data`] and read by [`load_dataset`]:
 
-    {"id": str, "prompt_id": str, "domain": str, "source": str, "prompt": str, "input_ids": [int, ...],
-     "answer_start": int}
+    {"id": str, "prompt_id": str, "group": str, "domain": str, "source": str, "prompt": str,
+     "input_ids": [int, ...], "answer_start": int}
 
 ``input_ids`` is the chat-templated prompt followed by the target's answer; ``answer_start`` indexes the first
-answer token. Only answer tokens are supervised. ``prompt_id``, ``domain`` and ``source`` may be absent (files
-written before they existed): the prompt id is then the id.
+answer token. Only answer tokens are supervised. ``prompt_id``, ``group``, ``domain`` and ``source`` may be absent
+(files written before they existed): the prompt id is then the id, and the group the prompt id.
 """
 
 from __future__ import annotations
@@ -128,7 +128,8 @@ def prepare_data(target, tokenizer, prompts: Iterator[dict], output: str | Path,
                     continue
                 prompt_ids = row[:P][mask.bool()].tolist()
                 answer = until_eos(row[P:].tolist(), eos_ids)  # what follows EOS is padding
-                lines.append(json.dumps({"id": r.id, "prompt_id": r.prompt["id"], "domain": r.prompt.get("domain"),
+                lines.append(json.dumps({"id": r.id, "prompt_id": r.prompt["id"], "group": r.prompt.get("group"),
+                                         "domain": r.prompt.get("domain"),
                                          "source": r.prompt.get("source"), "prompt": r.text,
                                          "input_ids": prompt_ids + answer, "answer_start": len(prompt_ids)}) + "\n")
             out.write("".join(lines))
@@ -227,16 +228,19 @@ def _decoding(settings: GenerationSettings) -> dict:
 @dataclass
 class Example:
     """One regenerated answer. prompt_id: the prompt it answers (several answers may share one); domain: the
-    prompt's (chat, code, math, ...), or None."""
+    prompt's (chat, code, math, ...), or None; group: what the held-out split keeps together (default: the prompt;
+    one question asked in two phrasings shares a group)."""
 
     id: str
     input_ids: list[int]
     answer_start: int
     prompt_id: str | None = None
     domain: str | None = None
+    group: str | None = None
 
     def __post_init__(self):
         self.prompt_id = self.prompt_id or self.id
+        self.group = self.group or self.prompt_id
 
 
 def load_dataset(path: str | Path, vocab_size: int | None = None) -> list[Example]:
@@ -245,7 +249,7 @@ def load_dataset(path: str | Path, vocab_size: int | None = None) -> list[Exampl
     for n, obj in read_jsonl(path):
         try:
             ex = Example(str(obj["id"]), list(obj["input_ids"]), int(obj["answer_start"]),
-                         obj.get("prompt_id"), obj.get("domain"))
+                         obj.get("prompt_id"), obj.get("domain"), obj.get("group"))
         except (KeyError, TypeError, ValueError) as e:
             raise DataFileError(f'{path}:{n}: expected {{"id", "input_ids", "answer_start"}} as written by '
                                 f"`dspark prepare-data` ({type(e).__name__}: {e}).") from e
@@ -262,10 +266,11 @@ def load_dataset(path: str | Path, vocab_size: int | None = None) -> list[Exampl
 
 
 def split_heldout(examples: list[Example], fraction: float) -> tuple[list[Example], list[Example]]:
-    """Deterministic train / held-out split by hashed prompt id, so that every answer to one prompt falls on the
-    same side (held-out data serves validation and calibration)."""
+    """Deterministic train / held-out split by hashed group (the prompt id unless the prompt names a group), so that
+    every answer to one prompt, and every phrasing of one question, falls on the same side (held-out data serves
+    validation and calibration)."""
     def held(ex):
-        return int(hashlib.sha1(ex.prompt_id.encode()).hexdigest(), 16) % 10_000 < fraction * 10_000
+        return int(hashlib.sha1(ex.group.encode()).hexdigest(), 16) % 10_000 < fraction * 10_000
 
     return [e for e in examples if not held(e)], [e for e in examples if held(e)]
 

@@ -122,7 +122,7 @@ def stdlib_prompts(root: Path | None = None) -> Iterator[dict]:
         summary = " ".join(doc.split("\n\n")[0].split())
         instruction = f"Write a Python function `{signature[4:-1]}`. {summary}"
         for kind, text in (("completion", completion), ("instruction", instruction)):
-            yield {"id": f"stdlib/{name}/{kind}", "domain": "code", "source": "stdlib",
+            yield {"id": f"stdlib/{name}/{kind}", "group": f"stdlib/{name}", "domain": "code", "source": "stdlib",
                    "messages": [{"role": "user", "content": text}]}
 
 
@@ -234,7 +234,8 @@ def write_prompts(prompts: list[dict], path: str | Path) -> Path:
 
 def read_prompts(path: str | Path) -> Iterator[dict]:
     """Prompts from a JSONL file (gzipped if it ends in .gz): each line {"id", "prompt"} (a user message) or {"id",
-    "messages"}, optionally with "domain" and "source". Raises DataFileError naming the line for anything else."""
+    "messages"}, optionally with "domain", "source" and "group" (prompts of one group, e.g. one question in two
+    phrasings, fall on one side of the held-out split). Raises DataFileError naming the line for anything else."""
     for n, obj in read_jsonl(path):
         if not isinstance(obj, dict) or "id" not in obj or ("prompt" in obj) == ("messages" in obj):
             raise DataFileError(f'{path}:{n}: expected {{"id", "prompt"}} or {{"id", "messages"}} (exactly one '
@@ -247,4 +248,5 @@ def read_prompts(path: str | Path) -> Iterator[dict]:
                 for m in messages):
             raise DataFileError(f'{path}:{n}: "messages" must be a non-empty list of {{"role", "content"}} objects '
                                 "with string values.")
-        yield {"id": str(obj["id"]), "messages": messages, "domain": obj.get("domain"), "source": obj.get("source")}
+        yield {"id": str(obj["id"]), "messages": messages, "domain": obj.get("domain"), "source": obj.get("source"),
+               "group": obj.get("group")}
