@@ -166,6 +166,15 @@ def test_custom_stopping_criteria_are_checked_inside_chunks(policy):
         reference = plain(target, ids, mask, **kw)
         out = dspark(target, oracle(target, tiny_draft(target), free, mask, 0.0), ids, mask, policy=policy, **kw)
         assert torch.equal(out.sequences, reference)
+        if eos is None:  # the output ends where the last row stopped, inside a chunk: the records say so
+            generated = reference.shape[1] - ids.shape[1]
+            assert all(1 + sum(r.committed for r in rows) == generated for rows in out.rounds)
+    one = ids[1:2], mask[1:2]  # alone, the row that stops ends the output inside the chunk where it stopped
+    free, stop = eos_inside_a_block(target, *one, row=0, index=5)
+    kw = dict(max_new_tokens=30, stopping_criteria=StoppingCriteriaList([StopOnToken(stop)]), eos_token_id=None)
+    out = dspark(target, oracle(target, tiny_draft(target), free, one[1], 0.0), *one, policy=policy, **kw)
+    assert torch.equal(out.sequences, plain(target, *one, **kw))
+    assert 1 + sum(r.committed for r in out.rounds[0]) == out.sequences.shape[1] - ids.shape[1]
 
 
 @POLICY

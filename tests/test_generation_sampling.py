@@ -131,6 +131,21 @@ def test_a_bfloat16_draft_next_to_a_float32_target_stays_exact(setup):
     assert p_value(samples, probs) > ALPHA
 
 
+def test_a_draft_vocabulary_whose_every_token_the_processors_ban_stays_exact(setup):
+    # bad_words_ids leaves the target tokens 1 and 4 only, none of which the draft can propose: it drafts from its
+    # own distribution then, and verification rejects every drafted token
+    from transformers import NoBadWordsLogitsProcessor
+
+    target, _, settings, _ = setup
+    draft = flattened_draft(target, draft_vocab=[0, 2, 3, 5])
+    banned = [[0], [2], [3], [5]]
+    processors = LogitsProcessorList([NoBadWordsLogitsProcessor(banned, eos_token_id=None),
+                                      TemperatureLogitsWarper(0.7), TopKLogitsWarper(4)])
+    torch.manual_seed(7)
+    samples = sample_continuations(target, draft, SAMPLES, bad_words_ids=banned, **settings)
+    assert p_value(samples, exact_distribution(target, processors)) > ALPHA
+
+
 def test_skipping_the_residual_is_caught(setup, monkeypatch):
     """Sampling the correction from p instead of norm(max(p - q, 0)) biases the output; the test must see it."""
     target, draft, settings, probs = setup

@@ -157,6 +157,16 @@ def _check_request(model, draft, cfg, synced_gpus, model_kwargs, input_ids, stre
         warnings.warn(HalfPrecisionGreedyWarning.message(model.dtype), HalfPrecisionGreedyWarning, stacklevel=2)
 
 
+def _clip_records(rounds: list[list[DSparkRound]], generated: int) -> None:
+    """Make each round's `committed` count what reached the output: without an EOS id, a stopping criterion that
+    fires in every row ends the output inside the last rounds' chunks (the first token came from the prefill)."""
+    for row in rounds:
+        left = generated - 1
+        for r in row:
+            r.committed = max(0, min(r.committed, left))
+            left -= r.committed
+
+
 class HalfPrecisionGreedyWarning(UserWarning):
     """Greedy decoding of a bf16/fp16 target: identity with plain generate() holds up to rounding only."""
 
@@ -292,8 +302,10 @@ class _Decoder:
         self.timings["total"] = self._clock() - start
         if self.streamer is not None:
             self.streamer.end()
-        sequences = torch.cat([self.prompt, self.gen[:, : min(int(self.n_gen.max()), self.max_new)]], 1)
+        generated = min(int(self.n_gen.max()), self.max_new)
+        sequences = torch.cat([self.prompt, self.gen[:, :generated]], 1)
         if self.cfg.return_dict_in_generate:
+            _clip_records(self.rounds, generated)
             return DSparkGenerateOutput(sequences=sequences, rounds=self.rounds, timings=self.timings)
         return sequences
 

@@ -121,7 +121,11 @@ def sample_block(
         logits = logits.float() if vocab is not None else draft.to_target_vocab(logits.float())
         if process_logits is not None:
             prefix = torch.stack(tokens, 1) if tokens else prev.new_zeros(N * A, 0)
-            logits = process_logits(prefix, logits)
+            own, logits = logits, process_logits(prefix, logits)
+            # the processors may ban every token a draft vocabulary holds (bad_words_ids, no_repeat_ngram_size):
+            # such a row drafts from its own distribution, exact to verify like any other (banned tokens, having
+            # target probability 0, are rejected)
+            logits = torch.where(torch.isneginf(logits).all(-1, keepdim=True), own, logits)
         p = torch.softmax(logits, dim=-1)
         if reweight is not None:
             unweighted.append(p)
