@@ -248,5 +248,5 @@ def read_prompts(path: str | Path) -> Iterator[dict]:
                 for m in messages):
             raise DataFileError(f'{path}:{n}: "messages" must be a non-empty list of {{"role", "content"}} objects '
                                 "with string values.")
-        yield {"id": str(obj["id"]), "messages": messages, "domain": obj.get("domain"), "source": obj.get("source"),
-               "group": obj.get("group")}
+        prompt = {"id": str(obj["id"]), "messages": messages, "domain": obj.get("domain"), "source": obj.get("source")}
+        yield prompt | ({"group": obj["group"]} if "group" in obj else {})
