@@ -347,8 +347,9 @@ def test_a_draft_loaded_as_remote_code_before_dspark_hf_says_how_to_load_it_for_
         "target = AutoModelForCausalLM.from_pretrained('target')\n"
         "target.generate(input_ids=torch.ones(1, 3, dtype=torch.long), max_new_tokens=2, assistant_model=draft)\n"
     )
+    package_root = str(Path(dspark_hf.__file__).parents[1])
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path, timeout=120,
-                         env={"HF_HUB_OFFLINE": "1", "PATH": "", "PYTHONPATH": str(Path(dspark_hf.__file__).parents[1])})
+                         env={"HF_HUB_OFFLINE": "1", "PATH": "", "PYTHONPATH": package_root})
     assert "loaded as remote code before dspark_hf was imported: load it with dspark_hf.DSparkDraftModel" \
         in out.stderr.splitlines()[-1], out.stderr
 

@@ -426,7 +426,8 @@ def setup():
 
 @pytest.mark.parametrize("config", [SSDConfig(cache_size=3, saguaro_c=0.3, fallback="draft"),
                                     SSDConfig(cache_size=12, saguaro_c=0.0, fallback="draft"),
-                                    SSDConfig(cache_size=2, fallback="ngram")], ids=["saguaro-0.3", "saguaro-0", "ngram"])
+                                    SSDConfig(cache_size=2, fallback="ngram")],
+                         ids=["saguaro-0.3", "saguaro-0", "ngram"])
 def test_sampled_ssd_follows_the_target_distribution(setup, config):
     target, draft, settings, probs = setup
     torch.manual_seed(7)
