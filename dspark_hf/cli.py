@@ -349,8 +349,8 @@ def cmd_export(args) -> int:
 
 
 def _calibration_fraction(draft: str | None, asked: float | None) -> float:
-    """The held-out share to calibrate on: never past what the draft's training held out (the split by hashed prompt
-    id nests, so a smaller share is a subset of the held-out prompts)."""
+    """The held-out share to calibrate on: never past what the draft's training held out (the split by hashed group
+    nests, so a smaller share is a subset of the held-out prompts)."""
     trained = Path(draft) / "train_config.json" if draft else None
     if trained is None or not trained.is_file():
         return 0.05 if asked is None else asked
