@@ -245,7 +245,7 @@ def test_verification_length_is_an_input_of_the_round():
                  verification_policy=FixedLength(2))
     assert torch.equal(out.sequences, reference)
     assert {r.verified for rows in out.rounds for r in rows} <= {2, 1, 0}
-    assert all(len(r.drafted) == 4 for rows in out.rounds for r in rows), "drafting always uses the full block"
+    assert all(len(r.drafted) == 4 for rows in out.rounds for r in rows[:-1]), "drafting always uses the full block"
 
 
 class Recorder(BaseStreamer):

@@ -315,9 +315,10 @@ def test_the_default_policy_stops_drafting_a_draft_that_never_pays_and_probes_le
     assert gaps == sorted(gaps) and gaps[-1] > gaps[0], "each probe that loses doubles the pause"
 
 
-def test_the_probes_of_a_draft_that_never_pays_cost_at_most_the_probe_budget():
+@pytest.mark.parametrize("max_pause", [64, 16])  # at 16 the budget needs longer pauses than max_pause allows
+def test_the_probes_of_a_draft_that_never_pays_cost_at_most_the_probe_budget(max_pause):
     engine = costs(draft=0.04)
-    policy = auto(engine, probe_budget=0.02)
+    policy = auto(engine, probe_budget=0.02, max_pause=max_pause)
     rounds = 200
     drafted = play(policy, torch.full((1, 7), 0.6), lambda lengths: torch.zeros_like(lengths), rounds)
     extra = (engine.draft(1) + engine.verify(1, 2) - engine.verify(1, 1)) / engine.verify(1, 1)  # per probe
@@ -551,3 +552,180 @@ def test_generate_hands_the_default_policy_s_learning_on_between_greedy_calls_on
         target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=sampling,
                         assistant_model=draft, verification_policy=policy)
     assert policies[1].learned is policies[0].learned and policies[2].learned is not policies[0].learned
+
+
+# -- what a policy may answer, and what may be asked of it -----------------------------------------------------------
+class Answers(Policy):
+    """Answers every round with `lengths(num_rows)`."""
+
+    def __init__(self, lengths):
+        self.lengths = lengths
+
+    def __call__(self, confidences, gamma, num_rows):
+        return self.lengths(num_rows)
+
+
+def test_a_policy_may_answer_with_a_list_as_prefix_schedule_returns_it():
+    from test_generation_greedy import dspark, plain
+
+    target = tiny_target("llama")
+    ids, mask = left_padded_prompts(3)
+    out = dspark(target, tiny_draft(target), ids, mask, max_new_tokens=10,
+                 verification_policy=Answers(lambda R: [2] * R))
+    assert torch.equal(out.sequences, plain(target, ids, mask, max_new_tokens=10))
+    assert {r.verified for rows in out.rounds for r in rows if r.drafted} <= {0, 1, 2}
+
+
+@pytest.mark.parametrize("answer, error", [
+    (lambda R: 3, r"shape \(\); it must return one per row still decoding, shape \(2,\)"),
+    (lambda R: torch.ones(R, 1), r"shape \(2, 1\)"),
+    (lambda R: [-1] * R, r"between 0 and the block's 4 drafted tokens"),
+    (lambda R: [5] * R, r"between 0 and the block's 4 drafted tokens"),
+    (lambda R: torch.full((R,), 1.5), "whole numbers of tokens"),
+    (lambda R: torch.full((R,), float("nan")), "whole numbers of tokens"),
+    (lambda R: "two", "str; it must return a"),
+])
+def test_a_policy_answer_that_is_not_one_length_per_row_in_the_block_is_refused_naming_the_policy(answer, error):
+    target = tiny_target("llama")
+    ids, mask = left_padded_prompts(2)
+    with pytest.raises((ValueError, TypeError), match="verification policy Answers returned .*" + error):
+        target.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=8,
+                        assistant_model=tiny_draft(target), verification_policy=Answers(answer))
+
+
+def test_a_policy_class_instead_of_an_instance_is_refused():
+    from dspark_hf import AutoScheduled, FullBlock
+    from dspark_hf.scheduling import as_policy
+
+    for cls in (FullBlock, AutoScheduled):
+        with pytest.raises(TypeError, match=f"verification_policy={cls.__name__} is a class: pass an instance"):
+            as_policy(cls)
+
+
+@pytest.mark.parametrize("make, error", [
+    (lambda: __import__("dspark_hf").FixedLength(2.5), "FixedLength: length must be a whole number >= 0"),
+    (lambda: __import__("dspark_hf").FixedLength("2"), "FixedLength: length must be a whole number >= 0"),
+    (lambda: ThresholdPolicy("0.5"), r"ThresholdPolicy: threshold must be a number in \[0, 1\]"),
+    (lambda: ThresholdPolicy(float("nan")), r"ThresholdPolicy: threshold must be a number in \[0, 1\]"),
+    (lambda: AsyncScheduled(lambda b: 1.0, lag=0), "AsyncScheduled: lag must be a whole number >= 1"),
+    (lambda: Scheduled(lambda b: 1.0, probe_every=0), "Scheduled: probe_every must be a whole number >= 1"),
+    (lambda: __import__("dspark_hf").AutoScheduled(probe_budget=0), r"probe_budget must be a number in \(0, inf\]"),
+    (lambda: __import__("dspark_hf").AutoScheduled(smoothing=5), r"smoothing must be a number in \(0, 1\]"),
+    (lambda: __import__("dspark_hf").AutoScheduled(max_pause=-3), "max_pause must be a whole number >= 1"),
+])
+def test_policy_settings_are_checked_when_the_policy_is_made(make, error):
+    with pytest.raises(ValueError, match=error):
+        make()
+
+
+def test_a_last_round_in_which_no_row_can_verify_a_token_drafts_nothing():
+    from test_generation_greedy import dspark, plain
+
+    target = tiny_target("llama")
+    ids, mask = left_padded_prompts(1)
+    policy = Answers(lambda R: torch.full((R,), 4))
+    seen = []
+    policy.observe = lambda verified, accepted, drafted: seen.append(drafted)
+    out = dspark(target, tiny_draft(target), ids, mask, max_new_tokens=7, verification_policy=policy)
+    assert torch.equal(out.sequences, plain(target, ids, mask, max_new_tokens=7))
+    (rounds,) = out.rounds
+    assert rounds[-1].drafted == [] and rounds[-1].committed == 1 and seen[-1] is False
+    assert all(r.drafted for r in rounds[:-1])
+
+
+# -- the default policy's cost cache ----------------------------------------------------------------------------
+def measure_counting(monkeypatch):
+    """Count the measurements cached_costs makes."""
+    from dspark_hf.scheduling import profile
+
+    calls, measure = [], profile.profile_sps
+    monkeypatch.setattr(profile, "profile_sps", lambda *a, **kw: calls.append(a[1]) or measure(*a, **kw))
+    return calls
+
+
+@pytest.mark.parametrize("content", ['{"key": {}, "verify": {"1": {"1": 0.', "", '{"key": {}}', "[]",
+                                     '{"key": {}, "verify": {"1": {}}, "drafts": {}}',
+                                     '{"key": {}, "verify": {"1": {"1": -2}}, "drafts": {}}'])
+def test_an_unreadable_cost_cache_is_named_measured_again_and_written_anew(tmp_path, monkeypatch, content):
+    from dspark_hf.scheduling.profile import cached_costs
+
+    monkeypatch.setenv("DSPARK_HF_PROFILE_CACHE", str(tmp_path))
+    target = tiny_target("llama")
+    draft = tiny_draft(target)
+    cached_costs(target, draft, [1], progress=False)
+    (path,) = tmp_path.glob("*.json")
+    path.write_text(content)
+    calls = measure_counting(monkeypatch)
+    with pytest.warns(UserWarning, match=f"{path}: the default policy's cost cache cannot be read"):
+        cached_costs(target, draft, [1], progress=False)
+    assert calls == [[1]]
+    cached_costs(target, draft, [1], progress=False)  # the file written anew is read back
+    assert calls == [[1]]
+
+
+def test_a_cost_cache_that_cannot_be_written_is_said_once_and_kept_for_the_process(tmp_path, monkeypatch):
+    from dspark_hf.scheduling.profile import cached_costs
+
+    (tmp_path / "a file").write_text("")
+    monkeypatch.setenv("DSPARK_HF_PROFILE_CACHE", str(tmp_path / "a file" / "profiles"))  # cannot become a folder
+    target = tiny_target("llama")
+    draft = tiny_draft(target)
+    calls = measure_counting(monkeypatch)
+    with pytest.warns(UserWarning, match="cannot save the default policy's measured costs to .*kept for this process"):
+        first = cached_costs(target, draft, [1], progress=False)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        again = cached_costs(target, draft, [1], progress=False)
+    assert calls == [[1]] and again.verify_seconds == first.verify_seconds
+
+
+def test_threads_adding_to_the_cost_cache_at_once_lose_nothing(tmp_path):
+    import threading
+
+    from dspark_hf.scheduling.profile import _merge_into, _read_cache
+
+    path = tmp_path / "costs.json"
+
+    def add(first):
+        for R in range(first, first + 40):
+            _merge_into(path, {}, {R: {1: 0.1}}, "draft", {R: 0.01})
+
+    threads = [threading.Thread(target=add, args=(40 * i + 1,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    stored = _read_cache(path, {})
+    assert sorted(map(int, stored["verify"])) == list(range(1, 121)) and len(stored["drafts"]["draft"]) == 120
+    assert [p.name for p in tmp_path.iterdir() if p.suffix == ".partial"] == []
+
+
+def test_costs_are_kept_apart_by_attention_implementation_and_device_kind():
+    from dspark_hf.scheduling.profile import _target_key
+
+    target = tiny_target("llama")
+    key = _target_key(target)
+    target.config._attn_implementation = "eager" if key["attention"] != "eager" else "sdpa"
+    assert _target_key(target) != key
+    assert {"attention", "transformers"} <= set(key) and key["device"].startswith("cpu: ")
+
+
+@pytest.mark.parametrize("profile, error", [
+    ({"sps": {"1": "fast"}}, "sps holds '1': 'fast', not a count and a number"),
+    ({"sps": [1, 2]}, "sps must be a non-empty table"),
+    ({"sps": {"one": 2.0}}, "sps holds 'one'"),
+    ({"sps": {"1": 2.0}, "grid": {"1": {}}}, r"grid\[1\] must be a non-empty table"),
+    ({"sps": {"1": 2.0}, "grid": [1]}, "grid must be a table of row counts"),
+    ({"sps": {"1": 2.0}, "draft_seconds": {"1": 0}}, "draft_seconds holds '1': 0; counts are >= 1, measurements"),
+])
+def test_a_profile_file_with_bad_tables_is_refused_naming_the_file(tmp_path, profile, error):
+    import json
+
+    from dspark_hf.scheduling.profile import read_profile
+
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(profile))
+    with pytest.raises(ValueError, match=f"{path}: {error}.*make it again with `dspark profile`"):
+        read_profile(path)

@@ -187,7 +187,9 @@ def test_greedy_ssd_is_token_identical_with_eos_inside_blocks_and_different_stop
     if config.cache_size == EVERY_OUTCOME:
         for rows in out.rounds:
             for before, now in zip(rows, rows[1:]):
-                assert now.cache_hit or before.accepted == before.verified == draft.config.block_size, \
+                last_without_a_draft = not now.drafted and now is rows[-1]  # one token left: nothing to verify
+                assert now.cache_hit or last_without_a_draft or \
+                    before.accepted == before.verified == draft.config.block_size, \
                     "with a block for every outcome, only a round whose whole block was accepted can miss"
         assert stats["hits"] > 0
     else:
@@ -314,7 +316,7 @@ def test_rounds_record_whether_their_block_came_from_the_cache():
     ids, mask = left_padded_prompts(1)
     out = ssd_generate(target, tiny_draft(target), ids, mask, max_new_tokens=12,
                        ssd=SSDConfig(cache_size=EVERY_OUTCOME, fan_out="uniform"))
-    hits = [r.cache_hit for r in out.rounds[0]]
+    hits = [r.cache_hit for r in out.rounds[0] if r.drafted]  # a last round with one token left drafts nothing
     assert hits[0] is False and all(hits[1:]), "the first block is drafted in time, every later one was ready"
     assert out.timings["speculate"] > 0 and out.timings["wait"] >= 0
     without = target.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=4,

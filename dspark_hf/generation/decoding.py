@@ -20,7 +20,7 @@ from transformers.generation.stopping_criteria import MaxLengthCriteria
 from ..devices import clock
 from ..model.modeling_dspark import DSparkDraftModel
 from ..scheduling.auto import AutoScheduled
-from ..scheduling.policies import FullBlock, as_policy
+from ..scheduling.policies import FullBlock, as_policy, checked_lengths
 from . import verify
 from .drafting import VOCAB_FREE_PROCESSORS, drafter, empty_block
 from .ssd import SSDConfig, SSDMixin
@@ -399,8 +399,8 @@ class _Decoder:
         rows = self.rows
         # a policy may switch drafting off for a round when, under the current load, plain decoding is faster;
         # it decides before this round's block exists, so the choice cannot depend on it (lossless)
-        if not self.policy.draft_this_round(rows.numel()):  # an empty block: the round adds the target's own token
-            return empty_block(self.draft, anchor), torch.zeros_like(rows)
+        if not (self._can_verify() and self.policy.draft_this_round(rows.numel())):
+            return empty_block(self.draft, anchor), torch.zeros_like(rows)  # the round adds the target's own token
         start = self._clock()
         self._encode_pending()
         block = self.draft_block(anchor, anchor_pos, self.context, self.do_sample,
@@ -408,12 +408,18 @@ class _Decoder:
         self.timings["draft"] += self._clock() - start
         return block, self._verify_lengths(block)
 
+    def _can_verify(self) -> bool:
+        """Whether a row may verify a drafted token this round: one with a single token left commits its bonus token
+        only, so a last round drafts nothing (and the policy does not count it)."""
+        return bool((self.max_new - self.n_gen[self.rows] > 1).any())
+
     def _verify_lengths(self, block):
         """The policy's choice of how much of `block` each row verifies, never past the length limit."""
         rows = self.rows
         remaining = self.max_new - self.n_gen[rows]
-        chosen = self.policy(block.confidences, self.draft.config.block_size, rows.numel()).to(rows.device)
-        return torch.minimum(chosen, remaining - 1)
+        gamma = self.draft.config.block_size
+        chosen = checked_lengths(self.policy(block.confidences, gamma, rows.numel()), gamma, rows.numel(), self.policy)
+        return torch.minimum(chosen.to(rows.device), remaining - 1)
 
     def _verify_forward(self, inputs, mask, positions, block, verify_len):
         """The target's forward over [anchor, verified drafts] (a subclass may work during it)."""

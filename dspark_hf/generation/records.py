@@ -13,7 +13,8 @@ class DSparkRound:
 
     Attributes:
         drafted: the block the draft proposed (block_size tokens, always the full trained block), or [] when the
-            verification policy switched drafting off for the round (plain decoding was faster under the load).
+            verification policy switched drafting off for the round (plain decoding was faster under the load), or
+            when no row had more than one token left (nothing could be verified).
         draft_probs: q_k(x_k), the draft probability of each drafted token (after logits processors).
         confidences: calibrated c_k per drafted position, or None for a draft without a confidence head.
         verified: how many drafted tokens were sent to the target (the scheduler may trim the block).

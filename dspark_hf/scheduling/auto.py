@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from .policies import Policy
+from .policies import Policy, real, whole
 from .profile import EngineCosts, cached_costs
 from .scheduler import prefix_schedule
 
@@ -49,8 +49,8 @@ class AutoScheduled(Policy):
       below 1 doubles the pause (up to `max_pause`): one unlucky round does not stop drafting, one lucky probe does
       not restart it. No pause is shorter than what keeps the probes' extra cost (a draft pass and as many verified
       tokens as the last drafted round verified, from the costs) within `probe_budget` of the time spent decoding
-      plainly: with a weak draft the probes cost about that much at most, and a short request (tens of tokens)
-      pays for its first probe only.
+      plainly, `max_pause` notwithstanding: with a weak draft the probes cost about that much at most, and a short
+      request (tens of tokens) pays for its first probe only.
     - Rows verify at least a common length, the one that maximises tokens per second by the acceptance rates
       of past rounds (Algorithm 1's early stop cannot find it on a padded batch); probes (the first drafted round,
       and the first after a pause) verify at least one token, so that a draft better than its confidence head says
@@ -67,8 +67,11 @@ class AutoScheduled(Policy):
 
     def __init__(self, profile: str | Path | None = None, smoothing: float = 0.3, probe_every: int = 4,
                  max_pause: int = 64, probe_budget: float = 0.02, progress: bool = True):
-        self.profile, self.smoothing, self.probe_every, self.max_pause = profile, smoothing, probe_every, max_pause
-        self.probe_budget = probe_budget
+        self.profile = profile
+        self.smoothing = real("AutoScheduled", "smoothing", smoothing, 0.0, 1.0, low_open=True)
+        self.probe_every = whole("AutoScheduled", "probe_every", probe_every, 1)
+        self.max_pause = whole("AutoScheduled", "max_pause", max_pause, 1)
+        self.probe_budget = real("AutoScheduled", "probe_budget", probe_budget, 0.0, math.inf, low_open=True)
         self.progress = progress
         self.costs: EngineCosts | None = None
         self.learned: Learned | None = None
@@ -173,7 +176,7 @@ class AutoScheduled(Policy):
             learned.pause = self.probe_every
         else:
             floor = math.ceil(self._probe_overhead(R, longest) / self.probe_budget)
-            learned.skip = min(max(learned.pause, floor), self.max_pause)
+            learned.skip = max(min(learned.pause, self.max_pause), floor)  # the budget outranks max_pause
             learned.pause = min(2 * learned.skip, self.max_pause)  # the next pause, should the estimate stay below 1
             learned.probing = True  # the next drafted round ends a pause
 

@@ -10,9 +10,14 @@ interpolates between measured points without smoothing them away.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import math
 import os
+import tempfile
+import threading
+import warnings
 import statistics
 from collections import defaultdict
 from dataclasses import dataclass
@@ -20,6 +25,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 import torch
+import transformers
 from transformers import DynamicCache
 
 from ..devices import clock
@@ -132,22 +138,54 @@ def _interpolate(table: dict[int, float], beyond: Callable[[int, float, int], fl
     return f
 
 
+def measured_table(value, what: str) -> dict[int, float]:
+    """JSON's {"count": number} as {count: number}, counts >= 1 and numbers positive and finite, or a ValueError
+    saying what in `what` is wrong."""
+    if not isinstance(value, dict) or not value:
+        raise ValueError(f"{what} must be a non-empty table of counts to measured numbers, got {value!r:.60}")
+    table = {}
+    for k, v in value.items():
+        try:
+            n, x = int(k), float(v)
+        except (TypeError, ValueError):
+            raise ValueError(f"{what} holds {k!r}: {v!r:.60}, not a count and a number") from None
+        if n < 1 or not math.isfinite(x) or x <= 0:
+            raise ValueError(f"{what} holds {k!r}: {v!r}; counts are >= 1, measurements positive and finite")
+        table[n] = x
+    return table
+
+
 def read_profile(path: str | Path) -> dict:
-    """The JSON `dspark profile` wrote, or a ValueError naming the file."""
+    """The JSON `dspark profile` wrote, its tables checked, or a ValueError naming the file."""
     try:
         profile = json.loads(Path(path).read_text())
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
         raise ValueError(f"{path} is not a `dspark profile` JSON file ({error}).") from error
     if not isinstance(profile, dict) or not profile.get("sps"):
         raise ValueError(f"{path} holds no SPS measurements: make it with `dspark profile`.")
+    try:
+        measured_table(profile["sps"], "sps")
+        if profile.get("grid"):
+            measured_grid(profile["grid"], "grid")
+        if profile.get("draft_seconds"):
+            measured_table(profile["draft_seconds"], "draft_seconds")
+    except ValueError as error:
+        raise ValueError(f"{path}: {error}; make it again with `dspark profile`.") from None
     return profile
+
+
+def measured_grid(value, what: str) -> dict[int, dict[int, float]]:
+    """JSON's {"rows": {"tokens": number}} as {rows: {tokens: number}}, checked as by [`measured_table`]."""
+    if not isinstance(value, dict):
+        raise ValueError(f"{what} must be a table of row counts to tables, got {type(value).__name__}")
+    rows = measured_table({R: 1 for R in value}, what) if value else {}
+    return {R: measured_table(row, f"{what}[{R}]") for R, row in zip(rows, value.values())}
 
 
 def load_profile(path: str | Path) -> Callable[[int], float]:
     """A callable B -> SPS(B): measured values, linear between them; beyond the largest measured B, throughput
     in tokens is held constant (SPS falls as 1/B), a conservative extrapolation."""
-    table = {int(k): float(v) for k, v in read_profile(path)["sps"].items()}
-    return _interpolate(table, lambda b, v, x: v * b / x)
+    return _interpolate(measured_table(read_profile(path)["sps"], "sps"), lambda b, v, x: v * b / x)
 
 
 def load_draft_cost(path: str | Path) -> Callable[[int], float] | None:
@@ -156,13 +194,13 @@ def load_draft_cost(path: str | Path) -> Callable[[int], float] | None:
     measured = read_profile(path).get("draft_seconds")
     if not measured:
         return None
-    return _interpolate({int(k): float(v) for k, v in measured.items()}, lambda r, v, x: v * x / r)
+    return _interpolate(measured_table(measured, "draft_seconds"), lambda r, v, x: v * x / r)
 
 
 # -- the cost model the default policy plans against, measured once per machine and cached on disk ----------------
-# cached tokens under the measured forwards, as in `dspark profile` and a chat prompt: attention over the context
-# makes a longer verification cost relatively more (SmolLM2-135M at batch 8 on 2 CPU cores: 6 tokens per row cost
-# 1.95x one at 16 tokens of context, 2.14x at 256), and a plan that underrates it drafts where it loses
+# cached tokens under the measured forwards, as in `dspark profile` and a chat prompt: a verification's cost grows
+# with the context it attends to, and a plan that underrates it drafts where it loses (SmolLM2-135M at batch 8 on
+# 2 CPU cores, 256 cached tokens: 6 tokens per row cost 1.98x one, experiments/default-policy/results/cost_cache.json)
 AUTO_CONTEXT = 256
 AUTO_REPEATS = 3  # the fastest of three: a cost measured once is kept, so a load spike must not make it
 # part of the cache key: costs measured otherwise are re-measured
@@ -196,8 +234,9 @@ class EngineCosts:
         if not profile.get("grid") or not profile.get("draft_seconds"):
             raise ValueError(f"{path}: the default policy needs the verification grid and the draft's cost; make the "
                              "profile with `dspark profile` without --no-draft.")
-        return cls({int(R): {int(n): 1.0 / float(v) for n, v in row.items()} for R, row in profile["grid"].items()},
-                   {int(R): float(v) for R, v in profile["draft_seconds"].items()})
+        grid = measured_grid(profile["grid"], "grid")
+        return cls({R: {n: 1.0 / sps for n, sps in row.items()} for R, row in grid.items()},
+                   measured_table(profile["draft_seconds"], "draft_seconds"))
 
 
 def profile_cache_dir() -> Path:
@@ -212,9 +251,13 @@ def _machine_key(target) -> dict:
     from ..evaluation.machine import cpu_model
 
     device = target.device
-    return {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu: {cpu_model()}",
-            "threads": torch.get_num_threads(), "dtype": str(target.dtype), "torch": torch.__version__,
-            "dspark_hf": __version__, "method": AUTO_METHOD}
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+    else:  # mps, xpu, ...: never the CPU's costs under the CPU's name
+        name = f"cpu: {cpu_model()}" if device.type == "cpu" else device.type
+    return {"device": name, "threads": torch.get_num_threads(), "dtype": str(target.dtype),
+            "attention": target.config._attn_implementation, "torch": torch.__version__,
+            "transformers": transformers.__version__, "dspark_hf": __version__, "method": AUTO_METHOD}
 
 
 def _target_key(target) -> dict:
@@ -238,9 +281,10 @@ def cached_costs(target, draft, rows: Sequence[int], progress: bool = True) -> E
     key = _target_key(target)
     path = profile_cache_dir() / (hashlib.sha1(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:20]
                                   + ".json")
-    stored = json.loads(path.read_text()) if path.exists() else {"key": key, "verify": {}, "drafts": {}}
-    verify = {int(R): {int(n): v for n, v in row.items()} for R, row in stored["verify"].items()}
-    drafts = {int(R): v for R, v in stored["drafts"].get(_draft_key(draft), {}).items()}
+    stored = _read_cache(path, key)
+    verify = measured_grid(stored["verify"], "verify")
+    drafts = measured_table(stored["drafts"][_draft_key(draft)], "drafts") if _draft_key(draft) in stored["drafts"] \
+        else {}
     tokens = draft.config.block_size + 1
     needs_verify = sorted({R for R in rows if R not in verify or max(verify[R]) < tokens})
     needs_draft = sorted({R for R in rows if R not in drafts} - set(needs_verify))
@@ -266,12 +310,74 @@ def _monotone(seconds: dict[int, float]) -> dict[int, float]:
     return out
 
 
+_CACHE_LOCK = threading.Lock()  # threads of one process merge into the cache one at a time
+_UNSAVED: dict[Path, dict] = {}  # cache files this process could not write, and what it would have written
+
+
+def _read_cache(path: Path, key: dict, warn: bool = True) -> dict:
+    """The cost cache at `path` as stored (or as this process could not store it), or a fresh one; a file that
+    cannot be read is named in a warning, and what it lacks is measured again and written over it."""
+    if path in _UNSAVED:
+        return _UNSAVED[path]
+    fresh = {"key": key, "verify": {}, "drafts": {}}
+    if not path.exists():
+        return fresh
+    try:
+        stored = json.loads(path.read_text())
+        measured_grid(stored["verify"], "verify")
+        if not isinstance(stored["drafts"], dict):
+            raise ValueError(f"drafts must be a table, got {type(stored['drafts']).__name__}")
+        for draft, row in stored["drafts"].items():
+            measured_table(row, f"drafts[{draft}]")
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError) as error:
+        if warn:
+            warnings.warn(f"{path}: the default policy's cost cache cannot be read ({type(error).__name__}: "
+                          f"{error}); measuring again and writing it anew.", stacklevel=3)
+        return fresh
+    return stored
+
+
 def _merge_into(path: Path, key: dict, verify: dict, draft_key: str, drafts: dict) -> None:
-    """Add what was measured to the cache file (re-read first: another process may have added to it), atomically."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    current = json.loads(path.read_text()) if path.exists() else {"key": key, "verify": {}, "drafts": {}}
-    current["verify"].update({str(R): {str(n): v for n, v in row.items()} for R, row in verify.items()})
-    current["drafts"].setdefault(draft_key, {}).update({str(R): v for R, v in drafts.items()})
-    partial = path.with_suffix(f".{os.getpid()}.partial")
-    partial.write_text(json.dumps(current, indent=1, default=str))
-    os.replace(partial, path)
+    """Add what was measured to the cache file: re-read first (another thread or process may have added to it) and
+    replaced atomically, under a lock. Where the file cannot be written (a read-only home), say so once and keep
+    the costs for the rest of this process."""
+    with _CACHE_LOCK, _file_lock(path):
+        current = _read_cache(path, key, warn=False)
+        current["verify"].update({str(R): {str(n): v for n, v in row.items()} for R, row in verify.items()})
+        current["drafts"].setdefault(draft_key, {}).update({str(R): v for R, v in drafts.items()})
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            handle, partial = tempfile.mkstemp(dir=path.parent, prefix=path.stem + ".", suffix=".partial")
+            try:
+                with os.fdopen(handle, "w") as f:
+                    json.dump(current, f, indent=1, default=str)
+                os.replace(partial, path)
+            except BaseException:
+                Path(partial).unlink(missing_ok=True)
+                raise
+        except OSError as error:
+            if path not in _UNSAVED:
+                warnings.warn(f"cannot save the default policy's measured costs to {path} ({error}); they are kept "
+                              "for this process only. Set DSPARK_HF_PROFILE_CACHE to a writable folder to keep them.",
+                              stacklevel=3)
+            _UNSAVED[path] = current
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path):
+    """An exclusive lock on a file beside `path` while held, so processes measuring at once lose none of each
+    other's costs (where the system has flock and the folder is writable; else the atomic replace alone)."""
+    handle = None
+    try:
+        import fcntl
+
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle = open(path.with_suffix(".lock"), "a")
+        fcntl.flock(handle, fcntl.LOCK_EX)
+    except (ImportError, OSError):
+        pass
+    try:
+        yield
+    finally:
+        if handle is not None:
+            handle.close()  # closing releases the lock

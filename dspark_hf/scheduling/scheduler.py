@@ -29,7 +29,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from .policies import Policy
+from .policies import Policy, real, whole
 
 SPS = Sequence[float] | Callable[[int], float]
 
@@ -105,9 +105,7 @@ class ThresholdPolicy(Policy):
     """The reference baseline: verify up to the first position whose confidence is below `threshold`."""
 
     def __init__(self, threshold: float):
-        if not 0.0 <= threshold <= 1.0:  # NaN included: a confidence is a probability
-            raise ValueError(f"the confidence threshold must be in [0, 1], got {threshold}.")
-        self.threshold = threshold
+        self.threshold = real("ThresholdPolicy", "threshold", threshold, 0.0, 1.0)  # a confidence is a probability
 
     def __call__(self, confidences, gamma: int, num_rows: int) -> torch.Tensor:
         c = _require(confidences, "ThresholdPolicy")
@@ -132,8 +130,9 @@ class Scheduled(Policy):
 
     def __init__(self, sps: SPS, draft_seconds: Callable[[int], float] | None = None, probe_every: int = 8,
                  max_pause: int = 64, padded: bool = True):
-        self.sps, self.draft_seconds, self.probe_every, self.max_pause = sps, draft_seconds, probe_every, max_pause
-        self.padded = padded
+        self.sps, self.draft_seconds, self.padded = sps, draft_seconds, padded
+        self.probe_every = whole("Scheduled", "probe_every", probe_every, 1)
+        self.max_pause = whole("Scheduled", "max_pause", max_pause, 1)
         self._skip, self._pause = 0, probe_every
 
     @classmethod
@@ -176,7 +175,7 @@ class AsyncScheduled(Policy):
     admission over the current survival probabilities. Until `lag` rounds have passed, Algorithm 1 decides."""
 
     def __init__(self, sps: SPS, lag: int = 2):
-        self.sps, self.lag = sps, lag
+        self.sps, self.lag = sps, whole("AsyncScheduled", "lag", lag, 1)  # capacities come from past rounds
         self.capacities: deque[int] = deque(maxlen=lag)
 
     def __call__(self, confidences, gamma: int, num_rows: int) -> torch.Tensor:
