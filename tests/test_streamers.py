@@ -103,3 +103,53 @@ def test_a_stream_that_never_ends_times_out():
 def test_batches_are_refused():
     with pytest.raises(ValueError, match="batch size 1"):
         DSparkRoundStreamer().put(torch.ones(2, 5, dtype=torch.long))
+
+
+def test_a_round_streamer_serves_one_generate_call_after_another():
+    target = tiny_target("llama")
+    ids, mask = left_padded_prompts(1)
+    draft = oracle_draft(target, ids, mask, corruption=0.0)  # corrupts afresh each call: none, to compare calls
+    streamer = DSparkRoundStreamer(timeout=60)
+    calls = []
+    for _ in range(2):
+        join = generate_in_thread(target, ids, mask, streamer, max_new_tokens=12, assistant_model=draft,
+                                  verification_policy=FullBlock())
+        calls.append([step.tokens for step in streamer])
+        join()
+    assert calls[0] == calls[1] and streamer.prompt == ids[0].tolist()
+
+
+def test_a_streamed_round_counts_the_tokens_streamed_when_a_criterion_ends_the_output_inside_it():
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    class AtLength(StoppingCriteria):
+        def __init__(self, length):
+            self.length = length
+
+        def __call__(self, input_ids, scores, **kwargs):
+            return torch.full((input_ids.shape[0],), input_ids.shape[1] >= self.length, dtype=torch.bool)
+
+    target = tiny_target("llama")
+    ids, mask = left_padded_prompts(1)
+    draft = oracle_draft(target, ids, mask, corruption=0.0)
+    streamer = DSparkRoundStreamer(timeout=60)
+    for stop in range(3, 8):  # ends inside a block of 4 for some of them, with or without an EOS id
+        join = generate_in_thread(target, ids, mask, streamer, max_new_tokens=20, assistant_model=draft,
+                                  verification_policy=FullBlock(), eos_token_id=None,
+                                  stopping_criteria=StoppingCriteriaList([AtLength(ids.shape[1] + stop)]))
+        steps = [(len(step.tokens), step.round and step.round.committed) for step in streamer]
+        join()
+        assert all(committed in (None, n) for n, committed in steps), steps
+        assert sum(n for n, _ in steps) == stop
+
+
+def test_the_custom_generate_route_streams_to_the_usual_streamer_argument():
+    import dspark_hf
+
+    target = tiny_target("llama")
+    ids, mask = left_padded_prompts(1)
+    streamer = DSparkRoundStreamer(timeout=60)
+    join = generate_in_thread(target, ids, mask, streamer, max_new_tokens=6, custom_generate=dspark_hf.dspark_generate,
+                              draft_model=tiny_draft(target))
+    tokens = [t for step in streamer for t in step.tokens]
+    assert tokens == join().sequences[0, ids.shape[1]:].tolist() and len(tokens) == 6

@@ -375,7 +375,10 @@ class _Decoder:
         self._outcome(n, nxt)
         self._record(block, verify_len, n, nxt, counts)
         if isinstance(self.streamer, RoundStreamer):  # batch size 1: the record comes before the tokens
-            self.streamer.put_round(self.rounds[0][-1])
+            record = self.rounds[0][-1]
+            if int(stop_at[0]):  # the output ends where the criterion fired (with or without an EOS id)
+                record.committed = min(record.committed, int(stop_at[0]))
+            self.streamer.put_round(record)
         done = self._finish(rows, chunk, counts, stop_at)
 
         # keep the target's and the draft's state of [anchor, accepted drafts]; the next token is the new anchor

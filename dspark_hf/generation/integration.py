@@ -28,6 +28,8 @@ _signature = inspect.signature(_original_generate)
 def _generate(self, *args, **kwargs):
     bound = _signature.bind_partial(self, *args, **kwargs).arguments
     draft = unwrap_draft(bound.get("assistant_model"))  # a DSpark draft, possibly with peft adapters
+    if bound.get("custom_generate") is dspark_generate and bound.get("streamer") is not None:
+        return _streamer_by_name(self, bound)
     if not isinstance(draft, DSparkDraftModel):
         _refuse_a_draft_of_another_class(draft)
         _refuse_dspark_options_without_a_draft(bound)
@@ -43,6 +45,18 @@ def _generate(self, *args, **kwargs):
     _stop_strings_as_criteria(self, bound, extra)
     return _original_generate(self, **bound, **extra, custom_generate=dspark_generate, draft_model=draft,
                               token_streamer=streamer, verification_policy=policy, ssd=ssd)
+
+
+def _streamer_by_name(model, bound: dict):
+    """generate() hands a custom_generate callable none of its own parameters, `streamer` included (which would
+    get the prompt and nothing after it): on the documented custom_generate=dspark_generate route it goes by the
+    name dspark_generate reads."""
+    extra = bound.pop("kwargs", {})
+    bound.pop("self")
+    if extra.get("token_streamer") is not None:
+        raise ValueError("Pass the streamer once: streamer= or token_streamer=, not both.")
+    extra["token_streamer"] = bound.pop("streamer")
+    return _original_generate(model, **bound, **extra)
 
 
 def _refuse_a_draft_of_another_class(model) -> None:

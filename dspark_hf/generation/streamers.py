@@ -71,6 +71,7 @@ class DSparkRoundStreamer(BaseStreamer):
         self.prompt: list[int] | None = None
         self._steps: Queue = Queue()
         self._round: DSparkRound | None = None
+        self._next_is_prompt = True  # again after each end(): a streamer may serve one generate() call after another
 
     def put_round(self, round: DSparkRound) -> None:
         """The record of the round whose tokens the next `put` carries (called by DSpark decoding)."""
@@ -81,13 +82,14 @@ class DSparkRoundStreamer(BaseStreamer):
         if value.dim() > 1 and value.shape[0] > 1:
             raise ValueError(f"DSparkRoundStreamer supports batch size 1, got ids of shape {tuple(value.shape)}.")
         ids = value.reshape(-1).tolist()
-        if self.prompt is None:
-            self.prompt = ids
+        if self._next_is_prompt:
+            self.prompt, self._next_is_prompt = ids, False
             return
         self._steps.put(DSparkStep(ids, self._round))
         self._round = None
 
     def end(self) -> None:
+        self._next_is_prompt, self._round = True, None
         self._steps.put(_END)
 
     def __iter__(self):
