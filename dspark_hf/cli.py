@@ -272,6 +272,9 @@ def cmd_convert(args) -> int:
     """A public DSpark / DFlash checkpoint folder -> a dspark-hf draft (see dspark_hf.model.convert)."""
     from .model.convert import convert_checkpoint
 
+    if Path(args.dst).resolve() == Path(args.src).resolve():
+        raise ValueError(f"dst {args.dst} is the checkpoint being converted: give another folder.")
+    _output_folder(args.dst, "dst", "conversion")
     target = _load(args, draft=False)[0] if args.target else None
     draft = convert_checkpoint(args.src, args.dst, args.source, target=target)
     c = draft.config
@@ -292,21 +295,26 @@ def cmd_push(args) -> int:
     return 0
 
 
-def _export_folder(path: str) -> None:
-    """Refuse an --output that holds something other than an earlier export: exporting replaces its files."""
+def _output_folder(path: str, flag: str = "--output", what: str = "export") -> None:
+    """Refuse an output folder that holds something other than an earlier `what` of ours (a dspark-hf draft, or a
+    DeepSpec-layout export marked as ours): writing replaces its files. A public DSpark checkpoint is not ours."""
     from .cards import GENERATED_MARK
 
     folder = Path(path)
     if folder.is_file():
-        raise ValueError(f"--output {path} is a file: give a folder.")
+        raise ValueError(f"{flag} {path} is a file: give a folder.")
     if not folder.is_dir() or not any(folder.iterdir()):
         return
     config, card = folder / "config.json", folder / "README.md"
-    saved = json.loads(config.read_text()) if config.is_file() else {}
-    ours = saved.get("model_type") == "dspark" or any("DSpark" in a for a in saved.get("architectures") or ())
+    try:
+        saved = json.loads(config.read_text()) if config.is_file() else {}
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        saved = None  # not a config we wrote
+    ours = isinstance(saved, dict) and (saved.get("model_type") == "dspark" or "dspark_hf_export" in saved)
     if not ours or (card.is_file() and GENERATED_MARK not in card.read_text()):
-        raise ValueError(f"--output {path} already holds files that are not an earlier export (another model, or a "
-                         "README.md you wrote), which exporting would replace: give a new or empty folder.")
+        raise ValueError(f"{flag} {path} already holds files that are not an earlier {what} (another model or "
+                         f"checkpoint, or a README.md you wrote), which writing would replace: give a new or empty "
+                         "folder.")
 
 
 def cmd_export(args) -> int:
@@ -315,7 +323,7 @@ def cmd_export(args) -> int:
     from .hub import folder_calibration, read_json
     from .model import DSparkDraftModel
 
-    _export_folder(args.output)
+    _output_folder(args.output)
     if args.format == "deepspec":
         from .model.convert import export_deepspec
 

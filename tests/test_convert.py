@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import save_file
 
 from conftest import left_padded_prompts, tiny_draft, tiny_target
-from dspark_hf import DSparkDraftModel
+from dspark_hf import DSparkDraftModel, FullBlock
 from dspark_hf.model.convert import convert_checkpoint
 from dspark_hf.generation.drafting import sample_block
 
@@ -132,11 +132,14 @@ def assert_drafts_like(converted, original, target):
 
 
 def assert_generates_losslessly(converted, original, target):
-    """generate() with the converted draft equals plain generate(), round by round as with the original draft."""
+    """generate() with the converted draft equals plain generate(), round by round as with the original draft (with
+    the full block: the default policy's rounds follow costs measured per draft shape, which differ by noise)."""
     ids, mask = left_padded_prompts(3)
     kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False)
     plain = target.generate(**kwargs)
-    runs = [target.generate(**kwargs, assistant_model=d, return_dict_in_generate=True) for d in (original, converted)]
+    assert torch.equal(target.generate(**kwargs, assistant_model=converted), plain)
+    runs = [target.generate(**kwargs, assistant_model=d, verification_policy=FullBlock(), return_dict_in_generate=True)
+            for d in (original, converted)]
     assert torch.equal(runs[1].sequences, plain)
     assert [[r.drafted for r in row] for row in runs[1].rounds] == [[r.drafted for r in row] for row in runs[0].rounds]
 
@@ -329,3 +332,63 @@ def test_dspark_export_deepspec_from_the_cli_and_what_deepspec_cannot_express(tm
     error = cli_error(capsys, ["export", str(tmp_path / "llama-draft"), "--format", "deepspec", "--target",
                                str(tmp_path / "llama"), "--output", str(tmp_path / "no")])
     assert "cannot be written in DeepSpec's layout" in error and "qk_norm=False" in error
+
+
+def test_a_deepspec_export_carries_what_deepspec_s_constructor_requires_and_marks_itself_ours(tmp_path, target):
+    from dspark_hf.model.convert import export_deepspec
+
+    export_deepspec(tiny_draft(target), target, tmp_path / "deepspec")
+    config = json.loads((tmp_path / "deepspec" / "config.json").read_text())
+    assert config["num_anchors"] == 512 and "dspark_hf_export" in config
+
+
+def test_what_deepspec_cannot_express_includes_calibration_and_a_scaled_embedding(target):
+    from dspark_hf.model.convert import deepspec_blockers
+
+    calibrated = tiny_draft(target)
+    calibrated.config.confidence_temperatures = [1.5] * calibrated.config.block_size
+    assert any("confidence_temperatures" in why for why in deepspec_blockers(calibrated, target))
+    gemma = tiny_target("gemma3")  # embeddings scaled by sqrt(hidden size), where DeepSpec's are plain
+    gemma.config.final_logit_softcapping = None
+    (why,) = deepspec_blockers(tiny_draft(gemma, qk_norm=True), gemma)
+    assert "Gemma3TextScaledWordEmbedding" in why
+    assert deepspec_blockers(tiny_draft(target), target) == []
+
+
+def test_a_checkpoint_mixing_dtypes_converts_to_float32_holding_every_value(tmp_path, target):
+    original = tiny_draft(target)
+    tensors = {k: v.to(torch.bfloat16) if k.startswith("layers.") else v
+               for k, v in public_state_dict(original).items()}
+    src = write_checkpoint(tmp_path / "src", specforge_config(original), tensors)
+    converted = convert_checkpoint(src, tmp_path / "dst", "specforge", target=target)
+    assert {p.dtype for p in converted.parameters()} == {torch.float32}
+    layer = next(k for k in tensors if k.startswith("layers."))
+    assert torch.equal(converted.state_dict()[layer], tensors[layer].float())
+    ids = torch.tensor([[5, 9, 3]])
+    assert torch.equal(target.generate(input_ids=ids, max_new_tokens=6, do_sample=False, assistant_model=converted),
+                       target.generate(input_ids=ids, max_new_tokens=6, do_sample=False))
+
+
+def test_convert_and_export_write_only_into_new_folders_or_their_own_earlier_output(tmp_path, target, capsys):
+    from conftest import cli_error
+    from dspark_hf.cli import main
+
+    original = tiny_draft(target)
+    target.save_pretrained(tmp_path / "target")
+    original.save_pretrained(tmp_path / "draft")
+    src = write_checkpoint(tmp_path / "src", specforge_config(original), public_state_dict(original), shards=2)
+    convert = ["convert", "--from", "specforge", str(src)]
+    assert "is the checkpoint being converted" in cli_error(capsys, convert + [str(src)])
+    assert "not an earlier conversion" in cli_error(capsys, convert + [str(tmp_path / "target")])
+    assert main(convert + [str(tmp_path / "converted")]) == 0
+    assert main(convert + [str(tmp_path / "converted")]) == 0  # its own earlier output may be replaced
+
+    export = ["export", str(tmp_path / "draft"), "--format", "deepspec", "--target", str(tmp_path / "target"),
+              "--dtype", "float32", "--output"]
+    downloaded = write_checkpoint(tmp_path / "downloaded", deepspec_config(original, target),
+                                  public_state_dict(original, target), shards=2)  # a public DeepSpec checkpoint
+    assert "not an earlier export" in cli_error(capsys, export + [str(downloaded)])
+    assert main(export + [str(tmp_path / "deepspec")]) == 0
+    (tmp_path / "deepspec" / "model-00001-of-00002.safetensors").write_bytes(b"stale")  # as if sharded before
+    assert main(export + [str(tmp_path / "deepspec")]) == 0
+    assert sorted(p.name for p in (tmp_path / "deepspec").iterdir()) == ["config.json", "model.safetensors"]

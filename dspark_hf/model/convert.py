@@ -200,6 +200,16 @@ def load_safetensors(src: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def _one_dtype(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The tensors in one float dtype, as a model runs: float32 (float64 if present) where the checkpoint mixes
+    them, which holds each value exactly."""
+    dtypes = {v.dtype for v in tensors.values() if v.is_floating_point()}
+    if len(dtypes) <= 1:
+        return tensors
+    wide = torch.float64 if torch.float64 in dtypes else torch.float32
+    return {k: v.to(wide) if v.is_floating_point() else v for k, v in tensors.items()}
+
+
 def rename(key: str) -> str:
     """Source parameter name -> ours (unchanged where the names agree)."""
     key = key.removeprefix("logit_head.")  # early SpecForge DSpark checkpoints nest the heads there
@@ -246,10 +256,11 @@ def map_state_dict(tensors: dict[str, torch.Tensor], draft: DSparkDraftModel, so
 def convert_checkpoint(src: str | Path, dst: str | Path, source: str,
                        target: PreTrainedModel | None = None) -> DSparkDraftModel:
     """Convert the checkpoint folder `src` (config.json + safetensors) of layout `source` ("deepspec", "specforge"
-    or "dflash") into a DSparkDraftModel saved to `dst`. Weights keep their dtype and values exactly.
+    or "dflash") into a DSparkDraftModel saved to `dst`. Weights keep their values exactly, and their dtype.
 
     `target` (the model the draft was trained for) is needed when the source stores copies of its embedding / LM
-    head; when given, the draft records the target's identity and is returned bound to it.
+    head; when given, the draft records the target's identity and is returned bound to it. A checkpoint that mixes
+    float dtypes (a bf16 backbone beside float32 heads) becomes float32 throughout, which holds every value exactly.
     """
     if source not in SOURCES:
         raise ValueError(f"source must be one of {SOURCES}, got {source!r}.")
@@ -269,7 +280,7 @@ def convert_checkpoint(src: str | Path, dst: str | Path, source: str,
                       target_name_or_path=getattr(target.config, "_name_or_path", None) or None)
     # final_logit_softcapping stays None: these sources take draft logits straight from the LM head
     config = DSparkConfig(**fields)
-    tensors = drop_target_copies(load_safetensors(src), target)
+    tensors = _one_dtype(drop_target_copies(load_safetensors(src), target))
     with torch.device("meta"):  # no random init: every parameter is assigned from the checkpoint
         draft = DSparkDraftModel(config)
     draft.load_state_dict(map_state_dict(tensors, draft, source), strict=True, assign=True)
@@ -289,9 +300,11 @@ def public_name(key: str) -> str:
     return key
 
 
-def deepspec_blockers(draft: DSparkDraftModel) -> list[str]:
-    """What DeepSpec's Qwen3DSparkModel cannot express about this draft (empty when it can be exported)."""
+def deepspec_blockers(draft: DSparkDraftModel, target: PreTrainedModel | None = None) -> list[str]:
+    """What DeepSpec's Qwen3DSparkModel cannot express about this draft beside `target` (empty when it can be
+    exported)."""
     c = draft.config
+    embedding = type(target.get_input_embeddings()) if target is not None else torch.nn.Embedding
     return [why for why, blocks in (
         ("its layers do not norm queries and keys per head (qk_norm=False; DeepSpec's Qwen3 layers always do)",
          not c.qk_norm),
@@ -299,7 +312,16 @@ def deepspec_blockers(draft: DSparkDraftModel) -> list[str]:
          bool(c.draft_vocab_size)),
         ("it is a DFlash-style draft (anchor_predicts=False)", not c.anchor_predicts),
         ("its logits are soft-capped (final_logit_softcapping)", c.final_logit_softcapping is not None),
+        ("its confidences are calibrated per position (confidence_temperatures), which DeepSpec's confidence head "
+         "cannot hold: export the draft as it was before `dspark calibrate`", c.confidence_temperatures is not None),
+        (f"its target embeds tokens with a {embedding.__name__} (DeepSpec's Qwen3DSparkModel embeds with a plain "
+         "nn.Embedding)", embedding is not torch.nn.Embedding),
     ) if blocks]
+
+
+# DeepSpec's model requires num_anchors (blocks sampled per training sequence) though only its training reads it:
+# its default. dspark_hf_export marks the folder as ours, so a later export may replace it.
+EXPORTED_ANCHORS = 512
 
 
 def export_deepspec(draft: DSparkDraftModel, target: PreTrainedModel, dst: str | Path) -> Path:
@@ -307,7 +329,9 @@ def export_deepspec(draft: DSparkDraftModel, target: PreTrainedModel, dst: str |
     draft's fields, as DeepSpec's build_draft_config writes it) and weights under DeepSpec's names, with the copies
     of the target's embedding and LM head it stores. [`convert_checkpoint`] with ``source="deepspec"`` reads it back
     to the same weights."""
-    blockers = deepspec_blockers(draft)
+    from .. import __version__
+
+    blockers = deepspec_blockers(draft, target)
     if blockers:
         raise ValueError("This draft cannot be written in DeepSpec's layout: " + "; ".join(blockers) + ". Train a "
                          "draft for a Qwen3 target with the full vocabulary (dspark train --draft-vocab-size 0).")
@@ -325,13 +349,16 @@ def export_deepspec(draft: DSparkDraftModel, target: PreTrainedModel, dst: str |
                use_sliding_window=False, tie_word_embeddings=False, block_size=c.block_size,
                mask_token_id=c.mask_token_id, target_layer_ids=list(c.target_layer_ids),
                markov_rank=c.markov_rank if c.head_type != "none" else 0,
-               enable_confidence_head=c.confidence_head, confidence_head_with_markov=c.head_type != "none")
+               enable_confidence_head=c.confidence_head, confidence_head_with_markov=c.head_type != "none",
+               num_anchors=EXPORTED_ANCHORS, dspark_hf_export=__version__)
     if c.head_type != "none":
         raw["markov_head_type"] = {"markov": "vanilla", "rnn": "rnn"}[c.head_type]
     tensors = {public_name(k): v for k, v in draft.state_dict().items()}
     for key, of_target in _TARGET_COPIES.items():
         tensors[key] = of_target(target).to(draft.dtype)  # one dtype per checkpoint, as DeepSpec saves
     dst.mkdir(parents=True, exist_ok=True)
+    for stale in [*dst.glob("*.safetensors"), *dst.glob("*.safetensors.index.json")]:  # an earlier export's shards
+        stale.unlink()
     (dst / "config.json").write_text(json.dumps(raw, indent=2, default=str))
     save_file({k: v.detach().cpu().contiguous().clone() for k, v in tensors.items()}, dst / "model.safetensors")
     return dst
