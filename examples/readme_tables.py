@@ -1,4 +1,6 @@
-"""Print the README's result tables from the JSON files the commands wrote (no figure is typed by hand).
+"""Print the result tables of README and docs/results.md from the JSON files the commands wrote (evaluations,
+speed, oracle, serve and SSD benchmarks, calibration, held-out acceptance), so that no table is typed by hand.
+Figures quoted from other files (profiles, loop costs) name their file where they are quoted.
 
     python examples/readme_tables.py runs/eval_dspark.json runs/eval_dflash.json experiments/*/results/*.json
 """
@@ -8,14 +10,20 @@ import sys
 
 from dspark_hf.evaluation.evaluate import summary_table
 from dspark_hf.evaluation.bench_oracle import format_oracle_table
+from dspark_hf.evaluation.bench_ssd import format_ssd_tables
 from dspark_hf.evaluation.evaluate import format_speed_table
 from dspark_hf.evaluation.machine import describe
+from dspark_hf.evaluation.serve import format_serve_table
 
 for path in sys.argv[1:]:
     data = json.load(open(path))
     print(f"\n### {path}\n")
     if data.get("benchmark") == "oracle":
         print(f"{describe(data['machine'])}\n\n{format_oracle_table(data)}")
+    elif data.get("benchmark") == "ssd":
+        print(f"{describe(data['machine'])}\n\n{format_ssd_tables(data)}")
+    elif "results" in data and "settings" in data:  # bench serve
+        print(f"{describe(data['machine'])}\n\n{format_serve_table(data)}")
     elif "methods" in data:
         s = data["settings"]
         print(f"{describe(data['machine'])}; {s['prompts']} prompts, batch {s['batch_size']}, "

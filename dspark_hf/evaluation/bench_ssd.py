@@ -100,7 +100,7 @@ def bench_ssd(target, tokenizer, draft, prompts: list[dict], cache_sizes=(2, 4, 
     rounds = max(measured["drafted_rounds"], 1)
     t_verify = measured["target"] / rounds
     t_fallback = measured["draft"] / max(measured["missed_rounds"], 1)
-    plain_rate = speed[batch_sizes[0]]["methods"]["plain"]["tokens_per_s"] if 1 in speed else None
+    plain_rate = speed[1]["methods"]["plain"]["tokens_per_s"] if 1 in speed else None  # the equation is at batch 1
     rates = _rates(measured)
     equation = None
     if plain_rate:

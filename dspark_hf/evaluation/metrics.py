@@ -1,6 +1,8 @@
 """What the paper measures, from per-round records ([`DSparkRound`]).
 
-- acceptance length tau: mean over rounds of accepted + 1 (the bonus or corrected token included);
+- acceptance length tau: mean over rounds of accepted + 1 (the bonus or corrected token included), as verified:
+  a round whose chunk an EOS or the length limit cuts still counts accepted + 1 (`committed` counts what reached
+  the output; over a whole evaluation the two differ by about 0.1%);
 - conditional acceptance at position k (paper Fig. 2): among rounds that verified position k and accepted
   positions 1..k-1, the share that also accepted position k;
 - prefix survival at position k: among rounds that verified position k, the share that accepted 1..k.

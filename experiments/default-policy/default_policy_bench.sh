@@ -23,6 +23,7 @@ dspark bench serve --batch-sizes 1 2 4 8 16 32 --max-new-tokens 32 --repeats 3 -
 python experiments/default-policy/profiling_overhead.py --batch-size 1 --max-new-tokens 96 --output "$OUT/profiling_overhead.json"
 
 # 5. what our decoding loop adds to the same target forwards, with drafting off in every round (the default policy's
-#    state in most rounds when the draft does not pay), against plain generate()
+#    state in most rounds when the draft does not pay), against plain generate(). results/loop_cost.json was not
+#    written here: this command was run by hand with --output /tmp/loop_cost_after.json and the file copied
 python experiments/default-policy/loop_cost.py --batch-sizes 1 16 --max-new-tokens 96 32 --repeats 4 \
   --output "$OUT/loop_cost.json"

@@ -20,5 +20,7 @@ dspark train --dataset $RUNS/data.jsonl --init-from dspark_hf/assets/dspark-smol
   --output-dir $RUNS/draft --heldout-fraction 0 --epochs 60 --batch-size 4 --anchors 48 --lr 1e-3
 dspark eval --suite humaneval --suite gsm --limit 4 --max-new-tokens 128 --batch-size 8 --draft $RUNS/draft \
   --draft-dtype float32 --output experiments/memorization/results/memorize_eval.json
+# --policy "full block": memorize_speed.json (2026-11-22) predates the default policy in bench speed (commit 255cc95)
 dspark bench speed --suite humaneval --suite gsm --limit 4 --max-new-tokens 128 --batch-size 1 --repeats 1 \
-  --draft-dtype float32 --draft $RUNS/draft --output experiments/memorization/results/memorize_speed.json
+  --policy "full block" --draft-dtype float32 --draft $RUNS/draft \
+  --output experiments/memorization/results/memorize_speed.json

@@ -21,5 +21,6 @@ for draft in dspark dflash; do
   dspark eval $EVAL --draft $RUNS/v2/$draft --output $RUNS/v2/eval_$draft.json
   python examples/strip_rounds.py $RUNS/v2/eval_$draft.json $OUT/eval_v2_$draft.json
 done
+# --policy "full block": bench_speed_b1_v2.json (2026-11-22) predates the default policy in bench speed (255cc95)
 dspark bench speed --suite humaneval --suite mtbench --suite gsm --limit 2 --max-new-tokens 128 --batch-size 1 \
-  --draft-dtype float32 --repeats 3 --draft $RUNS/v2/dspark --output $OUT/bench_speed_b1_v2.json
+  --policy "full block" --draft-dtype float32 --repeats 3 --draft $RUNS/v2/dspark --output $OUT/bench_speed_b1_v2.json

@@ -48,6 +48,7 @@ dspark train ${COMMON/--epochs 3/--epochs 2} --head-type markov --layers 3 --out
 cp $RUNS/v3/dspark-3layers/heldout.json $OUT/heldout_v3_3layers.json
 dspark eval $EVAL --draft $RUNS/v3/dspark-3layers --output $RUNS/v3/eval_dspark_3layers.json
 python examples/strip_rounds.py $RUNS/v3/eval_dspark_3layers.json $OUT/eval_v3_3layers.json
+# --policy "full block": bench_speed_b1_v3_3layers.json (2026-11-22) predates bench speed's default policy (255cc95)
 dspark bench speed --suite humaneval --suite mtbench --suite gsm --limit 2 --max-new-tokens 128 --batch-size 1 \
-  --draft-dtype float32 --repeats 3 --draft $RUNS/v3/dspark-3layers \
+  --policy "full block" --draft-dtype float32 --repeats 3 --draft $RUNS/v3/dspark-3layers \
   --output $OUT/bench_speed_b1_v3_3layers.json
