@@ -5,7 +5,8 @@ import warnings
 
 import pytest
 import torch
-from transformers import LogitsProcessor, MaxLengthCriteria, StoppingCriteria, StoppingCriteriaList
+from transformers import DynamicCache, LogitsProcessor, MaxLengthCriteria, StoppingCriteria, StoppingCriteriaList, \
+    SynthIDTextWatermarkingConfig
 from transformers.generation.streamers import BaseStreamer
 
 from conftest import PAD, left_padded_prompts, tiny_draft, tiny_target
@@ -319,6 +320,33 @@ def test_other_assistant_models_keep_stock_behaviour():
         target.generate(input_ids=ids3, attention_mask=mask3, max_new_tokens=4, assistant_model=assistant)
 
 
+def test_a_caller_s_max_length_criterion_at_or_below_the_prompt_still_gives_one_token_as_plain_generate():
+    target = tiny_target("llama")
+    ids, mask = left_padded_prompts(2)
+    for limit in (5, ids.shape[1], ids.shape[1] + 1):
+        criteria = dict(stopping_criteria=StoppingCriteriaList([MaxLengthCriteria(limit)]), max_new_tokens=8)
+        reference = plain(target, ids, mask, **criteria)
+        assert torch.equal(dspark(target, tiny_draft(target), ids, mask, **criteria).sequences, reference), limit
+
+
+def test_the_verification_forward_gets_one_mask_column_per_key():
+    """Models that build their own mask (ALiBi: Falcon, Bloom) need it exactly as long as past + new keys."""
+    target = tiny_target("llama")
+    ids, mask = left_padded_prompts(2)
+    seen = []
+
+    def check(module, args, kwargs):
+        cache = kwargs["past_key_values"]
+        seen.append(kwargs["attention_mask"].shape[1] == cache.get_seq_length() + kwargs["input_ids"].shape[1])
+
+    hook = target.model.register_forward_pre_hook(check, with_kwargs=True)
+    try:
+        dspark(target, tiny_draft(target), ids, mask, max_new_tokens=10)
+    finally:
+        hook.remove()
+    assert len(seen) > 2 and all(seen)
+
+
 def test_two_models_generate_at_the_same_time():
     jobs = {}
     for family in ("llama", "qwen3"):
@@ -348,6 +376,9 @@ def test_two_models_generate_at_the_same_time():
     (dict(token_healing=True), r"heal the prompt first, input_ids = target.heal_tokens"),
     (dict(inputs_embeds=torch.zeros(1, 4, 64)), "inputs_embeds is not supported.*pass input_ids instead"),
     (dict(position_ids=torch.arange(1, 10)[None]), "Custom position_ids are not supported"),
+    (dict(past_key_values=DynamicCache()), "past_key_values is not supported.*would not be filled for reuse"),
+    (dict(watermarking_config=SynthIDTextWatermarkingConfig(keys=[1, 2, 3], ngram_len=2)),
+     "SynthIDTextWatermarkLogitsProcessor keeps state across calls"),
 ])
 def test_unsupported_options_raise_clear_errors(options, message):
     target = tiny_target("llama")
@@ -465,3 +496,44 @@ def test_a_commit_keeps_each_rows_accepted_entries_flush_right():
     assert not Commit(3, keep=torch.tensor([2, 2, 2])).keeps_all  # the third entry goes from every row
     whole = Commit(3, keep=torch.tensor([3, 3, 3]))
     assert whole.keeps_all and torch.equal(whole(appended, 1), appended)  # the buffers stay as they are
+
+
+def other_family(name: str):
+    """Tiny random targets of families whose configs name the MLP width otherwise (GPT-2: n_inner, None) and that
+    build their own attention mask (ALiBi)."""
+    import transformers as tr
+
+    torch.manual_seed(0)
+    size = dict(vocab_size=96, bos_token_id=None, eos_token_id=None, pad_token_id=PAD)
+    model = {
+        "gpt2": lambda: tr.GPT2LMHeadModel(tr.GPT2Config(n_embd=32, n_layer=4, n_head=4, initializer_range=0.3,
+                                                         **size)),
+        "falcon-alibi": lambda: tr.FalconForCausalLM(tr.FalconConfig(
+            hidden_size=32, num_hidden_layers=4, num_attention_heads=4, new_decoder_architecture=False,
+            multi_query=True, alibi=True, initializer_range=0.3, **size)),
+        "bloom": lambda: tr.BloomForCausalLM(tr.BloomConfig(hidden_size=32, n_layer=4, n_head=4,
+                                                            initializer_range=0.3, **size)),
+    }[name]().eval()
+    model.generation_config.pad_token_id, model.generation_config.eos_token_id = PAD, None
+    return model
+
+
+@pytest.mark.parametrize("name", ["gpt2", "falcon-alibi", "bloom"])
+def test_families_with_other_config_names_and_their_own_masks_decode_identically(name):
+    target = other_family(name)
+    ids, mask = left_padded_prompts(3)
+    reference = plain(target, ids, mask, max_new_tokens=12)
+    out = dspark(target, oracle(target, tiny_draft(target), reference, mask, 0.3), ids, mask, max_new_tokens=12)
+    assert torch.equal(out.sequences, reference)
+
+
+def test_processors_that_push_a_draft_vocabulary_s_missing_token_to_infinity_leave_the_draft_its_own_distribution():
+    """remove_invalid_values turns the -inf of a token outside the draft vocabulary into the dtype's minimum, and an
+    exponential decay penalty overflows that to +inf: such rows draft from the draft's own distribution."""
+    target = tiny_target("llama")
+    ids, mask = left_padded_prompts(2)
+    eos = 51
+    draft = tiny_draft(target, draft_vocab=[i for i in range(96) if i != eos][:48])
+    options = dict(max_new_tokens=20, eos_token_id=eos, exponential_decay_length_penalty=(2, 1.5),
+                   remove_invalid_values=True)
+    assert torch.equal(dspark(target, draft, ids, mask, **options).sequences, plain(target, ids, mask, **options))

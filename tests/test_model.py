@@ -414,3 +414,20 @@ def test_the_model_package_imports_nothing_of_hub_cards_or_generation():
             names = [a.name for a in node.names] if isinstance(node, (ast.Import, ast.ImportFrom)) else []
             module = getattr(node, "module", None) or ""
             assert not any(n.startswith("dspark_hf") for n in names) and not module.startswith("dspark_hf"), path.name
+
+
+@pytest.mark.parametrize("make", [
+    lambda tr: tr.MambaForCausalLM(tr.MambaConfig(vocab_size=96, hidden_size=32, num_hidden_layers=2)),
+    lambda tr: tr.Lfm2ForCausalLM(tr.Lfm2Config(vocab_size=96, hidden_size=32, num_hidden_layers=2,
+                                                num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
+                                                layer_types=["full_attention", "conv"])),
+], ids=["mamba", "lfm2"])
+def test_targets_with_recurrent_or_convolutional_layers_are_refused(make):
+    import transformers
+
+    target = make(transformers).eval()
+    with pytest.raises(ValueError, match="state cannot be cut back to the accepted part of a verified block"):
+        DSparkDraftModel.from_target(target)
+    draft = tiny_draft(tiny_target("llama"))
+    with pytest.raises(ValueError, match="DSpark needs a target whose layers are all attention"):
+        draft.check_target(target)

@@ -729,3 +729,18 @@ def test_a_profile_file_with_bad_tables_is_refused_naming_the_file(tmp_path, pro
     path.write_text(json.dumps(profile))
     with pytest.raises(ValueError, match=f"{path}: {error}.*make it again with `dspark profile`"):
         read_profile(path)
+
+
+def test_a_target_whose_learned_positions_end_before_the_profiling_context_is_profiled_within_them():
+    import transformers as tr
+    from test_generation_greedy import plain
+
+    torch.manual_seed(0)
+    target = tr.BioGptForCausalLM(tr.BioGptConfig(
+        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+        max_position_embeddings=128, pad_token_id=0, bos_token_id=None, eos_token_id=None)).eval()
+    target.generation_config.eos_token_id = None
+    ids, mask = left_padded_prompts(2)
+    out = target.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=12,
+                          assistant_model=tiny_draft(target))  # the default policy profiles at 256 tokens elsewhere
+    assert torch.equal(out, plain(target, ids, mask, max_new_tokens=12))

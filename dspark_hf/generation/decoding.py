@@ -31,6 +31,8 @@ from .streamers import RoundStreamer
 _UNSUPPORTED_OUTPUTS = ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
 # processors that read no ids, only the scores: safe to apply to any subset of rows in one call
 _IDS_FREE_PROCESSORS = VOCAB_FREE_PROCESSORS + (lp.SuppressTokensLogitsProcessor,)
+# processors that count their calls (one per generated token in plain generate())
+_STATEFUL_PROCESSORS = (lp.SynthIDTextWatermarkLogitsProcessor,)
 _KNOWN_MODEL_KWARGS = {"attention_mask", "position_ids", "past_key_values", "use_cache", "logits_to_keep"}
 # generation-config options that choose a decoding mode other than greedy search or sampling
 _MODE_OPTIONS = ("num_beams", "num_beam_groups", "penalty_alpha", "dola_layers", "prompt_lookup_num_tokens",
@@ -66,6 +68,7 @@ def dspark_generate(
     draft_model = unwrap_draft(draft_model)
     input_ids = input_ids.long()  # plain generate() returns int64 ids for any integer prompt
     _check_request(model, draft_model, generation_config, synced_gpus, model_kwargs, input_ids, token_streamer)
+    _refuse_stateful_processors(logits_processor)
     if not draft_model.is_bound_to(model):
         draft_model.bind_target(model)
     args = (model, draft_model, input_ids, model_kwargs.get("attention_mask"), logits_processor, stopping_criteria,
@@ -86,6 +89,16 @@ def _check_ssd(ssd, processors) -> None:
         raise ValueError(f"SSD drafts blocks for tokens not yet committed, which logits processors that read the "
                          f"token ids cannot see: drop {', '.join(reading_ids)} (e.g. repetition_penalty, "
                          "min_new_tokens, bad_words_ids) or decode without ssd.")
+
+
+def _refuse_stateful_processors(processors) -> None:
+    """A processor that keeps state across calls assumes one call per generated token, as plain generate() makes;
+    DSpark calls the processors at every drafted and verified position, so that state would run ahead."""
+    stateful = [type(p).__name__ for p in processors if isinstance(p, _STATEFUL_PROCESSORS)]
+    if stateful:
+        raise ValueError(f"{', '.join(stateful)} keeps state across calls (SynthID watermarking: watermarking_config) "
+                         "and is not supported with a DSpark draft, which calls logits processors at every drafted "
+                         "and verified position: drop it or the draft.")
 
 
 def unwrap_draft(model):
@@ -203,7 +216,8 @@ class _Decoder:
         B, P = prompt.shape
         # a MaxLengthCriteria of the caller's replaces the one generate() builds from max_length
         limits = [c.max_length for c in criteria if isinstance(c, MaxLengthCriteria)]
-        self.max_new = (min(limits) if limits else cfg.max_length) - P
+        # (plain generate() decodes one token before it first asks the criteria, however low the limit)
+        self.max_new = max(min(limits) - P, 1) if limits else cfg.max_length - P
         pad = cfg._pad_token_tensor
         self.pad_id = int(pad) if pad is not None else 0
         self.gen = prompt.new_full((B, max(self.max_new, 0)), self.pad_id)
@@ -357,8 +371,8 @@ class _Decoder:
 
         inputs = torch.cat([anchor[:, None], x], 1)
         positions = anchor_pos[:, None] + torch.arange(L + 1, device=rows.device)
-        mask = torch.cat([mask, mask.new_ones(R, L + 1)], 1)
-        out = self._verify_forward(inputs, mask, positions, block, verify_len)
+        mask = torch.cat([mask, mask.new_ones(R, L + 1)], 1)  # [cache, anchor, x, next anchor]: committed below
+        out = self._verify_forward(inputs, mask[:, :-1], positions, block, verify_len)  # one column per key
         scores = torch.stack([self._process(rows, x[:, :j], out.logits[:, j]) for j in range(L + 1)], 1)
 
         if self.do_sample:

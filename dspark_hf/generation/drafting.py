@@ -122,10 +122,13 @@ def sample_block(
         if process_logits is not None:
             prefix = torch.stack(tokens, 1) if tokens else prev.new_zeros(N * A, 0)
             own, logits = logits, process_logits(prefix, logits)
-            # the processors may ban every token a draft vocabulary holds (bad_words_ids, no_repeat_ngram_size):
-            # such a row drafts from its own distribution, exact to verify like any other (banned tokens, having
-            # target probability 0, are rejected)
-            logits = torch.where(torch.isneginf(logits).all(-1, keepdim=True), own, logits)
+            # the processors may ban every token a draft vocabulary holds (bad_words_ids, no_repeat_ngram_size), or
+            # push the -inf of a token outside it to +inf (remove_invalid_values makes it finfo.min, which an
+            # exponential decay penalty overflows): such a row drafts from its own distribution, exact to verify
+            # like any other (banned tokens, having target probability 0, are rejected)
+            usable = ~(torch.isnan(logits) | torch.isposinf(logits)).any(-1, keepdim=True) & \
+                ~torch.isneginf(logits).all(-1, keepdim=True)
+            logits = torch.where(usable, logits, own)
         p = torch.softmax(logits, dim=-1)
         if reweight is not None:
             unweighted.append(p)

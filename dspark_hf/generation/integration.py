@@ -41,6 +41,9 @@ def _generate(self, *args, **kwargs):
     bound.pop("assistant_model")
     streamer = bound.pop("streamer", None)
     policy, ssd = extra.pop("verification_policy", None), extra.pop("ssd", None)
+    if extra.get("past_key_values") is not None:  # plain generate() fills a caller's cache for reuse; DSpark cannot
+        raise ValueError("past_key_values is not supported with a DSpark draft: it keeps its own cache, re-aligned "
+                         "every round, so a cache passed in would not be filled for reuse. Drop past_key_values.")
     _refuse_token_healing(self, bound, extra)
     _stop_strings_as_criteria(self, bound, extra)
     return _original_generate(self, **bound, **extra, custom_generate=dspark_generate, draft_model=draft,

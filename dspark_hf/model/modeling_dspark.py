@@ -264,6 +264,7 @@ class DSparkDraftModel(DSparkPreTrainedModel):
         config field can be overridden, e.g. ``from_target(target, num_hidden_layers=1, markov_rank=16)``.
         """
         t = target.config.get_text_config()
+        _refuse_stateful_layers(t)
         n_layers = overrides.get("num_hidden_layers", DSparkConfig.num_hidden_layers)
         lo = min(1, t.num_hidden_layers - 2)
         hi = max(lo, t.num_hidden_layers - 3)
@@ -280,7 +281,8 @@ class DSparkDraftModel(DSparkPreTrainedModel):
             mask_token_id=mask_token_id,
             target_layer_ids=layer_ids,
             hidden_size=t.hidden_size,
-            intermediate_size=t.intermediate_size,
+            intermediate_size=next((v for v in (getattr(t, name, None) for name in _INTERMEDIATE_NAMES)
+                                    if v is not None), 4 * t.hidden_size),
             num_hidden_layers=n_layers,
             num_attention_heads=t.num_attention_heads,
             num_key_value_heads=getattr(t, "num_key_value_heads", None) or t.num_attention_heads,
@@ -332,6 +334,7 @@ class DSparkDraftModel(DSparkPreTrainedModel):
     def check_target(self, target: PreTrainedModel) -> None:
         """Raise a ValueError that says what differs if this draft was not built for `target`."""
         c, t = self.config, target.config.get_text_config()
+        _refuse_stateful_layers(t)
         out = target.get_output_embeddings()
         problems = []
         if out is None:
@@ -596,6 +599,20 @@ def same_fingerprint(a: list[float], b: list[float]) -> bool:
 def _refuse_card_data(card_data) -> None:
     if card_data is not None:
         raise ImportError("card_data needs dspark-hf to render the model card: pip install dspark-hf")
+
+
+# where target configs keep their MLP width (GPT-2 and GPT-J: n_inner, None meaning 4 x hidden; Falcon: ffn_hidden_size)
+_INTERMEDIATE_NAMES = ("intermediate_size", "n_inner", "ffn_hidden_size", "ffn_dim")
+# layers whose recurrent or convolutional state cannot be cut back to the accepted prefix of a verified block
+_STATEFUL_LAYER_TYPES = {"linear_attention", "conv", "hybrid", "hybrid_sliding", "mamba"}
+
+
+def _refuse_stateful_layers(t) -> None:
+    stateful = sorted(set(getattr(t, "layer_types", None) or ()) & _STATEFUL_LAYER_TYPES)
+    if stateful:
+        raise ValueError(f"A {t.model_type} target has {', '.join(stateful)} layers, whose recurrent or convolutional "
+                         "state cannot be cut back to the accepted part of a verified block: DSpark needs a target "
+                         "whose layers are all attention.")
 
 
 def _as_list(x) -> list:

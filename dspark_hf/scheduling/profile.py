@@ -292,13 +292,19 @@ def cached_costs(target, draft, rows: Sequence[int], progress: bool = True) -> E
     for missing, with_verify in ((needs_verify, True), (needs_draft, False)):
         if not missing:
             continue
-        measured = profile_sps(target, missing, tokens, AUTO_CONTEXT, AUTO_REPEATS, warmup=1, draft=draft,
-                               progress=label if progress else False, verify=with_verify, statistic=min)
+        measured = profile_sps(target, missing, tokens, _auto_context(target, tokens), AUTO_REPEATS, warmup=1,
+                               draft=draft, progress=label if progress else False, verify=with_verify, statistic=min)
         verify.update({R: {n: 1.0 / sps for n, sps in row.items()} for R, row in measured["grid"].items()})
         drafts.update(measured["draft_seconds"])
     if needs_verify or needs_draft:
         _merge_into(path, key, verify, _draft_key(draft), drafts)
     return EngineCosts(verify, drafts)
+
+
+def _auto_context(target, tokens: int) -> int:
+    """AUTO_CONTEXT cached tokens, fewer where the target's positions end sooner (learned position embeddings)."""
+    limit = getattr(target.config.get_text_config(), "max_position_embeddings", None)
+    return AUTO_CONTEXT if not limit else max(1, min(AUTO_CONTEXT, limit - tokens))
 
 
 def _monotone(seconds: dict[int, float]) -> dict[int, float]:
