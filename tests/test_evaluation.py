@@ -369,7 +369,7 @@ def test_cli_values_that_cannot_work_get_one_line(tiny_models, tmp_path, capsys)
                                                   str(tmp_path / "nope"), "--suite", "gsm"])
     assert "is not supported: use 'auto', 'cpu'" in cli_error(capsys, ["eval", *models, "--device", "mps",
                                                                          "--suite", "gsm"])
-    assert "confidence threshold must be in [0, 1], got nan" in cli_error(
+    assert "ThresholdPolicy: threshold must be a number in [0, 1], got nan" in cli_error(
         capsys, ["bench", "speed", *models, "--policy", "threshold nan", "--suite", "gsm"])
     assert "--no-draft skips the draft's cost" in cli_error(capsys, ["profile", *models, "--no-draft"])
     (tmp_path / "null.jsonl").write_text('{"id": 1, "prompt": null}\n')

@@ -256,7 +256,7 @@ def map_state_dict(tensors: dict[str, torch.Tensor], draft: DSparkDraftModel, so
 def convert_checkpoint(src: str | Path, dst: str | Path, source: str,
                        target: PreTrainedModel | None = None) -> DSparkDraftModel:
     """Convert the checkpoint folder `src` (config.json + safetensors) of layout `source` ("deepspec", "specforge"
-    or "dflash") into a DSparkDraftModel saved to `dst`. Weights keep their values exactly, and their dtype.
+    or "dflash") into a DSparkDraftModel saved to `dst`. Weights keep their values exactly.
 
     `target` (the model the draft was trained for) is needed when the source stores copies of its embedding / LM
     head; when given, the draft records the target's identity and is returned bound to it. A checkpoint that mixes
@@ -319,8 +319,8 @@ def deepspec_blockers(draft: DSparkDraftModel, target: PreTrainedModel | None = 
     ) if blocks]
 
 
-# DeepSpec's model requires num_anchors (blocks sampled per training sequence) though only its training reads it:
-# its default. dspark_hf_export marks the folder as ours, so a later export may replace it.
+# DeepSpec's model asserts num_anchors (blocks sampled per training sequence) though only its training reads it: we
+# write DeepSpec's default. The dspark_hf_export field marks the folder as ours, so a later export may replace it.
 EXPORTED_ANCHORS = 512
 
 

@@ -15,10 +15,10 @@ import hashlib
 import json
 import math
 import os
+import statistics
 import tempfile
 import threading
 import warnings
-import statistics
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
