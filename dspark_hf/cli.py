@@ -396,7 +396,7 @@ def cmd_calibrate(args) -> int:
                               **({"temperature": args.temperature} if args.temperature > 0 else {}),
                               assistant_model=draft, return_dict_in_generate=True,
                               verification_policy=FullBlock())  # STS fits full-block rounds
-        for r in (r for rows in out.rounds for r in rows):
+        for r in (r for rows in out.rounds for r in rows if r.drafted):  # a last round drafts nothing
             logits.append(torch.logit(torch.tensor(r.confidences, dtype=torch.double), eps=1e-12))
             verified.append(r.verified)
             accepted.append(r.accepted)

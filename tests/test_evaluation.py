@@ -102,8 +102,8 @@ def test_dspark_eval_writes_the_documented_json_and_plots(tiny_models, tmp_path,
     assert set(results["domains"]) == {"code", "chat"}
     assert len(results["prompts"]) == 6 and results["settings"]["max_new_tokens"] == 12
     assert sum(p["new_tokens"] for p in results["prompts"]) == results["overall"]["new_tokens"]
-    rounds = [r for p in results["prompts"] for r in p["rounds_detail"]]
-    assert all(len(r["drafted"]) == 4 for r in rounds)  # every round drafted
+    rounds = [r for p in results["prompts"] for r in p["rounds_detail"][:-1]]
+    assert all(len(r["drafted"]) == 4 for r in rounds)  # every round drafted (a last one with a token left: none)
     assert sum(r["verified"] == 4 for r in rounds) > len(rounds) // 2  # the draft's metrics: full blocks verified
     assert "threshold_sweep" in results
     for png in ("conditional_acceptance.png", "acceptance_length.png", "threshold_sweep.png"):

@@ -329,8 +329,6 @@ def export_deepspec(draft: DSparkDraftModel, target: PreTrainedModel, dst: str |
     draft's fields, as DeepSpec's build_draft_config writes it) and weights under DeepSpec's names, with the copies
     of the target's embedding and LM head it stores. [`convert_checkpoint`] with ``source="deepspec"`` reads it back
     to the same weights."""
-    from .. import __version__
-
     blockers = deepspec_blockers(draft, target)
     if blockers:
         raise ValueError("This draft cannot be written in DeepSpec's layout: " + "; ".join(blockers) + ". Train a "
@@ -350,7 +348,7 @@ def export_deepspec(draft: DSparkDraftModel, target: PreTrainedModel, dst: str |
                mask_token_id=c.mask_token_id, target_layer_ids=list(c.target_layer_ids),
                markov_rank=c.markov_rank if c.head_type != "none" else 0,
                enable_confidence_head=c.confidence_head, confidence_head_with_markov=c.head_type != "none",
-               num_anchors=EXPORTED_ANCHORS, dspark_hf_export=__version__)
+               num_anchors=EXPORTED_ANCHORS, dspark_hf_export=True)
     if c.head_type != "none":
         raw["markov_head_type"] = {"markov": "vanilla", "rnn": "rnn"}[c.head_type]
     tensors = {public_name(k): v for k, v in draft.state_dict().items()}
