@@ -343,6 +343,7 @@ def cmd_export(args) -> int:
         raise ValueError("--base-model is needed for the model card: the target's Hub id, e.g. "
                          "HuggingFaceTB/SmolLM2-135M-Instruct.")
     draft = DSparkDraftModel.from_pretrained(args.draft).to(getattr(torch, args.dtype))
+    draft.config.target_name_or_path = args.base_model  # not the path the target was trained from on some machine
     eval_results = read_json(args.eval)
     recipe = Path(args.recipe).read_text() if args.recipe else None
     calibration = folder_calibration(args.draft, args.calibration)

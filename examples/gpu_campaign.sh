@@ -29,7 +29,10 @@
 #                           every prompt gets its first answer before any gets a second, so the budget cuts answers)
 #   CAMPAIGN_MAX_NEW_TOKENS longest regenerated answer (default 192, as for the shipped draft)
 #   CAMPAIGN_EVAL_TOKENS    new tokens per prompt in calibration and evaluation (default 128, as the figures in docs/training.md and docs/results.md)
-#   CAMPAIGN_TRAIN_MINUTES  each draft's training budget, all calls together (default 12)
+#   CAMPAIGN_TRAIN_MINUTES  each draft's training budget, all calls together (default: what the data call leaves,
+#                           plus one whole train call, less 0.7 for loading and saving: two calls, never a third)
+#   CAMPAIGN_FINISH_MINUTES a train call that ends with both drafts trained and this much left runs finish too
+#                           (default 4; one call and one pause fewer)
 #   CAMPAIGN_CALL_MINUTES   what one call may use, the device's 10-minute limit less a margin (default 9)
 #   CAMPAIGN_DTYPE          dtype of the target for regeneration and training (default bfloat16)
 #   CAMPAIGN_HELDOUT        share of prompts held out for the report and calibration (default 0.05)
@@ -43,7 +46,7 @@ PACK=${CAMPAIGN_PACK:-.campaign}
 STATE=${CAMPAIGN_STATE:-/tmp/dspark-campaign}
 OUT=${OUT:-$STATE/out}
 DATA_MINUTES=${CAMPAIGN_DATA_MINUTES:-4.5}
-TRAIN_MINUTES=${CAMPAIGN_TRAIN_MINUTES:-12}
+FINISH_MINUTES=${CAMPAIGN_FINISH_MINUTES:-4}
 CALL_MINUTES=${CAMPAIGN_CALL_MINUTES:-9}
 SAMPLES=${CAMPAIGN_SAMPLES:-4}
 MAX_NEW_TOKENS=${CAMPAIGN_MAX_NEW_TOKENS:-192}
@@ -113,6 +116,7 @@ json.loads(l)), 'id': 'cpu:' + o['id']}) + '\n') for l in open(sys.argv[1]) if l
   [ $((last_bytes + load_bytes)) -le "$room" ] || data_call=$((n + 1))
   echo
   echo "tree ${tree} B, room per call ${room} B; target $(basename "$target") in $n part(s); load ${load_bytes} B"
+  echo "(the parts fit this tree, with 1 MiB spare: pack again if the tree grows before the lease)"
   echo "call plan (each call: device run with this carry and command, one right after the other):"
   for i in $(seq 1 $((data_call - 1))); do
     [ "$i" -le "$n" ] && echo "  $i. carry [$PACK/call$i]  bash examples/gpu_campaign.sh receive"
@@ -120,9 +124,17 @@ json.loads(l)), 'id': 'cpu:' + o['id']}) + '\n') for l in open(sys.argv[1]) if l
   local carry="$PACK/load"
   [ "$data_call" -le "$n" ] && carry="$PACK/call$data_call, $PACK/load"
   echo "  $data_call. carry [$carry]  bash examples/gpu_campaign.sh data"
-  echo "  $((data_call + 1)). bash examples/gpu_campaign.sh train   (again while it says 'not finished')"
-  echo "  $((data_call + 2)). bash examples/gpu_campaign.sh finish  -> $OUT: draft parts + results.tar.gz"
+  echo "  $((data_call + 1)). bash examples/gpu_campaign.sh train   (again while it says 'not finished'; when it"
+  echo "     says 'finishing in this call', its \$OUT holds what finish returns: skip call $((data_call + 2)))"
+  echo "  $((data_call + 2)). bash examples/gpu_campaign.sh finish  -> $OUT: draft parts, export.tar.gz, results.tar.gz"
   echo "  $((data_call + 3)). bash examples/gpu_campaign.sh ssd     (minutes left?) -> $OUT: bench_ssd.json + ssd.png"
+}
+
+require_state() {  # a machine given back between calls comes back bare: say so instead of failing further on
+  [ -f "$STATE/target/config.json" ] && [ -f "$STATE/train.jsonl" ] && return
+  echo "the device's state is gone ($STATE has no target or data: a new machine?); start again from call 1 of the \
+plan" >&2
+  exit 3
 }
 
 receive() {  # keep whatever this call carried; cheap and repeatable
@@ -170,10 +182,15 @@ data() {
 }
 
 train() {
+  require_state
   mkdir -p "$STATE/logs" "$OUT"
   local stop
   stop=$(python3 -c "print(round($CALL_MINUTES - $SECONDS / 60 - 0.3, 2))")  # 0.3: starting Python and the models
-  local arms=(dspark "--head-type markov" dflash "--head-type none")
+  # the budget is fixed once, in the data call: its window and one whole train call, so training ends in two calls
+  [ -f "$STATE/train_minutes" ] || echo "${CAMPAIGN_TRAIN_MINUTES:-$(python3 -c \
+    "print(round(max($stop, 0) + $CALL_MINUTES - 0.3 - 0.7, 2))")}" > "$STATE/train_minutes"
+  local budget arms=(dspark "--head-type markov" dflash "--head-type none") pids=() names=()
+  budget=$(cat "$STATE/train_minutes")
   for ((i = 0; i < ${#arms[@]}; i += 2)); do
     local arm=${arms[i]}
     [ -f "$STATE/$arm/heldout.json" ] && continue
@@ -181,42 +198,59 @@ train() {
     # shellcheck disable=SC2086  # the recipe is a list of flags
     dspark train --target "$STATE/target" --target-dtype "$DTYPE" --dataset "$STATE/train.jsonl" \
       --heldout-fraction "$HELDOUT" --output-dir "$STATE/$arm" $RECIPE ${arms[i + 1]} \
-      --time-budget "$TRAIN_MINUTES" --stop-after "$stop" \
+      --time-budget "$budget" --stop-after "$stop" \
       >> "$STATE/logs/train-$arm.log" 2>&1 &
+    pids+=($!) names+=("$arm")
   done
-  wait
+  local failed=()
+  for i in "${!pids[@]}"; do wait "${pids[i]}" || failed+=("${names[i]}"); done
   for arm in dspark dflash; do
     if [ -f "$STATE/$arm/heldout.json" ]; then log "$arm: finished"; else log "$arm: not finished, run train again"; fi
     if [ -f "$STATE/logs/train-$arm.log" ]; then tail -c 600 "$STATE/logs/train-$arm.log" | tr '\r' '\n' | tail -n 3; fi
   done
+  if [ ${#failed[@]} -gt 0 ]; then  # a crash or an out-of-memory is not "not finished": running train again repeats it
+    echo "training failed: ${failed[*]} (see the log lines above, $STATE/logs/)" >&2
+    exit 1
+  fi
+  if [ -f "$STATE/dspark/heldout.json" ] && [ -f "$STATE/dflash/heldout.json" ] \
+      && python3 -c "import sys; sys.exit($CALL_MINUTES - $SECONDS / 60 < $FINISH_MINUTES)"; then
+    log "both drafts trained and minutes left: finishing in this call"
+    finish
+  fi
 }
 
-finish() {
+finish() {  # repeatable: done work is kept, and what returns is written to this call's $OUT again
+  require_state
   for arm in dspark dflash; do
     [ -f "$STATE/$arm/heldout.json" ] || { echo "$arm has not finished training: run train first" >&2; exit 1; }
   done
+  mkdir -p "$OUT"
   [ -f "$STATE/dspark_calibrated/calibration.json" ] || dspark calibrate --target "$STATE/target" \
     --draft "$STATE/dspark" --dataset "$STATE/train.jsonl" --heldout-fraction "$HELDOUT" \
     --output "$STATE/dspark_calibrated" --limit 64 \
     --batch-size 32 --draft-dtype float32 --max-new-tokens "$EVAL_TOKENS"
-  dspark export "$STATE/dspark_calibrated" --output "$STATE/export" --base-model "$BASE_MODEL"
-  for arm in export dflash; do
-    dspark eval --target "$STATE/target" --draft "$STATE/$arm" --prompts "$STATE/load/eval-prompts.jsonl.gz" \
-      --max-new-tokens "$EVAL_TOKENS" --batch-size 16 --draft-dtype float32 --output "$STATE/eval_$arm.json"
-    python3 examples/strip_rounds.py "$STATE/eval_$arm.json" "$STATE/eval_$arm.json"
-  done
-  mkdir -p "$OUT/results"
+  if [ ! -f "$STATE/export/model.sha256" ]; then
+    dspark export "$STATE/dspark_calibrated" --output "$STATE/export" --base-model "$BASE_MODEL"
+    (cd "$STATE/export" && sha256sum model.safetensors) > "$STATE/export/model.sha256"
+  fi
+  # the draft first: should the evaluations overrun the call, what $OUT holds still comes back
   rm -f "$OUT"/draft.safetensors.part-*
   split -b 15M -d -a 1 "$STATE/export/model.safetensors" "$OUT/draft.safetensors.part-"
-  (cd "$STATE/export" && sha256sum model.safetensors) > "$STATE/export/model.sha256"
-  tar -czf "$OUT/results.tar.gz" -C "$STATE" --exclude model.safetensors export dspark/heldout.json \
-    dflash/heldout.json dspark/train_config.json dflash/train_config.json dspark_calibrated/calibration.json \
-    dspark_calibrated/reliability.png eval_export.json eval_dflash.json data.manifest.json logs
+  tar -czf "$OUT/export.tar.gz" -C "$STATE" --exclude model.safetensors export
+  for arm in export dflash; do
+    [ -f "$STATE/eval_$arm.json" ] && continue
+    dspark eval --target "$STATE/target" --draft "$STATE/$arm" --prompts "$STATE/load/eval-prompts.jsonl.gz" \
+      --max-new-tokens "$EVAL_TOKENS" --batch-size 16 --draft-dtype float32 --output "$STATE/eval_$arm.json.partial"
+    python3 examples/strip_rounds.py "$STATE/eval_$arm.json.partial" "$STATE/eval_$arm.json"
+  done
+  tar -czf "$OUT/results.tar.gz" -C "$STATE" dspark/heldout.json dflash/heldout.json dspark/train_config.json \
+    dflash/train_config.json dspark_calibrated/calibration.json dspark_calibrated/reliability.png eval_export.json \
+    eval_dflash.json data.manifest.json train_minutes logs
   log "back to this machine: $(ls "$OUT" | tr '\n' ' ')"
 }
 
 ssd() {  # issue 12 on CUDA: the speculator on its own stream, tested for identity, then measured
-  [ -f "$STATE/target/config.json" ] || { echo "no target on the device: run the data step first" >&2; exit 1; }
+  require_state
   mkdir -p "$OUT"
   local draft=() which="the draft shipped in this checkout"
   if [ -f "$STATE/export/config.json" ]; then
@@ -237,10 +271,15 @@ unpack() {
   local from=${1:?usage: gpu_campaign.sh unpack DIR (the files that came back)}
   local to=${CAMPAIGN_UNPACK:-runs/gpu}
   mkdir -p "$to"
-  tar -xzf "$from/results.tar.gz" -C "$to"
+  tar -xzf "$from/export.tar.gz" -C "$to"
   cat "$from"/draft.safetensors.part-* > "$to/export/model.safetensors"
   (cd "$to/export" && sha256sum -c model.sha256)
-  log "draft: $to/export; held-out, calibration, evaluation and logs: $to"
+  if [ -f "$from/results.tar.gz" ]; then
+    tar -xzf "$from/results.tar.gz" -C "$to"
+    log "draft: $to/export; held-out, calibration, evaluation and logs: $to"
+  else  # the finish call ran out of time after the draft came back: the evaluations are missing
+    log "draft: $to/export; no results.tar.gz came back: run finish again while the machine is warm"
+  fi
 }
 
 case $STEP in

@@ -35,10 +35,10 @@ def toy_target(path: Path) -> Path:
     return path
 
 
-def run(step: str, env: dict, *args) -> str:
+def run(step: str, env: dict, *args, status: int = 0) -> str:
     done = subprocess.run(["bash", str(SCRIPT), step, *args], env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, f"{step} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
-    return done.stdout
+    assert done.returncode == status, f"{step} exited {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    return done.stdout + done.stderr
 
 
 def test_the_campaign_runs_end_to_end_and_brings_back_a_loadable_draft(tmp_path):
@@ -81,8 +81,14 @@ def test_the_campaign_runs_end_to_end_and_brings_back_a_loadable_draft(tmp_path)
         out = run("train", env)
     run("finish", env)
     returned = sorted(p.name for p in (tmp_path / "out").iterdir())
-    assert "results.tar.gz" in returned and any(name.startswith("draft.safetensors.part-") for name in returned)
+    assert {"export.tar.gz", "results.tar.gz"} <= set(returned)
+    assert any(name.startswith("draft.safetensors.part-") for name in returned)
     assert len(returned) <= 8 and all(p.stat().st_size <= 16 * 2**20 for p in (tmp_path / "out").iterdir())
+    evaluated = (tmp_path / "device" / "eval_export.json").stat().st_mtime_ns
+    shutil.rmtree(tmp_path / "out")  # finish run again (each call starts with an empty $OUT) returns the same files
+    run("finish", env)
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [n for n in returned if n != "data.manifest.json"]
+    assert (tmp_path / "device" / "eval_export.json").stat().st_mtime_ns == evaluated, "done work is kept"
 
     run("unpack", env, str(tmp_path / "out"))
     back = tmp_path / "back"
@@ -93,6 +99,15 @@ def test_the_campaign_runs_end_to_end_and_brings_back_a_loadable_draft(tmp_path)
         assert report["training"]["steps"] >= 1 and set(report["domains"]) <= {"chat", "code", "math"}
         assert report["training"]["train_examples"] + report["sequences"] == 32 + 4  # the device's and the carried
     assert json.loads((back / "eval_export.json").read_text())["domains"]
+
+    # a machine given back between calls comes back bare; a training that crashes is not "not finished"
+    bare = {**env, "CAMPAIGN_STATE": str(tmp_path / "bare")}
+    assert "the device's state is gone" in run("train", bare, status=3)
+    crashing = tmp_path / "crashing"
+    shutil.copytree(tmp_path / "device" / "target", crashing / "target")
+    shutil.copy(tmp_path / "device" / "train.jsonl", crashing / "train.jsonl")
+    failed = run("train", {**env, "CAMPAIGN_STATE": str(crashing), "CAMPAIGN_RECIPE": "--no-such-flag"}, status=1)
+    assert "training failed: dspark dflash" in failed
 
     # the lease's last minutes: SSD with the new draft, in a call that starts with an empty $OUT
     shutil.rmtree(tmp_path / "out")

@@ -282,7 +282,9 @@ def test_export_writes_a_small_checkpoint_and_a_card_from_the_results(tiny_model
     assert f"| macro | {tau:.2f} |" in card
     from dspark_hf import DSparkDraftModel
 
-    assert DSparkDraftModel.from_pretrained(out).dtype == torch.bfloat16
+    exported = DSparkDraftModel.from_pretrained(out)
+    assert exported.dtype == torch.bfloat16
+    assert exported.config.target_name_or_path == "org/tiny-target"  # not the local path it was trained beside
 
 
 def test_dspark_calibrate_saves_temperatures_a_report_and_a_diagram(tiny_models, tmp_path):

@@ -699,3 +699,14 @@ def test_feature_lag_trains_blocks_that_see_their_last_tokens_without_features(t
     for lag, weights in ((3, [1, 1]), (0, [1]), (1, [1, -1]), (1, [0, 0])):
         with pytest.raises(ValueError, match=r"feature_lag_weights=.*one per lag 0..feature_lag"):
             TrainConfig(dataset="d", output_dir="o", feature_lag=lag, feature_lag_weights=weights)
+
+
+def test_a_fresh_draft_beside_a_bfloat16_target_trains_float32_weights_as_a_resumed_one_does():
+    target = tiny_target("llama").to(torch.bfloat16)
+    config = TrainConfig(dataset="", output_dir="", copy_target_layers=True,
+                         draft=dict(num_hidden_layers=2, markov_rank=4, block_size=3))
+    draft = make_draft(target, config, [])
+    assert {p.dtype for p in draft.parameters()} == {torch.float32}
+    for own, theirs in zip(draft.layers, target.model.layers[2:]):  # copied exactly (bf16 values fit float32)
+        for name, weight in theirs.state_dict().items():
+            assert torch.equal(own.state_dict()[name], weight.float())

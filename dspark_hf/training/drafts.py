@@ -15,7 +15,7 @@ DEFAULT_DRAFT_VOCAB_SIZE = 8192  # a fresh draft proposes this many of the most 
 
 
 def make_draft(target, config: TrainConfig, train: list[Example]) -> DSparkDraftModel:
-    """A fresh draft for `target`: DSparkConfig's default shape with `config.draft`'s overrides, proposing the
+    """A fresh float32 draft for `target`: DSparkConfig's default shape with `config.draft`'s overrides, proposing the
     DEFAULT_DRAFT_VOCAB_SIZE most frequent answer tokens of `train` unless draft_vocab_size says otherwise (0 or
     None: the full vocabulary)."""
     overrides = dict(config.draft)
@@ -25,7 +25,9 @@ def make_draft(target, config: TrainConfig, train: list[Example]) -> DSparkDraft
         freq = token_frequencies(train, target_vocab)
         overrides["draft_vocab"] = freq.argsort(descending=True)[:vocab].sort().values
     torch.manual_seed(config.seed)
-    draft = DSparkDraftModel.from_target(target, **overrides)
+    # float32 master weights whatever the target's dtype, as a resumed run loads them: Adam's updates of a bf16 draft
+    # round away near 1 (norm gains, the identity in fc) at the learning rates used
+    draft = DSparkDraftModel.from_target(target, **overrides).float()
     return copy_target_layers(draft, target) if config.copy_target_layers else draft
 
 
