@@ -177,3 +177,13 @@ def test_num_return_sequences_samples_each_prompt_several_times():
                           assistant_model=draft)
     assert out.shape == (6, len(PROMPT) + 6)
     assert torch.equal(out[:, : len(PROMPT)], ids.repeat_interleave(3, 0))
+
+
+def test_a_drafted_token_the_target_forbids_is_rejected_even_when_the_uniform_draw_is_zero(monkeypatch):
+    """torch.rand draws from [0, 1): u = 0 happens (2^-24 per draw on the CPU), and u * q <= p would then accept a
+    token of target probability 0 (one that top-k, top-p or a ban removed)."""
+    p = torch.tensor([[[0.0, 1.0], [0.5, 0.5]]])  # the target forbids token 0 at the drafted position
+    q = torch.tensor([[[1.0, 0.0]]])
+    monkeypatch.setattr(verify.torch, "rand", lambda *shape, **kw: torch.zeros(*shape))
+    n, token = verify.verify_sampling(p, q, torch.tensor([[0]]), torch.tensor([1]))
+    assert int(n) == 0 and int(token) == 1

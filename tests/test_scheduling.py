@@ -744,3 +744,15 @@ def test_a_target_whose_learned_positions_end_before_the_profiling_context_is_pr
     out = target.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=12,
                           assistant_model=tiny_draft(target))  # the default policy profiles at 256 tokens elsewhere
     assert torch.equal(out, plain(target, ids, mask, max_new_tokens=12))
+
+
+def test_the_default_policy_measures_at_most_auto_max_rows_and_prices_larger_batches_in_proportion(monkeypatch):
+    from dspark_hf.scheduling import profile
+
+    target = tiny_target("llama")
+    draft = tiny_draft(target)
+    calls = measure_counting(monkeypatch)
+    costs = profile.cached_costs(target, draft, [1, 5000], progress=False)  # 5,000 rows x 256 tokens not held
+    assert calls and all(max(rows) <= profile.AUTO_MAX_ROWS for rows in calls)
+    big = profile.AUTO_MAX_ROWS
+    assert costs.verify(5000, 2) == pytest.approx(costs.verify(big, 2) * 5000 / big)

@@ -39,7 +39,7 @@ def verify_sampling(p, q, x, verify_len, generator=None):
     p_x = p[:, :L].gather(-1, x[..., None]).squeeze(-1)
     q_x = q.gather(-1, x[..., None]).squeeze(-1)
     u = torch.rand(B, L, device=p.device, generator=generator)
-    n = accepted_prefix(u * q_x <= p_x, verify_len)
+    n = accepted_prefix(u * q_x < p_x, verify_len)  # strict: u can be 0, and a token with p = 0 is never accepted
 
     rows = torch.arange(B, device=p.device)
     p_n = p[rows, n]

@@ -203,6 +203,9 @@ def load_draft_cost(path: str | Path) -> Callable[[int], float] | None:
 # 2 CPU cores, 256 cached tokens: 6 tokens per row cost 1.98x one, experiments/default-policy/results/cost_cache.json)
 AUTO_CONTEXT = 256
 AUTO_REPEATS = 3  # the fastest of three: a cost measured once is kept, so a load spike must not make it
+# larger batches are priced in proportion to this many rows (EngineCosts extrapolates so): measuring them would hold
+# rows x AUTO_CONTEXT cached tokens (40,000 rows of a tiny test model took 16 GB)
+AUTO_MAX_ROWS = 64
 # part of the cache key: costs measured otherwise are re-measured
 AUTO_METHOD = f"fastest of {AUTO_REPEATS}, shapes interleaved, context {AUTO_CONTEXT}, monotone in tokens"
 
@@ -277,7 +280,9 @@ def cached_costs(target, draft, rows: Sequence[int], progress: bool = True) -> E
     """The costs of `target` on its device, dtype and thread count (and of `draft`'s pass) for `rows`: read from the
     profile cache, and what is missing measured now (a few seconds per row count, shown as a bar) and added to it.
 
-    Measured after AUTO_CONTEXT cached tokens, up to block_size + 1 verified tokens per row."""
+    Measured after AUTO_CONTEXT cached tokens, up to block_size + 1 verified tokens per row, at AUTO_MAX_ROWS rows at
+    most."""
+    rows = sorted({min(R, AUTO_MAX_ROWS) for R in rows})
     key = _target_key(target)
     path = profile_cache_dir() / (hashlib.sha1(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:20]
                                   + ".json")
