@@ -230,9 +230,10 @@ def render_step(step, number: int, texts: TokenTexts) -> str:
         texts.commit(step.tokens)
         return out
     if not r.drafted:
+        why = ("one token left, nothing to verify" if r.one_token_left else
+               "drafting switched off by the scheduler (plain decoding was faster)")
         out = _span("ds-first", texts.pieces([r.next_token])[0],
-                    f"round {number}: drafting switched off by the scheduler (plain decoding was faster); the target "
-                    "decoded this token alone", True)
+                    f"round {number}: {why}; the target decoded this token alone", True)
         texts.commit(step.tokens)
         return out
     drafted = texts.pieces(r.drafted)

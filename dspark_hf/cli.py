@@ -401,6 +401,9 @@ def cmd_calibrate(args) -> int:
             logits.append(torch.logit(torch.tensor(r.confidences, dtype=torch.double), eps=1e-12))
             verified.append(r.verified)
             accepted.append(r.accepted)
+    if not logits:
+        raise ValueError(f"no held-out rollout drafted a block in {args.max_new_tokens} new tokens: raise "
+                         "--max-new-tokens.")
     logits, verified, accepted = torch.stack(logits), torch.tensor(verified), torch.tensor(accepted)
     gamma = draft.config.block_size
     temps = sequential_temperature_scaling(logits, verified, accepted)

@@ -240,8 +240,10 @@ finish() {  # repeatable: done work is kept, and what returns is written to this
   for arm in export dflash; do
     [ -f "$STATE/eval_$arm.json" ] && continue
     dspark eval --target "$STATE/target" --draft "$STATE/$arm" --prompts "$STATE/load/eval-prompts.jsonl.gz" \
-      --max-new-tokens "$EVAL_TOKENS" --batch-size 16 --draft-dtype float32 --output "$STATE/eval_$arm.json.partial"
-    python3 examples/strip_rounds.py "$STATE/eval_$arm.json.partial" "$STATE/eval_$arm.json"
+      --max-new-tokens "$EVAL_TOKENS" --batch-size 16 --draft-dtype float32 --output "$STATE/eval_$arm.full.json"
+    # the stripped file marks the evaluation done: it appears whole or not at all
+    python3 examples/strip_rounds.py "$STATE/eval_$arm.full.json" "$STATE/eval_$arm.json.partial"
+    mv "$STATE/eval_$arm.json.partial" "$STATE/eval_$arm.json"
   done
   tar -czf "$OUT/results.tar.gz" -C "$STATE" dspark/heldout.json dflash/heldout.json dspark/train_config.json \
     dflash/train_config.json dspark_calibrated/calibration.json dspark_calibrated/reliability.png eval_export.json \

@@ -392,3 +392,17 @@ def test_convert_and_export_write_only_into_new_folders_or_their_own_earlier_out
     (tmp_path / "deepspec" / "model-00001-of-00002.safetensors").write_bytes(b"stale")  # as if sharded before
     assert main(export + [str(tmp_path / "deepspec")]) == 0
     assert sorted(p.name for p in (tmp_path / "deepspec").iterdir()) == ["config.json", "model.safetensors"]
+
+
+def test_export_deepspec_in_python_removes_only_its_own_earlier_shards(tmp_path, target):
+    from dspark_hf.model.convert import export_deepspec
+
+    original = tiny_draft(target)
+    foreign = write_checkpoint(tmp_path / "foreign", deepspec_config(original, target),
+                               public_state_dict(original, target), shards=2)
+    export_deepspec(original, target, foreign)  # the CLI refuses this folder; a Python caller is not stopped
+    assert len(list(foreign.glob("model-0000*-of-00002.safetensors"))) == 2, "someone else's weights are kept"
+    ours = export_deepspec(original, target, tmp_path / "ours")
+    (ours / "model-00001-of-00002.safetensors").write_bytes(b"stale")
+    export_deepspec(original, target, ours)
+    assert sorted(p.name for p in ours.iterdir()) == ["config.json", "model.safetensors"]

@@ -338,3 +338,11 @@ def test_the_real_app_in_a_browser(real_app_url, browser, tmp_path):
     if os.environ.get("DSPARK_DEMO_SCREENSHOT"):
         shutil.copy(shot, os.environ["DSPARK_DEMO_SCREENSHOT"])
     page.close()
+
+
+def test_a_round_without_a_draft_says_why_on_hover():
+    from dspark_hf import DSparkRound, DSparkStep
+
+    for one_left, why in ((True, "one token left, nothing to verify"), (False, "drafting switched off")):
+        r = DSparkRound([], [], None, 0, 0, 7, 1, one_token_left=one_left)
+        assert why in app.render_step(DSparkStep([7], r), 3, app.TokenTexts(word_tokenizer()))

@@ -102,8 +102,9 @@ def test_dspark_eval_writes_the_documented_json_and_plots(tiny_models, tmp_path,
     assert set(results["domains"]) == {"code", "chat"}
     assert len(results["prompts"]) == 6 and results["settings"]["max_new_tokens"] == 12
     assert sum(p["new_tokens"] for p in results["prompts"]) == results["overall"]["new_tokens"]
-    rounds = [r for p in results["prompts"] for r in p["rounds_detail"][:-1]]
-    assert all(len(r["drafted"]) == 4 for r in rounds)  # every round drafted (a last one with a token left: none)
+    rounds = [r for p in results["prompts"] for r in p["rounds_detail"]]
+    assert all(len(r["drafted"]) == 4 for p in results["prompts"] for r in p["rounds_detail"][:-1])  # every round
+    assert all(len(p["rounds_detail"][-1]["drafted"]) in (0, 4) for p in results["prompts"])  # a last: maybe none
     assert sum(r["verified"] == 4 for r in rounds) > len(rounds) // 2  # the draft's metrics: full blocks verified
     assert "threshold_sweep" in results
     for png in ("conditional_acceptance.png", "acceptance_length.png", "threshold_sweep.png"):
@@ -244,6 +245,8 @@ def test_dspark_bench_serve_compares_every_policy_at_every_concurrency(tiny_mode
         assert by_method["fixed 2"]["mean_verified"] <= 2 and by_method["full block"]["mean_verified"] <= 4
         assert by_method["no speculation"]["rounds"] == 0
         assert by_method["no speculation"]["vs_no_speculation"] == 1.0
+        # fixed policies draft every round they can (a last one with one token left can verify nothing)
+        assert by_method["full block"]["drafting_off"] == by_method["fixed 1"]["drafting_off"] == 0
         for m in by_method.values():
             assert m["per_user"] > 0 and m["throughput"] > 0 and m["spread"] >= 0
     for png in ("serve_pareto.png", "serve_budget.png"):
@@ -285,6 +288,15 @@ def test_export_writes_a_small_checkpoint_and_a_card_from_the_results(tiny_model
     exported = DSparkDraftModel.from_pretrained(out)
     assert exported.dtype == torch.bfloat16
     assert exported.config.target_name_or_path == "org/tiny-target"  # not the local path it was trained beside
+
+
+def test_calibrate_with_no_drafted_round_says_to_decode_longer(tiny_models, tmp_path, capsys):
+    data = tmp_path / "data.jsonl"
+    data.write_text(json.dumps({"id": "d0", "prompt": "", "input_ids": [4, 5, 6, 7, 8, 9], "answer_start": 3}) + "\n")
+    assert "no held-out rollout drafted a block in 2 new tokens: raise --max-new-tokens" in cli_error(
+        capsys, ["calibrate", "--target", str(tiny_models / "target"), "--draft", str(tiny_models / "draft"),
+                 "--dataset", str(data), "--heldout-fraction", "1.0", "--max-new-tokens", "2",
+                 "--output", str(tmp_path / "out")])
 
 
 def test_dspark_calibrate_saves_temperatures_a_report_and_a_diagram(tiny_models, tmp_path):

@@ -246,7 +246,8 @@ def test_verification_length_is_an_input_of_the_round():
                  verification_policy=FixedLength(2))
     assert torch.equal(out.sequences, reference)
     assert {r.verified for rows in out.rounds for r in rows} <= {2, 1, 0}
-    assert all(len(r.drafted) == 4 for rows in out.rounds for r in rows[:-1]), "drafting always uses the full block"
+    assert all(len(r.drafted) == (0 if r.one_token_left else 4) for rows in out.rounds for r in rows), \
+        "drafting always uses the full block, but for a last round that can verify nothing"
 
 
 class Recorder(BaseStreamer):
@@ -537,3 +538,14 @@ def test_processors_that_push_a_draft_vocabulary_s_missing_token_to_infinity_lea
     options = dict(max_new_tokens=20, eos_token_id=eos, exponential_decay_length_penalty=(2, 1.5),
                    remove_invalid_values=True)
     assert torch.equal(dspark(target, draft, ids, mask, **options).sequences, plain(target, ids, mask, **options))
+
+
+def test_the_custom_generate_route_is_checked_as_the_assistant_model_route():
+    target = tiny_target("llama")
+    ids, mask = left_padded_prompts(1)
+    draft = tiny_draft(target)
+    route = dict(input_ids=ids, attention_mask=mask, max_new_tokens=4, custom_generate=dspark_generate)
+    with pytest.raises(ValueError, match="Pass either assistant_model=<DSpark draft> or custom_generate, not both"):
+        target.generate(**route, draft_model=draft, assistant_model=draft, streamer=BaseStreamer())
+    with pytest.raises(ValueError, match="past_key_values is not supported"):
+        target.generate(**route, draft_model=draft, past_key_values=DynamicCache())

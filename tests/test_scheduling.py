@@ -630,6 +630,7 @@ def test_a_last_round_in_which_no_row_can_verify_a_token_drafts_nothing():
     assert torch.equal(out.sequences, plain(target, ids, mask, max_new_tokens=7))
     (rounds,) = out.rounds
     assert rounds[-1].drafted == [] and rounds[-1].committed == 1 and seen[-1] is False
+    assert rounds[-1].one_token_left and not any(r.one_token_left for r in rounds[:-1])
     assert all(r.drafted for r in rounds[:-1])
 
 
@@ -682,6 +683,7 @@ def test_a_cost_cache_that_cannot_be_written_is_said_once_and_kept_for_the_proce
 
 
 def test_threads_adding_to_the_cost_cache_at_once_lose_nothing(tmp_path):
+    import os
     import threading
 
     from dspark_hf.scheduling.profile import _merge_into, _read_cache
@@ -700,6 +702,9 @@ def test_threads_adding_to_the_cost_cache_at_once_lose_nothing(tmp_path):
     stored = _read_cache(path, {})
     assert sorted(map(int, stored["verify"])) == list(range(1, 121)) and len(stored["drafts"]["draft"]) == 120
     assert [p.name for p in tmp_path.iterdir() if p.suffix == ".partial"] == []
+    umask = os.umask(0)
+    os.umask(umask)
+    assert path.stat().st_mode & 0o777 == 0o666 & ~umask, "readable by others as any file the user writes"
 
 
 def test_costs_are_kept_apart_by_attention_implementation_and_device_kind():
@@ -746,9 +751,11 @@ def test_a_target_whose_learned_positions_end_before_the_profiling_context_is_pr
     assert torch.equal(out, plain(target, ids, mask, max_new_tokens=12))
 
 
-def test_the_default_policy_measures_at_most_auto_max_rows_and_prices_larger_batches_in_proportion(monkeypatch):
+def test_the_default_policy_measures_at_most_auto_max_rows_and_prices_larger_batches_in_proportion(tmp_path,
+                                                                                                   monkeypatch):
     from dspark_hf.scheduling import profile
 
+    monkeypatch.setenv("DSPARK_HF_PROFILE_CACHE", str(tmp_path))  # nothing measured yet
     target = tiny_target("llama")
     draft = tiny_draft(target)
     calls = measure_counting(monkeypatch)

@@ -96,14 +96,15 @@ def _summary(runs: list[tuple[float, list]], plain: list[float], R: int, gamma: 
     throughputs = [t for t, _ in runs]
     throughput = statistics.median(throughputs)
     rounds = [r for _, rs in runs for r in rs]
-    drafted = [r for r in rounds if r.drafted]
+    could_draft = [r for r in rounds if not r.one_token_left]  # a last round with one token left verifies nothing
+    drafted = [r for r in could_draft if r.drafted]
     return {"throughput": throughput, "per_user": throughput / R, "runs": throughputs,
             "vs_no_speculation": statistics.median(t / t0 for t, t0 in zip(throughputs, plain)),
             "spread": (max(throughputs) - min(throughputs)) / throughput,
             "rounds": len(rounds) // len(runs),
             "mean_verified": statistics.mean(r.verified for r in rounds) if rounds else None,
             "tau": statistics.mean(r.tau for r in rounds) if rounds else None,
-            "drafting_off": (1 - len(drafted) / len(rounds)) if rounds else None}
+            "drafting_off": (1 - len(drafted) / len(could_draft)) if could_draft else None}
 
 
 def best_fixed(by_method: dict) -> str:

@@ -224,6 +224,7 @@ class _Decoder:
         self.n_gen = prompt.new_zeros(B)
         self.stopped_at = prompt.new_zeros(B)  # output length at which a criterion first fired, 0 if none yet
         self.rounds: list[list[DSparkRound]] = [[] for _ in range(B)]
+        self._one_token_left = False  # this round's: every row has at most one token left, nothing to verify
         self.timings = {"prefill": 0.0, "draft": 0.0, "target": 0.0, "total": 0.0}
 
     # -- what plain generate() would see ---------------------------------------------------------------------------
@@ -416,7 +417,8 @@ class _Decoder:
         rows = self.rows
         # a policy may switch drafting off for a round when, under the current load, plain decoding is faster;
         # it decides before this round's block exists, so the choice cannot depend on it (lossless)
-        if not (self._can_verify() and self.policy.draft_this_round(rows.numel())):
+        self._one_token_left = not self._can_verify()
+        if self._one_token_left or not self.policy.draft_this_round(rows.numel()):
             return empty_block(self.draft, anchor), torch.zeros_like(rows)  # the round adds the target's own token
         start = self._clock()
         self._encode_pending()
@@ -459,7 +461,8 @@ class _Decoder:
         conf = block.confidences.tolist() if block.confidences is not None else None
         for i, (r, drafted, q, v, a, t, c) in enumerate(zip(
                 self.rows.tolist(), tokens, q_x, verify_len.tolist(), n.tolist(), nxt.tolist(), counts.tolist())):
-            self.rounds[r].append(DSparkRound(drafted, q, conf[i] if conf else None, v, a, t, c))
+            self.rounds[r].append(DSparkRound(drafted, q, conf[i] if conf else None, v, a, t, c,
+                                              one_token_left=self._one_token_left))
 
     def _keep(self, alive: torch.Tensor):
         """Drop finished rows from every buffer, then drop padding columns no row needs any more."""

@@ -28,8 +28,8 @@ _signature = inspect.signature(_original_generate)
 def _generate(self, *args, **kwargs):
     bound = _signature.bind_partial(self, *args, **kwargs).arguments
     draft = unwrap_draft(bound.get("assistant_model"))  # a DSpark draft, possibly with peft adapters
-    if bound.get("custom_generate") is dspark_generate and bound.get("streamer") is not None:
-        return _streamer_by_name(self, bound)
+    if bound.get("custom_generate") is dspark_generate:
+        return _dspark_generate_route(self, bound)
     if not isinstance(draft, DSparkDraftModel):
         _refuse_a_draft_of_another_class(draft)
         _refuse_dspark_options_without_a_draft(bound)
@@ -41,25 +41,36 @@ def _generate(self, *args, **kwargs):
     bound.pop("assistant_model")
     streamer = bound.pop("streamer", None)
     policy, ssd = extra.pop("verification_policy", None), extra.pop("ssd", None)
-    if extra.get("past_key_values") is not None:  # plain generate() fills a caller's cache for reuse; DSpark cannot
-        raise ValueError("past_key_values is not supported with a DSpark draft: it keeps its own cache, re-aligned "
-                         "every round, so a cache passed in would not be filled for reuse. Drop past_key_values.")
+    _refuse_a_cache(extra)
     _refuse_token_healing(self, bound, extra)
     _stop_strings_as_criteria(self, bound, extra)
     return _original_generate(self, **bound, **extra, custom_generate=dspark_generate, draft_model=draft,
                               token_streamer=streamer, verification_policy=policy, ssd=ssd)
 
 
-def _streamer_by_name(model, bound: dict):
-    """generate() hands a custom_generate callable none of its own parameters, `streamer` included (which would
-    get the prompt and nothing after it): on the documented custom_generate=dspark_generate route it goes by the
-    name dspark_generate reads."""
+def _dspark_generate_route(model, bound: dict):
+    """The documented extension point, generate(custom_generate=dspark_generate, draft_model=draft), checked as the
+    assistant_model route is. generate() hands a custom_generate callable none of its own parameters, `streamer`
+    included (it would get the prompt and nothing after it), so the streamer goes by the name dspark_generate
+    reads."""
+    if bound.get("assistant_model") is not None:
+        raise ValueError("Pass either assistant_model=<DSpark draft> or custom_generate, not both.")
     extra = bound.pop("kwargs", {})
     bound.pop("self")
-    if extra.get("token_streamer") is not None:
-        raise ValueError("Pass the streamer once: streamer= or token_streamer=, not both.")
-    extra["token_streamer"] = bound.pop("streamer")
+    _refuse_a_cache(extra)
+    streamer = bound.pop("streamer", None)
+    if streamer is not None:
+        if extra.get("token_streamer") is not None:
+            raise ValueError("Pass the streamer once: streamer= or token_streamer=, not both.")
+        extra["token_streamer"] = streamer
     return _original_generate(model, **bound, **extra)
+
+
+def _refuse_a_cache(extra: dict) -> None:
+    """Plain generate() fills a caller's cache for reuse; DSpark keeps its own."""
+    if extra.get("past_key_values") is not None:
+        raise ValueError("past_key_values is not supported with a DSpark draft: it keeps its own cache, re-aligned "
+                         "every round, so a cache passed in would not be filled for reuse. Drop past_key_values.")
 
 
 def _refuse_a_draft_of_another_class(model) -> None:

@@ -14,7 +14,7 @@ class DSparkRound:
     Attributes:
         drafted: the block the draft proposed (block_size tokens, always the full trained block), or [] when the
             verification policy switched drafting off for the round (plain decoding was faster under the load), or
-            when no row had more than one token left (nothing could be verified).
+            when no row had more than one token left (`one_token_left`).
         draft_probs: q_k(x_k), the draft probability of each drafted token (after logits processors).
         confidences: calibrated c_k per drafted position, or None for a draft without a confidence head.
         verified: how many drafted tokens were sent to the target (the scheduler may trim the block).
@@ -25,6 +25,8 @@ class DSparkRound:
             the length limit ended the row inside the chunk).
         cache_hit: with `ssd=`, whether the block came ready from the speculation cache (False: a fallback
             drafted it); None without SSD or when nothing was drafted.
+        one_token_left: the round started with at most one token left in every row: nothing could be verified, so
+            nothing was drafted (the last round of a call that ends at its length limit).
     """
 
     drafted: list[int]
@@ -35,6 +37,7 @@ class DSparkRound:
     next_token: int
     committed: int
     cache_hit: bool | None = None
+    one_token_left: bool = False
 
     @property
     def tau(self) -> int:

@@ -355,11 +355,20 @@ def export_deepspec(draft: DSparkDraftModel, target: PreTrainedModel, dst: str |
     for key, of_target in _TARGET_COPIES.items():
         tensors[key] = of_target(target).to(draft.dtype)  # one dtype per checkpoint, as DeepSpec saves
     dst.mkdir(parents=True, exist_ok=True)
-    for stale in [*dst.glob("*.safetensors"), *dst.glob("*.safetensors.index.json")]:  # an earlier export's shards
-        stale.unlink()
+    if _earlier_export(dst):  # its shards, which a reader would prefer to the new file
+        for stale in [*dst.glob("*.safetensors"), *dst.glob("*.safetensors.index.json")]:
+            stale.unlink()
     (dst / "config.json").write_text(json.dumps(raw, indent=2, default=str))
     save_file({k: v.detach().cpu().contiguous().clone() for k, v in tensors.items()}, dst / "model.safetensors")
     return dst
+
+
+def _earlier_export(folder: Path) -> bool:
+    """Whether `folder` holds an export of ours (never a downloaded checkpoint)."""
+    try:
+        return "dspark_hf_export" in json.loads((folder / "config.json").read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, TypeError):
+        return False
 
 
 __all__ = ["convert_checkpoint", "export_deepspec", "deepspec_blockers", "SOURCES", "deepspec_config", "specforge_config", "dflash_config",

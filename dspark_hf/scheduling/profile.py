@@ -322,6 +322,8 @@ def _monotone(seconds: dict[int, float]) -> dict[int, float]:
 
 
 _CACHE_LOCK = threading.Lock()  # threads of one process merge into the cache one at a time
+_UMASK = os.umask(0o022)  # read once (os.umask only sets it): mkstemp makes private files, a shared cache is not
+os.umask(_UMASK)
 _UNSAVED: dict[Path, dict] = {}  # cache files this process could not write, and what it would have written
 
 
@@ -362,6 +364,7 @@ def _merge_into(path: Path, key: dict, verify: dict, draft_key: str, drafts: dic
             try:
                 with os.fdopen(handle, "w") as f:
                     json.dump(current, f, indent=1, default=str)
+                os.chmod(partial, 0o666 & ~_UMASK)
                 os.replace(partial, path)
             except BaseException:
                 Path(partial).unlink(missing_ok=True)
