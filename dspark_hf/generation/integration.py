@@ -3,8 +3,9 @@
 transformers chooses candidate generators from a hard-coded chain and its assisted loop refuses batch size > 1,
 so DSpark runs as a ``custom_generate`` callable (the public extension point). This module wraps
 ``GenerationMixin.generate`` once, at ``import dspark_hf``: when ``assistant_model`` is a DSpark draft (or a peft
-wrapper of one) the call is forwarded with ``custom_generate=dspark_generate``; every other call goes to the
-original method untouched.
+wrapper of one) the call is forwarded with ``custom_generate=dspark_generate``; a call that names
+``custom_generate=dspark_generate`` itself gets the same refusals and its streamer passed on; every other call goes to
+the original method untouched.
 The wrapper keeps no state and patches no model instance, so concurrent generate() calls are independent.
 """
 
