@@ -73,7 +73,9 @@ def measure_profile(models: Models, path: str | Path, **kwargs) -> Path:
 
 
 def make_policy(name: str, threshold: float, profile: Path):
-    """A fresh verification policy per request: the scheduler keeps state across the rounds of one call."""
+    """A fresh verification policy per request: the scheduler keeps state across the rounds of one call. "auto" is
+    generate()'s default as a user gets it: greedy calls hand what it learned on to the next greedy call in the
+    process, so here from one visitor's request to the next (what it decides never changes the output)."""
     if name == "full block":
         return FullBlock()
     if name == "auto":  # generate()'s default: plans against this machine's cached costs, drafts while it pays
@@ -372,6 +374,8 @@ class DSparkDemo:
         criteria = StoppingCriteriaList([StopFlag(stop)])
         texts = TokenTexts(self.models.tokenizer)
         answer, rounds, tokens, numbers = [], [], [], {"policy": policy, **kwargs}
+        if isinstance(verification, ThresholdPolicy):
+            numbers["threshold"] = verification.threshold
         status = "DSpark running…"
 
         def update(seconds, plain_text=None, comparison=""):
@@ -383,14 +387,19 @@ class DSparkDemo:
         dspark = Generation(self.models.target, inputs, assistant_model=self.models.draft,
                             verification_policy=verification, stopping_criteria=criteria, **kwargs)
         yield update(0.0)
-        for step in dspark:
-            answer.append(render_step(step, len(rounds) + 1, texts))
-            tokens += step.tokens
-            if step.round is not None:
-                rounds.append(step.round)
-            if time.perf_counter() - last >= UPDATE_EVERY_S:
-                last = time.perf_counter()
-                yield update(last - start)
+        try:
+            for step in dspark:
+                answer.append(render_step(step, len(rounds) + 1, texts))
+                tokens += step.tokens
+                if step.round is not None:
+                    rounds.append(step.round)
+                if time.perf_counter() - last >= UPDATE_EVERY_S:
+                    last = time.perf_counter()
+                    yield update(last - start)
+        except gr.Error as error:  # the panel says so too, not only the message box
+            status = f"failed: {error.message}"
+            yield update(time.perf_counter() - start)
+            raise
         numbers.update(self._summary("dspark", rounds, tokens, dspark.seconds))
         if stop.is_set():
             status = f"stopped after {len(tokens)} tokens: no comparison with plain generate()"
@@ -435,7 +444,8 @@ class DSparkDemo:
     @staticmethod
     def _comparison_html(n: dict) -> str:
         same = {True: "identical output ✓", False: "OUTPUT DIFFERS ✗",
-                None: "sampled: outputs differ, distributions match"}[n["identical_to_plain"]]
+                None: "sampled: not compared token by token (both follow the target's distribution)"}[
+                    n["identical_to_plain"]]
         return (f'<b>{n["speedup"]:.2f}x</b> · DSpark {n["dspark_tokens_per_s"]:.1f} tok/s vs plain '
                 f'{n["plain_tokens_per_s"]:.1f} tok/s · {same}')
 

@@ -346,3 +346,19 @@ def test_a_round_without_a_draft_says_why_on_hover():
     for one_left, why in ((True, "one token left, nothing to verify"), (False, "drafting switched off")):
         r = DSparkRound([], [], None, 0, 0, 7, 1, one_token_left=one_left)
         assert why in app.render_step(DSparkStep([7], r), 3, app.TokenTexts(word_tokenizer()))
+
+
+def test_a_failed_generation_leaves_the_panel_saying_so_and_threshold_runs_record_their_threshold(tiny_demo):
+    class Request:
+        session_hash = "failing"
+
+    handlers, _ = tiny_demo
+    target = handlers.models.target
+    headless = app.DSparkDemo(app.Models(target, handlers.models.tokenizer, tiny_draft(target, confidence_head=False),
+                                         "tiny-llama", "no-confidence"), handlers.profile)
+    pages = []
+    with pytest.raises(gr.Error, match="ThresholdPolicy needs a draft with a confidence head"):
+        for page in headless.run(PROMPT, 0.0, 8, "threshold", 0.5, Request()):
+            pages.append(page)
+    assert re.search(r'id="ds-status">failed: Generation failed: ThresholdPolicy', pages[-1][1])
+    assert pages[-1][3]["threshold"] == 0.5
