@@ -365,6 +365,9 @@ class _Decoder:
         rows, mask, anchor = self.rows, self.mask, self.anchor
         R = rows.numel()
         anchor_pos = mask.sum(1) - 1
+        # a row with a single token left commits its bonus token only: when every row is so, nothing can be
+        # verified, and the round drafts nothing (nor does the policy count it)
+        self._one_token_left = bool((self.max_new - self.n_gen[rows] <= 1).all())
         block, verify_len = self._propose(anchor, anchor_pos)
         drafted = block.tokens.shape[1] > 0
         L = int(verify_len.max())
@@ -417,7 +420,6 @@ class _Decoder:
         rows = self.rows
         # a policy may switch drafting off for a round when, under the current load, plain decoding is faster;
         # it decides before this round's block exists, so the choice cannot depend on it (lossless)
-        self._one_token_left = not self._can_verify()
         if self._one_token_left or not self.policy.draft_this_round(rows.numel()):
             return empty_block(self.draft, anchor), torch.zeros_like(rows)  # the round adds the target's own token
         start = self._clock()
@@ -426,11 +428,6 @@ class _Decoder:
                                  process_logits=lambda prefix, logits: self._process(rows, prefix, logits))
         self.timings["draft"] += self._clock() - start
         return block, self._verify_lengths(block)
-
-    def _can_verify(self) -> bool:
-        """Whether a row may verify a drafted token this round: one with a single token left commits its bonus token
-        only, so a last round drafts nothing (and the policy does not count it)."""
-        return bool((self.max_new - self.n_gen[self.rows] > 1).any())
 
     def _verify_lengths(self, block):
         """The policy's choice of how much of `block` each row verifies, never past the length limit."""

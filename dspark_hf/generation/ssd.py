@@ -147,7 +147,6 @@ class SSDMixin:
     def _propose(self, anchor, anchor_pos):
         rows = self.rows
         R = rows.numel()
-        self._one_token_left = not self._can_verify()
         self._drafted = not self._one_token_left and self.policy.draft_this_round(R)
         if not self._drafted:  # nothing to verify, so nothing to speculate on: the next block is drafted in time
             self._next, self._hit = None, torch.zeros(R, dtype=torch.bool, device=rows.device)

@@ -288,8 +288,8 @@ def cached_costs(target, draft, rows: Sequence[int], progress: bool = True) -> E
                                   + ".json")
     stored = _read_cache(path, key)
     verify = measured_grid(stored["verify"], "verify")
-    drafts = measured_table(stored["drafts"][_draft_key(draft)], "drafts") if _draft_key(draft) in stored["drafts"] \
-        else {}
+    draft_key = _draft_key(draft)
+    drafts = measured_table(stored["drafts"][draft_key], "drafts") if draft_key in stored["drafts"] else {}
     tokens = draft.config.block_size + 1
     needs_verify = sorted({R for R in rows if R not in verify or max(verify[R]) < tokens})
     needs_draft = sorted({R for R in rows if R not in drafts} - set(needs_verify))
@@ -302,7 +302,7 @@ def cached_costs(target, draft, rows: Sequence[int], progress: bool = True) -> E
         verify.update({R: {n: 1.0 / sps for n, sps in row.items()} for R, row in measured["grid"].items()})
         drafts.update(measured["draft_seconds"])
     if needs_verify or needs_draft:
-        _merge_into(path, key, verify, _draft_key(draft), drafts)
+        _merge_into(path, key, verify, draft_key, drafts)
     return EngineCosts(verify, drafts)
 
 
