@@ -431,3 +431,18 @@ def test_targets_with_recurrent_or_convolutional_layers_are_refused(make):
     draft = tiny_draft(tiny_target("llama"))
     with pytest.raises(ValueError, match="DSpark needs a target whose layers are all attention"):
         draft.check_target(target)
+
+
+def test_targets_whose_layers_pass_several_hidden_streams_are_refused():
+    import transformers
+
+    layers = ["sliding_attention", "full_attention"]
+    target = transformers.Gemma3nForCausalLM(transformers.Gemma3nTextConfig(
+        vocab_size=64, vocab_size_per_layer_input=64, hidden_size=32, hidden_size_per_layer_input=8,
+        intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+        laurel_rank=4, altup_num_inputs=2, num_kv_shared_layers=0, activation_sparsity_pattern=[0.0, 0.0],
+        layer_types=layers)).eval()
+    with pytest.raises(ValueError, match="AltUp layers .* cannot read as one hidden state per layer"):
+        DSparkDraftModel.from_target(target)
+    with pytest.raises(ValueError, match="AltUp layers"):
+        tiny_draft(tiny_target("llama")).check_target(target)

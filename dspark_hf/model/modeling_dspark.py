@@ -264,7 +264,7 @@ class DSparkDraftModel(DSparkPreTrainedModel):
         config field can be overridden, e.g. ``from_target(target, num_hidden_layers=1, markov_rank=16)``.
         """
         t = target.config.get_text_config()
-        _refuse_stateful_layers(t)
+        _refuse_unreadable_target(t)
         n_layers = overrides.get("num_hidden_layers", DSparkConfig.num_hidden_layers)
         lo = min(1, t.num_hidden_layers - 2)
         hi = max(lo, t.num_hidden_layers - 3)
@@ -334,7 +334,7 @@ class DSparkDraftModel(DSparkPreTrainedModel):
     def check_target(self, target: PreTrainedModel) -> None:
         """Raise a ValueError that says what differs if this draft was not built for `target`."""
         c, t = self.config, target.config.get_text_config()
-        _refuse_stateful_layers(t)
+        _refuse_unreadable_target(t)
         out = target.get_output_embeddings()
         problems = []
         if out is None:
@@ -607,12 +607,21 @@ _INTERMEDIATE_NAMES = ("intermediate_size", "n_inner", "ffn_hidden_size", "ffn_d
 _STATEFUL_LAYER_TYPES = {"linear_attention", "conv", "hybrid", "hybrid_sliding", "mamba"}
 
 
-def _refuse_stateful_layers(t) -> None:
+# targets whose decoder layers pass more than one hidden stream between them, so no single layer output is the
+# "hidden state" a draft reads (Gemma3n's AltUp predicts and corrects several streams, plus per-layer inputs)
+_MULTI_STREAM_MODEL_TYPES = {"gemma3n_text": "AltUp layers that carry several hidden streams and per-layer inputs"}
+
+
+def _refuse_unreadable_target(t) -> None:
     stateful = sorted(set(getattr(t, "layer_types", None) or ()) & _STATEFUL_LAYER_TYPES)
     if stateful:
         raise ValueError(f"A {t.model_type} target has {', '.join(stateful)} layers, whose recurrent or convolutional "
                          "state cannot be cut back to the accepted part of a verified block: DSpark needs a target "
                          "whose layers are all attention.")
+    if t.model_type in _MULTI_STREAM_MODEL_TYPES:
+        raise ValueError(f"A {t.model_type} target has {_MULTI_STREAM_MODEL_TYPES[t.model_type]}, which a DSpark "
+                         "draft cannot read as one hidden state per layer: DSpark needs a target whose layers each "
+                         "pass one hidden state on (Llama, Qwen, Gemma 1-3, Mistral, ...).")
 
 
 def _as_list(x) -> list:
