@@ -25,9 +25,23 @@ def _load(args, draft: bool = True):
                                          draft_dtype if draft_dtype == "auto" else getattr(torch, draft_dtype))
 
 
+def _check_outputs(args) -> None:
+    """Refuse an --output that cannot be a file, or a --plot that cannot be a folder, before the work whose results
+    they would hold (a benchmark's hours are lost if writing fails at the end)."""
+    output, plot = Path(args.output), getattr(args, "plot", None)
+    if output.is_dir():
+        raise ValueError(f"--output {args.output} is a folder: give the path of the JSON file to write.")
+    blocked = next((p for p in output.parents if p.exists() and not p.is_dir()), None)
+    if blocked is not None:
+        raise ValueError(f"--output {args.output}: {blocked} is a file, not a folder: give another path.")
+    if plot is not None and Path(plot).exists() and not Path(plot).is_dir():
+        raise ValueError(f"--plot {plot} is a file: give a folder for the PNGs.")
+
+
 def _write_json(path: str, data: dict) -> None:
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(data, indent=2))
+    from .files import write_atomic
+
+    write_atomic(path, json.dumps(data, indent=2))
 
 
 def cmd_generate(args) -> int:
@@ -43,7 +57,9 @@ def cmd_generate(args) -> int:
     kw = dict(max_new_tokens=args.max_new_tokens, do_sample=args.temperature > 0)
     if args.temperature > 0:
         kw.update(temperature=args.temperature)
-    target.generate(**inputs, max_new_tokens=4)  # warm-up
+    # warm-up of both, so that neither timing holds one-time work (the default policy measures this machine once)
+    target.generate(**inputs, max_new_tokens=4)
+    target.generate(**inputs, max_new_tokens=4, assistant_model=draft, do_sample=kw["do_sample"])
 
     start = clock(target.device)
     out = target.generate(**inputs, **kw, assistant_model=draft, return_dict_in_generate=True)
@@ -79,7 +95,8 @@ def cmd_bench_oracle(args) -> int:
 
     from .scheduling.named import named_policy
 
-    policies = {name: named_policy(name, getattr(args, "profile", None)) for name in args.policy or ["full block"]}
+    _check_outputs(args)
+    policies = {name: named_policy(name, args.profile) for name in args.policy or ["full block"]}
     target, tokenizer, draft = _load(args)
     with tqdm(total=len(args.batch_sizes) * args.repeats, desc="oracle bench") as bar:
         report = bench_oracle(target, tokenizer, draft, tuple(args.batch_sizes), args.max_new_tokens, args.repeats,
@@ -103,6 +120,8 @@ def cmd_prompts(args) -> int:
         name, _, count = spec.partition("=")
         if count and not (count.isdigit() and int(count) > 0):
             raise ValueError(f"--source {spec}: write NAME or NAME=COUNT with COUNT >= 1, e.g. gym-math=4000.")
+        if name in sources:
+            raise ValueError(f"--source {name} is given more than once: give each source once.")
         sources[name] = int(count) if count else None
     tokenizer = AutoTokenizer.from_pretrained(args.target or default_target_path())
 
@@ -168,6 +187,7 @@ def cmd_eval(args) -> int:
     from .evaluation.machine import describe
     from .evaluation.suites import load_prompts
 
+    _check_outputs(args)
     prompts = load_prompts(args.prompts, args.suite, args.limit)
     target, tokenizer, draft = _load(args)
     results = run_eval(target, tokenizer, draft, prompts, args.max_new_tokens, args.temperature, args.batch_size,
@@ -196,6 +216,7 @@ def cmd_bench_speed(args) -> int:
 
     from .scheduling.named import named_policy
 
+    _check_outputs(args)
     policies = {name: named_policy(name, args.profile) for name in args.policy or ["auto"]}  # checked first
     prompts = load_prompts(args.prompts, args.suite, args.limit)
     target, tokenizer, draft = _load(args)
@@ -229,6 +250,7 @@ def cmd_bench_ssd(args) -> int:
     from .evaluation.machine import describe
     from .evaluation.suites import load_prompts
 
+    _check_outputs(args)
     prompts = load_prompts(args.prompts, args.suite or (None if args.prompts else ["humaneval", "mtbench", "gsm"]),
                            args.limit)
     target, tokenizer, draft = _load(args)
@@ -247,6 +269,7 @@ def cmd_bench_serve(args) -> int:
     from .evaluation.serve import bench_serve, format_serve_table, plot_serve
     from .evaluation.suites import load_prompts
 
+    _check_outputs(args)
     prompts = load_prompts(args.prompts, args.suite or (None if args.prompts else ["humaneval", "mtbench", "gsm"]),
                            args.limit)
     target, tokenizer, draft = _load(args)
@@ -431,6 +454,7 @@ def cmd_profile(args) -> int:
 
     if args.no_draft and args.draft:
         raise ValueError("--no-draft skips the draft's cost, so --draft has nothing to do: pass one or the other.")
+    _check_outputs(args)
     target, _, draft = _load(args, draft=not args.no_draft)
     longest = getattr(target.config.get_text_config(), "max_position_embeddings", None)
     if longest is not None and args.context + args.max_tokens > longest:
@@ -622,7 +646,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--intermediate-size", type=POSITIVE, help="draft MLP width (default: the target's)")
     p.add_argument("--markov-rank", type=POSITIVE, help=f"default: {shape.markov_rank}")
     p.add_argument("--block-size", type=POSITIVE, help=f"default: {shape.block_size}")
-    p.add_argument("--draft-vocab-size", type=POSITIVE,
+    p.add_argument("--draft-vocab-size", type=COUNT,
                    help=f"0 = the full target vocabulary (default: {DEFAULT_DRAFT_VOCAB_SIZE})")
     p.add_argument("--target-layer-ids", type=int, nargs="+", help="default: the reference rule")
     p.set_defaults(func=cmd_train)
@@ -704,6 +728,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--policy", action="append", metavar="NAME",
                    help="verification policy (default: 'full block', the ceiling); repeat to compare others in the "
                         "same run, e.g. --policy 'full block' --policy auto")
+    p.add_argument("--profile", help="a `dspark profile` JSON for auto, scheduled and async to plan against")
     p.add_argument("--output", default="bench_oracle.json", help="JSON report to write")
     p.set_defaults(func=cmd_bench_oracle)
 
@@ -737,7 +762,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=POSITIVE, default=32,
                    help="new tokens per prompt (as generate()'s max_new_tokens)")
     p.add_argument("--repeats", type=POSITIVE, default=2, help="timed runs of each setting; the median is reported")
-    p.add_argument("--fixed-lengths", type=POSITIVE, nargs="+", default=[1, 2, 4], help="fixed verification lengths")
+    p.add_argument("--fixed-lengths", type=POSITIVE, nargs="+",
+                   help="fixed verification lengths, each below the draft's block (default: 1 2 4, those below it)")
     p.add_argument("--threshold", type=SHARE, default=0.5, help="static confidence threshold baseline")
     p.add_argument("--profile", help="a `dspark profile` JSON: adds the hardware-aware scheduler")
     p.add_argument("--policies", nargs="+", metavar="NAME",
@@ -784,14 +810,28 @@ def _connection_errors() -> tuple[type[BaseException], ...]:
     return tuple(found)
 
 
+# list flags whose values are each measured (or collected) once: a value given twice would be run twice and kept once
+_DISTINCT_FLAGS = ("batch_sizes", "cache_sizes", "saguaro_c", "fixed_lengths", "rows", "policy", "policies", "suite")
+
+
+def _refuse_repeats(args) -> None:
+    for name in _DISTINCT_FLAGS:
+        values = getattr(args, name, None) or []
+        twice = [v for i, v in enumerate(values) if v in values[:i]]
+        if twice:
+            raise ValueError(f"--{name.replace('_', '-')} lists {twice[0]} more than once: give each value once.")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv  # accepted anywhere on the line, before or after the command
     args = build_parser().parse_args([a for a in argv if a != "--debug"])
     if debug:
+        _refuse_repeats(args)
         return args.func(args)
     command = " ".join(filter(None, (args.command, getattr(args, "bench", None))))
     try:
+        _refuse_repeats(args)
         return args.func(args)
     except USER_ERRORS as e:
         message = " ".join(str(e).split()) or type(e).__name__

@@ -27,11 +27,24 @@ def load_target(name_or_path: str | None = None, dtype: torch.dtype = torch.floa
     on `device` ("auto": a CUDA GPU when present, else the CPU). The tokenizer pads on the left, for batches."""
     if name_or_path is None:
         return default_target(dtype=dtype, device=device)
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     _check_name(name_or_path, "the target")
-    model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype).to(resolve_device(device)).eval()
-    return model, AutoTokenizer.from_pretrained(name_or_path, padding_side="left")
+    kind = AutoConfig.from_pretrained(name_or_path).model_type
+    if kind == "dspark":
+        raise ValueError(f"the target {name_or_path} is a DSpark draft: pass it as the draft (--draft), and the "
+                         "model it drafts for as the target.")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype)
+    except ValueError as error:  # transformers' message lists every causal-LM config class: thousands of characters
+        if not str(error).startswith("Unrecognized configuration class"):
+            raise
+        raise ValueError(f"the target {name_or_path} is a {kind} model, which AutoModelForCausalLM cannot load: "
+                         "give a decoder-only causal LM.") from error
+    tokenizer = AutoTokenizer.from_pretrained(name_or_path, padding_side="left")
+    if tokenizer.pad_token is None:  # Llama-3 style tokenizers: a batch pads with EOS, as plain generate() does
+        tokenizer.pad_token = tokenizer.eos_token
+    return model.to(resolve_device(device)).eval(), tokenizer
 
 
 def load_draft(name_or_path: str | None, target, dtype: torch.dtype | str = "auto"):

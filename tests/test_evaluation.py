@@ -417,3 +417,113 @@ def test_dspark_bench_ssd_compares_fan_out_shapes_saguaro_and_speed(tiny_models,
     assert report["equation"]["hit_rate"] > 0.5 and len(report["acceptance_by_lag"]) > 1
     assert (tmp_path / "plots" / "ssd.png").stat().st_size > 1000
     assert "Cache hit rate by fan-out shape" in capsys.readouterr().out
+
+
+def test_result_paths_that_cannot_be_written_are_refused_before_any_work(tiny_models, tmp_path, capsys):
+    # a --target that does not exist would fail first if the run started before the paths were checked
+    start = ["--target", str(tmp_path / "no-target"), "--suite", "gsm"]
+    (tmp_path / "a-folder").mkdir()
+    (tmp_path / "a-file").write_text("")
+    assert "--output " + str(tmp_path / "a-folder") + " is a folder" in cli_error(
+        capsys, ["eval", *start, "--output", str(tmp_path / "a-folder")])
+    assert "a-file is a file, not a folder" in cli_error(
+        capsys, ["bench", "speed", *start, "--output", str(tmp_path / "a-file" / "bench.json")])
+    assert "--plot " + str(tmp_path / "a-file") + " is a file" in cli_error(
+        capsys, ["bench", "serve", *start, "--plot", str(tmp_path / "a-file")])
+    assert "no such file; make one with `dspark profile" in cli_error(
+        capsys, ["bench", "oracle", *start[:2], "--policy", "scheduled", "--profile", str(tmp_path / "p.json")])
+
+
+def test_results_are_written_whole_and_replace_the_earlier_file(tiny_models, tmp_path):
+    out = tmp_path / "results.json"
+    out.write_text("earlier run")
+    assert main(["bench", "oracle", "--target", str(tiny_models / "target"), "--draft", str(tiny_models / "draft"),
+                 "--batch-sizes", "1", "--max-new-tokens", "4", "--repeats", "1", "--output", str(out)]) == 0
+    assert "machine" in json.loads(out.read_text()) and [p.name for p in tmp_path.iterdir()] == ["results.json"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["bench", "serve", "--batch-sizes", "2", "4", "2"], "--batch-sizes lists 2 more than once"),
+    (["bench", "speed", "--suite", "gsm", "--policy", "auto", "--policy", "auto"], "--policy lists auto more than once"),
+    (["bench", "ssd", "--saguaro-c", "0.5", "0.5"], "--saguaro-c lists 0.5 more than once"),
+    (["prompts", "--output", "p.jsonl", "--source", "gym-math=10", "--source", "gym-math=20"],
+     "--source gym-math is given more than once"),
+], ids=lambda v: v[1] if isinstance(v, list) else None)
+def test_a_value_listed_twice_is_refused_instead_of_measured_twice_and_kept_once(tmp_path, capsys, argv, message):
+    # the target does not exist: the repeat must be refused before anything loads
+    assert message in cli_error(capsys, [*argv, "--target", str(tmp_path / "no-target")])
+
+
+def test_bench_serve_refuses_fixed_lengths_the_draft_cannot_verify(tiny_models, tmp_path, capsys):
+    assert "fixed lengths [4, 8]: the draft drafts 4 tokens per block" in cli_error(
+        capsys, ["bench", "serve", "--target", str(tiny_models / "target"), "--draft", str(tiny_models / "draft"),
+                 "--prompts", str(tiny_models / "prompts.jsonl"), "--fixed-lengths", "1", "4", "8",
+                 "--batch-sizes", "1", "--max-new-tokens", "2", "--repeats", "1", "--output", str(tmp_path / "s.json")])
+
+
+def test_prompt_files_with_a_non_string_domain_or_that_are_not_text_are_refused_naming_the_line(tiny_models, tmp_path,
+                                                                                               capsys):
+    models = ["--target", str(tiny_models / "target"), "--draft", str(tiny_models / "draft")]
+    (tmp_path / "domain.jsonl").write_text('{"id": 1, "prompt": "w4", "domain": "code"}\n'
+                                           '{"id": 2, "prompt": "w5", "domain": 5}\n')
+    assert 'domain.jsonl:2: "domain" must be a string' in cli_error(
+        capsys, ["eval", *models, "--prompts", str(tmp_path / "domain.jsonl")])
+    (tmp_path / "latin1.jsonl").write_bytes('{"id": 1, "prompt": "caf\u00e9"}\n'.encode("latin-1"))
+    assert "latin1.jsonl:1: not UTF-8 text" in cli_error(
+        capsys, ["eval", *models, "--prompts", str(tmp_path / "latin1.jsonl")])
+    (tmp_path / "plain.jsonl.gz").write_text('{"id": 1, "prompt": "w4"}\n')
+    assert "plain.jsonl.gz: its name ends in .gz but it is not a whole gzip file" in cli_error(
+        capsys, ["eval", *models, "--prompts", str(tmp_path / "plain.jsonl.gz")])
+
+
+def test_a_draft_given_as_the_target_is_named_as_such(tiny_models, capsys):
+    assert "is a DSpark draft: pass it as the draft (--draft)" in cli_error(
+        capsys, ["eval", "--target", str(tiny_models / "draft"), "--suite", "gsm"])
+
+
+def test_a_target_whose_tokenizer_has_no_pad_token_pads_batches_with_eos(tiny_models, tmp_path):
+    from dspark_hf.loading import load_target
+
+    folder = tmp_path / "target"
+    tiny_target("llama").save_pretrained(folder)
+    tokenizer = tiny_tokenizer()
+    tokenizer.pad_token = None
+    tokenizer.save_pretrained(folder)
+    _, loaded = load_target(str(folder))
+    assert loaded.pad_token == "<eos>" and loaded.padding_side == "left"
+
+
+def test_draft_vocab_size_zero_means_the_full_vocabulary_on_the_command_line():
+    from dspark_hf.cli import build_parser
+
+    args = build_parser().parse_args(["train", "--dataset", "d", "--output-dir", "o", "--draft-vocab-size", "0"])
+    assert args.draft_vocab_size == 0
+
+
+def test_dspark_generate_times_neither_call_with_one_time_work(tiny_models, tmp_path, monkeypatch, capsys):
+    """The default policy measures this machine once; that belongs to the warm-up, not to the timed DSpark call."""
+    import dspark_hf.devices
+    import dspark_hf.scheduling.profile as profile
+
+    monkeypatch.setenv("DSPARK_HF_PROFILE_CACHE", str(tmp_path))  # nothing measured yet
+    events, clock, measure = [], dspark_hf.devices.clock, profile.profile_sps
+    monkeypatch.setattr(dspark_hf.devices, "clock", lambda *a, **k: events.append("clock") or clock(*a, **k))
+    monkeypatch.setattr(profile, "profile_sps", lambda *a, **k: events.append("measure") or measure(*a, **k))
+    assert main(["generate", "--target", str(tiny_models / "target"), "--draft", str(tiny_models / "draft"),
+                 "--prompt", "w4 w5 w6", "--max-new-tokens", "8"]) == 0
+    assert "measure" in events and "measure" not in events[events.index("clock"):], events
+
+
+def test_the_threshold_sweep_plot_labels_both_axes_and_its_legend_names_the_line(tmp_path, monkeypatch):
+    import matplotlib.pyplot as plt
+
+    from dspark_hf.evaluation.plots import plot_threshold_sweep
+
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)
+    row = {"threshold": 0.5, "tokens_per_step": 2.0, "rejected_per_step": 0.5, "acceptance_rate": 0.6}
+    plot_threshold_sweep({"code": [row], "chat": [row]}, tmp_path)
+    bars, *_, line = figures[0].axes  # the bar axes of each domain, then their twins
+    assert bars.get_ylabel() == "draft tokens per step" and line.get_ylabel() == "acceptance rate"
+    assert [t.get_text() for t in bars.get_legend().get_texts()] == ["accepted / step", "rejected / step",
+                                                                      "acceptance rate"]

@@ -96,12 +96,16 @@ def plot_threshold_sweep(sweep: dict, out_dir: str | Path) -> Path:
         ax.bar(xs, rejected, bottom=accepted, hatch="//", alpha=0.5, label="rejected / step")
         ax.set_xticks(xs, [f"{r['threshold']:.1f}" for r in rows])
         ax.set_xlabel("confidence threshold")
+        ax.set_ylabel("draft tokens per step")
         ax.set_title(domain)
         twin = ax.twinx()
         rates = [float("nan") if r["acceptance_rate"] is None else r["acceptance_rate"] for r in rows]  # gap: none verified
         twin.plot(xs, rates, color="black", marker="o", label="acceptance rate")
         twin.set_ylim(0, 1)
-    axes[0][0].legend(loc="upper left", fontsize=8)
+        twin.set_ylabel("acceptance rate")
+        if ax is axes[0][0]:  # one legend for the bars and the line of the twin axes
+            handles = ax.get_legend_handles_labels()[0] + twin.get_legend_handles_labels()[0]
+            ax.legend(handles, [h.get_label() for h in handles], loc="upper left", fontsize=8)
     fig.tight_layout()
     path = Path(out_dir) / "threshold_sweep.png"
     fig.savefig(path, dpi=120)

@@ -23,9 +23,21 @@ from .evaluate import chat_batch, user_tokens
 from .machine import machine_info
 
 
-def serve_policies(draft, fixed_lengths=(1, 2, 4), threshold: float = 0.5, profile: str | None = None) -> dict:
+def fixed_lengths_for(draft, asked=None) -> list[int]:
+    """The fixed verification lengths to measure: those asked for, each below the draft's block, else 1, 2 and 4
+    below it."""
+    if asked is None:
+        return [n for n in (1, 2, 4) if n < draft.config.block_size]
+    too_long = [n for n in asked if n >= draft.config.block_size]
+    if too_long:
+        raise ValueError(f"fixed lengths {too_long}: the draft drafts {draft.config.block_size} tokens per block; give "
+                         "lengths below that (the full block is always measured).")
+    return list(asked)
+
+
+def serve_policies(draft, fixed_lengths: list[int], threshold: float = 0.5, profile: str | None = None) -> dict:
     """name -> factory of generate() kwargs (a fresh policy per call: schedulers keep per-call state)."""
-    names = ["auto", "full block"] + [f"fixed {n}" for n in fixed_lengths if n < draft.config.block_size]
+    names = ["auto", "full block"] + [f"fixed {n}" for n in fixed_lengths]
     names += [f"threshold {threshold:g}"] + (["scheduled"] if profile is not None else [])
     methods: dict[str, Callable[[], dict]] = {"no speculation": lambda: {}}
     for name in names:
@@ -35,13 +47,14 @@ def serve_policies(draft, fixed_lengths=(1, 2, 4), threshold: float = 0.5, profi
 
 
 def bench_serve(target, tokenizer, draft, prompts: list[dict], batch_sizes=(1, 2, 4, 8, 16, 32),
-                max_new_tokens: int = 32, repeats: int = 2, fixed_lengths=(1, 2, 4), threshold: float = 0.5,
+                max_new_tokens: int = 32, repeats: int = 2, fixed_lengths=None, threshold: float = 0.5,
                 profile: str | None = None, progress: bool = True, only: list[str] | None = None) -> dict:
     """Throughput and per-user speed of every policy at every concurrency (greedy); see the module docstring.
     only: names of the policies to run (default all); no speculation always runs, it is the baseline."""
     from tqdm.auto import tqdm
 
     eos_ids = eos_token_ids(target.generation_config)
+    fixed_lengths = fixed_lengths_for(draft, fixed_lengths)
     methods = serve_policies(draft, fixed_lengths, threshold, profile)
     if only:
         unknown = set(only) - set(methods)

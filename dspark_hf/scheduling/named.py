@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Callable
 
 from .auto import AutoScheduled
@@ -16,6 +17,8 @@ def named_policy(name: str, profile: str | None = None) -> Callable[[], Policy]:
     `profile` when given, else this machine's cached costs), "full block", "fixed N", "threshold T", "scheduled" or
     "async" (Algorithm 1 against a `dspark profile` file, synchronous or two rounds behind; they need `profile`)."""
     kind, _, value = name.partition(" ")
+    if profile is not None and not Path(profile).is_file():  # the factories read it later, after models load
+        raise ValueError(f"--profile {profile}: no such file; make one with `dspark profile --output {profile}`.")
     if name == "auto":
         return lambda: AutoScheduled(profile=profile)
     if name == "full block":

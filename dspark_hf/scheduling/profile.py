@@ -16,7 +16,6 @@ import json
 import math
 import os
 import statistics
-import tempfile
 import threading
 import warnings
 from collections import defaultdict
@@ -30,6 +29,7 @@ from transformers import DynamicCache
 
 from ..devices import clock
 from ..evaluation.machine import machine_info
+from ..files import write_atomic
 
 
 def _interleaved_seconds(runs: dict, device, warmup: int, repeats: int, statistic=statistics.median,
@@ -116,9 +116,8 @@ def save_profile(profile: dict, path: str | Path) -> None:
     def keys_to_str(d):
         return {str(k): keys_to_str(v) if isinstance(v, dict) else v for k, v in d.items()}
 
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps({k: keys_to_str(v) if isinstance(v, dict) and k != "machine" else v
-                                      for k, v in profile.items()}, indent=2))
+    write_atomic(path, json.dumps({k: keys_to_str(v) if isinstance(v, dict) and k != "machine" else v
+                                   for k, v in profile.items()}, indent=2))
 
 
 def _interpolate(table: dict[int, float], beyond: Callable[[int, float, int], float]) -> Callable[[int], float]:
@@ -322,8 +321,6 @@ def _monotone(seconds: dict[int, float]) -> dict[int, float]:
 
 
 _CACHE_LOCK = threading.Lock()  # threads of one process merge into the cache one at a time
-_UMASK = os.umask(0o022)  # read once (os.umask only sets it): mkstemp makes private files, a shared cache is not
-os.umask(_UMASK)
 _UNSAVED: dict[Path, dict] = {}  # cache files this process could not write, and what it would have written
 
 
@@ -359,16 +356,7 @@ def _merge_into(path: Path, key: dict, verify: dict, draft_key: str, drafts: dic
         current["verify"].update({str(R): {str(n): v for n, v in row.items()} for R, row in verify.items()})
         current["drafts"].setdefault(draft_key, {}).update({str(R): v for R, v in drafts.items()})
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            handle, partial = tempfile.mkstemp(dir=path.parent, prefix=path.stem + ".", suffix=".partial")
-            try:
-                with os.fdopen(handle, "w") as f:
-                    json.dump(current, f, indent=1, default=str)
-                os.chmod(partial, 0o666 & ~_UMASK)
-                os.replace(partial, path)
-            except BaseException:
-                Path(partial).unlink(missing_ok=True)
-                raise
+            write_atomic(path, json.dumps(current, indent=1, default=str))
         except OSError as error:
             if path not in _UNSAVED:
                 warnings.warn(f"cannot save the default policy's measured costs to {path} ({error}); they are kept "

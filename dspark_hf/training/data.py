@@ -16,6 +16,7 @@ import gzip
 import hashlib
 import json
 import time
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, NamedTuple
@@ -35,14 +36,22 @@ def read_jsonl(path) -> Iterator[tuple[int, object]]:
     path = Path(path)
     if not path.is_file():
         raise DataFileError(f"{path}: no such file.")
-    with (gzip.open(path, "rt", encoding="utf-8") if path.suffix == ".gz" else path.open(encoding="utf-8")) as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                yield n, json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataFileError(f"{path}:{n}: not valid JSON ({e.msg}). Each line must be one JSON object.") from e
+    n = 0
+    try:
+        with (gzip.open(path, "rt", encoding="utf-8") if path.suffix == ".gz" else path.open(encoding="utf-8")) as f:
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    yield n, json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise DataFileError(f"{path}:{n}: not valid JSON ({e.msg}). Each line must be one JSON "
+                                        "object.") from e
+    except UnicodeDecodeError as e:
+        raise DataFileError(f"{path}:{n + 1}: not UTF-8 text ({e.reason}): save the file as UTF-8 JSONL.") from e
+    except (gzip.BadGzipFile, EOFError, zlib.error) as e:
+        raise DataFileError(f"{path}: its name ends in .gz but it is not a whole gzip file ({e}): compress it with "
+                            "gzip, or drop the .gz from its name if it is plain JSONL.") from e
 
 
 # -- regeneration --------------------------------------------------------------------------------------------------

@@ -248,5 +248,8 @@ def read_prompts(path: str | Path) -> Iterator[dict]:
                 for m in messages):
             raise DataFileError(f'{path}:{n}: "messages" must be a non-empty list of {{"role", "content"}} objects '
                                 "with string values.")
+        for key in ("domain", "source"):
+            if obj.get(key) is not None and not isinstance(obj[key], str):
+                raise DataFileError(f'{path}:{n}: "{key}" must be a string (a name to report by), got {obj[key]!r}.')
         prompt = {"id": str(obj["id"]), "messages": messages, "domain": obj.get("domain"), "source": obj.get("source")}
         yield prompt | ({"group": obj["group"]} if "group" in obj else {})
