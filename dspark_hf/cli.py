@@ -779,7 +779,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cache-sizes", type=POSITIVE, nargs="+", default=[2, 4, 8, 16], help="blocks per row in the cache")
     p.add_argument("--saguaro-c", type=SHARE, nargs="+", default=[1.0, 0.7, 0.4, 0.1], help="values of C to sample "
                    "with")
-    p.add_argument("--temperature", type=TEMPERATURE, default=0.7, help="for the Saguaro runs")
+    p.add_argument("--temperature", type=_real(0.0, low_open=True), default=0.7,
+                   help="of the Saguaro runs, > 0 (C reweights sampling only; greedy drafting ignores it)")
     p.add_argument("--batch-sizes", type=POSITIVE, nargs="+", default=[1, 4], help="of the speed runs")
     p.add_argument("--speed-cache-size", type=POSITIVE, default=8, help="cache size of the speed runs")
     p.add_argument("--max-new-tokens", type=POSITIVE, default=48,

@@ -164,7 +164,10 @@ def test_the_cli_trains_an_adapter_and_loads_it_merged_as_a_draft(tmp_path, targ
 
     from dspark_hf.cli import _load, main
 
-    monkeypatch.setattr("transformers.AutoTokenizer.from_pretrained", lambda *a, **k: None)  # tiny target: none
+    from types import SimpleNamespace
+
+    # the tiny target saves no tokenizer, and nothing here tokenizes: a stand-in that has a pad token
+    monkeypatch.setattr("transformers.AutoTokenizer.from_pretrained", lambda *a, **k: SimpleNamespace(pad_token="<p>"))
     target.save_pretrained(tmp_path / "target")
     data = tiny_dataset(tmp_path, target, n=8)
     out = tmp_path / "adapter"

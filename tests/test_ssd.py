@@ -47,6 +47,34 @@ def test_uniform_fan_out_spreads_the_budget_evenly():
     assert uniform_fan_out(0, verified=3) == [0, 0, 0, 0]
 
 
+def test_a_cache_that_cannot_hold_the_all_accepted_outcome_spends_nothing_on_it():
+    # alpha 0.5, r 1, k < 3: weights 0.5^(k/2) = (1, 0.707, 0.5); 10 blocks -> 4.53, 3.20, 2.27 -> 5, 3, 2
+    assert geometric_fan_out(10, verified=3, alpha=0.5, r=1.0, cache_last=False) == [5, 3, 2, 0]
+    # Theorem 12 with the last term put 7 of 16 blocks on k = 4 at alpha 0.9, a draft's best case
+    assert geometric_fan_out(16, verified=4, alpha=0.9, r=1.0)[-1] == 7
+    assert geometric_fan_out(16, verified=4, alpha=0.9, r=1.0, cache_last=False) == [4, 4, 4, 4, 0]
+    assert geometric_fan_out(9, verified=3, alpha=1.0, r=1.0, cache_last=False) == [3, 3, 3, 0], "the even limit"
+    assert geometric_fan_out(9, verified=3, alpha=0.0, r=1.0, cache_last=False) == [9, 0, 0, 0]
+    assert uniform_fan_out(10, verified=3, cache_last=False) == [4, 3, 3, 0]
+    miss = lambda F: 1.0 if F == 0 else F ** -1.0  # noqa: E731
+    hit_rate = lambda F: expected_hit_rate(F[:-1] + [0], 0.9, miss)  # noqa: E731  (k = 4 can never hit)
+    assert hit_rate(geometric_fan_out(16, 4, 0.9, 1.0, cache_last=False)) > hit_rate(geometric_fan_out(16, 4, 0.9, 1.0))
+
+
+def test_the_acceptance_rate_counts_only_tokens_that_were_tested():
+    from dspark_hf.generation.ssd import acceptance_rate
+
+    # rounds accepting 0 of 4, 2 of 4 and 4 of 4: 6 tokens accepted, 2 rejections; the 6 tokens after the two
+    # rejections were never tested. Geometric maximum likelihood 6 / 8, with the prior (6 + 1) / (8 + 2)
+    assert acceptance_rate(accepted=6, rejections=2) == pytest.approx(0.7)
+    torch.manual_seed(0)
+    alpha, L = 0.7, 7
+    tested = torch.rand(20000, L) < alpha  # each drafted token accepted with probability alpha, until the first not
+    accepted = tested.int().cumprod(1).sum(1)
+    estimate = acceptance_rate(int(accepted.sum()), int((accepted < L).sum()))
+    assert estimate == pytest.approx(alpha, abs=0.01), "accepted / verified would give about 0.44"
+
+
 @pytest.mark.parametrize("alpha, r", [(0.3, 0.5), (0.6, 1.0), (0.9, 2.0)])
 def test_geometric_fan_out_hits_at_least_as_often_as_uniform_at_the_same_budget(alpha, r):
     miss = lambda F: 1.0 if F == 0 else F ** -r  # noqa: E731
@@ -164,7 +192,8 @@ def ssd_generate(target, draft, ids, mask, **kw):
 
 @pytest.mark.parametrize("batch", [1, 3])
 @pytest.mark.parametrize("config", [
-    SSDConfig(cache_size=EVERY_OUTCOME, fan_out="uniform"),  # every round hits
+    # every round hits (the first block drafted: an n-gram block's one-hot distributions name no bonus candidates)
+    SSDConfig(cache_size=EVERY_OUTCOME, fan_out="uniform", fallback="draft"),
     SSDConfig(cache_size=6, fallback="draft"),  # most rounds miss: the draft, just in time
     SSDConfig(cache_size=6, fallback="ngram", overlap=False),
     SSDConfig(cache_size=6, fallback="random"),
@@ -337,6 +366,62 @@ def test_the_auto_fallback_drafts_below_the_critical_batch_size_and_looks_up_n_g
         assert torch.equal(out.sequences, reference)
         fallbacks = out.ssd_stats["fallbacks"]
         assert fallbacks[used] > 0 and sum(fallbacks.values()) == fallbacks[used]
+
+
+def test_ssd_decodes_count_rejections_and_never_draft_for_an_outcome_the_cache_cannot_hold(monkeypatch):
+    import dspark_hf.generation.ssd as ssd_module
+
+    fan_outs, predict = [], ssd_module.predict_outcomes
+    monkeypatch.setattr(ssd_module, "predict_outcomes", lambda *a: fan_outs.append(list(a[3])) or predict(*a))
+    target = tiny_target("llama")
+    ids, mask = left_padded_prompts(3)
+    out = ssd_generate(target, tiny_draft(target), ids, mask, max_new_tokens=16,
+                       ssd=SSDConfig(cache_size=12, fallback="draft"))
+    assert fan_outs and all(F[-1] == 0 and sum(F) == 12 for F in fan_outs)
+    drafted = [r for rows in out.rounds for r in rows if r.verified]
+    assert out.ssd_stats["rejections"] == sum(r.accepted < r.verified for r in drafted)
+    assert sum(lag[2] for lag in out.ssd_stats["by_lag"].values()) == out.ssd_stats["rejections"]
+
+
+@pytest.mark.parametrize("fallback", ["ngram", "random"])
+def test_after_a_lookup_block_the_bonus_candidates_are_the_drafts_own(fallback, monkeypatch):
+    """A lookup block's one-hot distributions rank no other token: the speculator scores its tokens with the draft
+    and takes the candidates from that, instead of from ties at probability 0."""
+    import dspark_hf.generation.ssd as ssd_module
+
+    seen, predict = [], ssd_module.predict_outcomes
+    monkeypatch.setattr(ssd_module, "predict_outcomes", lambda *a: seen.append(a[0]) or predict(*a))
+    target = tiny_target("llama")
+    ids, mask = left_padded_prompts(2)
+    out = ssd_generate(target, tiny_draft(target), ids, mask, max_new_tokens=12,
+                       ssd=SSDConfig(cache_size=8, fallback=fallback))
+    assert torch.equal(out.sequences, plain(target, ids, mask, max_new_tokens=12))
+    assert seen and all(bool((probs.amax(-1) < 1).all()) for probs in seen), "no one-hot rows left"
+
+
+def test_ssd_settings_changed_after_the_config_was_made_are_checked_by_generate():
+    target = tiny_target("llama")
+    ids, mask = left_padded_prompts(1)
+    for field, value, message in (("fallback", "ngrams", "fallback must be one of"),
+                                  ("cache_size", 2.5, "cache_size must be an int"),
+                                  ("acceptance", 2.0, r"acceptance must be in \[0, 1\]")):
+        config = SSDConfig()
+        setattr(config, field, value)
+        with pytest.raises((TypeError, ValueError), match=message):
+            ssd_generate(target, tiny_draft(target), ids, mask, max_new_tokens=4, ssd=config)
+
+
+def test_the_auto_fallback_measures_this_machines_costs_before_the_first_round_with_a_progress_bar(tmp_path,
+                                                                                                    monkeypatch):
+    import dspark_hf.scheduling.profile as profile
+
+    monkeypatch.setenv("DSPARK_HF_PROFILE_CACHE", str(tmp_path))
+    calls, measure = [], profile.cached_costs
+    monkeypatch.setattr(profile, "cached_costs", lambda *a, **k: calls.append(k) or measure(*a, **k))
+    target = tiny_target("llama")
+    ids, mask = left_padded_prompts(1)
+    ssd_generate(target, tiny_draft(target), ids, mask, max_new_tokens=8, ssd=SSDConfig(fallback="auto"))
+    assert len(calls) == 1 and calls[0].get("progress", True) is not False
 
 
 @pytest.mark.parametrize("fallback", ["ngram", "random"])

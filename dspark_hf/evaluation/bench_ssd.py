@@ -21,29 +21,35 @@ from .machine import machine_info
 
 def _decode_all(target, tokenizer, draft, prompts, ssd: SSDConfig, max_new_tokens: int, temperature: float) -> dict:
     """Decode every prompt alone with `ssd`; totals of the per-round records and timings."""
-    totals = {"rounds": 0, "hits": 0, "accepted": 0, "verified": 0, "tokens_hit": 0, "rounds_hit": 0,
+    totals = {"rounds": 0, "hits": 0, "accepted": 0, "verified": 0, "rejections": 0, "tokens_hit": 0, "rounds_hit": 0,
               "tokens_miss": 0, "rounds_miss": 0, "target": 0.0, "draft": 0.0, "speculate": 0.0, "wait": 0.0,
               "drafted_rounds": 0, "missed_rounds": 0, "by_lag": {}}
     for prompt in prompts:
         inputs = chat_batch(tokenizer, [prompt], target.device)
         out = target.generate(**inputs, max_new_tokens=max_new_tokens, **_sampling(temperature), assistant_model=draft,
                               verification_policy=FullBlock(), ssd=ssd, return_dict_in_generate=True)
-        for key in ("rounds", "hits", "accepted", "verified", "tokens_hit", "rounds_hit", "tokens_miss",
+        for key in ("rounds", "hits", "accepted", "verified", "rejections", "tokens_hit", "rounds_hit", "tokens_miss",
                     "rounds_miss"):
             totals[key] += out.ssd_stats[key]
         for key in ("target", "draft", "speculate", "wait"):
             totals[key] += out.timings[key]
-        for lag, (accepted, verified) in out.ssd_stats["by_lag"].items():
-            counts = totals["by_lag"].setdefault(lag, [0, 0])
-            counts[0], counts[1] = counts[0] + accepted, counts[1] + verified
+        for lag, seen in out.ssd_stats["by_lag"].items():
+            counts = totals["by_lag"].setdefault(lag, [0, 0, 0])
+            totals["by_lag"][lag] = [c + s for c, s in zip(counts, seen)]
         records = [r for r in out.rounds[0] if r.cache_hit is not None]
         totals["drafted_rounds"] += len(records)
         totals["missed_rounds"] += sum(not r.cache_hit for r in records)
     return totals
 
 
+def _alpha(accepted: int, rejections: int) -> float:
+    """The per-token acceptance rate of the fan-out's model, as measured (`generation.ssd.acceptance_rate` without
+    its prior): accepted tokens over accepted tokens plus rejections."""
+    return accepted / max(accepted + rejections, 1)
+
+
 def _rates(t: dict) -> dict:
-    return {"hit_rate": t["hits"] / max(t["rounds"], 1), "acceptance": t["accepted"] / max(t["verified"], 1),
+    return {"hit_rate": t["hits"] / max(t["rounds"], 1), "acceptance": _alpha(t["accepted"], t["rejections"]),
             "tokens_per_round": (t["tokens_hit"] + t["tokens_miss"]) / max(t["rounds_hit"] + t["rounds_miss"], 1)}
 
 
@@ -60,16 +66,16 @@ def bench_ssd(target, tokenizer, draft, prompts: list[dict], cache_sizes=(2, 4, 
         uniform[B] = _decode_all(target, tokenizer, draft, prompts, SSDConfig(B, "uniform", fallback="draft",
                                                                                overlap=False), max_new_tokens, 0.0)
         tick()
-    alpha = sum(t["accepted"] for t in uniform.values()) / max(sum(t["verified"] for t in uniform.values()), 1)
-    try:
-        r = fit_power_law({B / (gamma + 1): 1 - _rates(t)["hit_rate"] for B, t in uniform.items()})
+    alpha = _alpha(sum(t["accepted"] for t in uniform.values()), sum(t["rejections"] for t in uniform.values()))
+    try:  # the uniform cache spreads B blocks over the gamma outcomes it can cache (k < gamma accepted)
+        r = fit_power_law({B / gamma: 1 - _rates(t)["hit_rate"] for B, t in uniform.items()})
     except ValueError:  # every point at a hit rate of 0 or 1: nothing to fit, keep Theorem 12's example r = 1
         r = 1.0
     r = max(r, 1e-3)
     geometric = {}
     for B in cache_sizes:
         geometric[B] = _decode_all(target, tokenizer, draft, prompts, SSDConfig(
-            B, "geometric", power_law_r=r, acceptance=min(alpha, 0.999), fallback="draft", overlap=False),
+            B, "geometric", power_law_r=r, acceptance=alpha, fallback="draft", overlap=False),
             max_new_tokens, 0.0)
         tick()
 
@@ -135,8 +141,8 @@ def bench_ssd(target, tokenizer, draft, prompts: list[dict], cache_sizes=(2, 4, 
                     "sequential": {k: measured[k] for k in ("speculate", "target", "draft")}},
         "equation": equation,
         # acceptance of blocks by their lag (0: drafted in time with every feature; k + 1: prepared for k accepted)
-        "acceptance_by_lag": {str(lag): {"acceptance": a / max(v, 1), "verified": v}
-                              for lag, (a, v) in sorted(measured["by_lag"].items())},
+        "acceptance_by_lag": {str(lag): {"acceptance": _alpha(a, rejected), "verified": v}
+                              for lag, (a, v, rejected) in sorted(measured["by_lag"].items())},
     }
 
 
@@ -194,8 +200,9 @@ def plot_ssd(report: dict, out_dir) -> list:
     left.grid(alpha=0.3)
     Cs = [float(C) for C in report["saguaro"]]
     right.plot(Cs, [v["hit_rate"] for v in report["saguaro"].values()], marker="o", label="cache hit rate")
-    right.plot(Cs, [v["acceptance"] for v in report["saguaro"].values()], marker="s", label="acceptance")
+    right.plot(Cs, [v["acceptance"] for v in report["saguaro"].values()], marker="s", label="acceptance rate")
     right.set_xlabel("Saguaro C (1 = off)")
+    right.set_ylabel("rate")
     right.set_title(f"Saguaro sampling (T = {report['temperature']})")
     right.legend()
     right.grid(alpha=0.3)

@@ -84,6 +84,7 @@ def dspark_generate(
 def _check_ssd(ssd, processors) -> None:
     if not isinstance(ssd, SSDConfig):
         raise TypeError(f"ssd must be a dspark_hf.SSDConfig, got {type(ssd).__name__}.")
+    ssd.validate()
     reading_ids = [type(p).__name__ for p in processors if not isinstance(p, _IDS_FREE_PROCESSORS)]
     if reading_ids:
         raise ValueError(f"SSD drafts blocks for tokens not yet committed, which logits processors that read the "

@@ -85,6 +85,7 @@ def sample_block(
     known: torch.Tensor | None = None,
     reweight: Callable[[int, torch.Tensor], torch.Tensor] | None = None,
     target_vocab: bool = True,
+    forced: torch.Tensor | None = None,
 ) -> DraftBlock:
     """Draft one block per row, left to right (eq. 4).
 
@@ -97,7 +98,8 @@ def sample_block(
     exact. Greedy drafting proposes the draft's own argmax however it is reweighted. target_vocab=False keeps the
     distributions over the draft's own vocabulary, if it has one (`DraftBlock.vocab`; for SmolLM2's shipped draft
     a sixth of the memory), for logits processors that read only the scores (`VOCAB_FREE_PROCESSORS`): the target
-    ids outside it have probability 0 either way.
+    ids outside it have probability 0 either way. forced (N, gamma) target ids: take these tokens instead of drawing
+    them, for the draft's distributions at each position given them (scoring a block proposed some other way).
     """
     one_per_row = anchor_ids.dim() == 1
     anchors = anchor_ids[:, None] if one_per_row else anchor_ids
@@ -136,11 +138,13 @@ def sample_block(
         # checked once per block, not per position (a device sync each); meanwhile a non-finite row samples from
         # a stand-in so that multinomial cannot fail (or assert on a GPU) before the error below is raised
         finite.append(torch.isfinite(p).all(-1))
-        if do_sample:
+        if forced is not None:
+            x = forced[:, k]
+        elif do_sample:
             x = torch.multinomial(torch.where(finite[-1][:, None], p, 1.0), 1, generator=generator).squeeze(1)
         else:
             x = logits.argmax(-1)  # greedy proposes the draft's own best token, however it is reweighted
-        if vocab is not None:  # a column of the draft's vocabulary -> its target id
+        if vocab is not None and forced is None:  # a column of the draft's vocabulary -> its target id
             x = vocab[x]
         tokens.append(x)
         probs.append(p)

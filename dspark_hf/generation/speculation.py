@@ -30,6 +30,13 @@ class PredictedOutcomes:
         match = self.valid & (self.accepted == accepted[:, None]) & (self.bonus == bonus[:, None])
         return match.any(1), match.float().argmax(1)
 
+    def worth_drafting(self) -> "PredictedOutcomes":
+        """Only the slots some row can hit: a slot invalid in every row would cost a block to draft for nothing."""
+        keep = self.valid.any(0)
+        if bool(keep.all()):
+            return self
+        return PredictedOutcomes(self.accepted[:, keep], self.bonus[:, keep], self.valid[:, keep])
+
 
 def predict_outcomes(probs: torch.Tensor, tokens: torch.Tensor, verify_len: torch.Tensor,
                      fan_out: Sequence[int]) -> PredictedOutcomes:

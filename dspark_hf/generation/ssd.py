@@ -52,6 +52,11 @@ class SSDConfig:
                           "while the target verifies; False runs the two one after the other."})
 
     def __post_init__(self):
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise a TypeError or ValueError naming the first field that cannot work (run when made, and again by
+        generate(), as a field may have been set since)."""
         if isinstance(self.cache_size, bool) or not isinstance(self.cache_size, numbers.Integral):
             raise TypeError(f"SSDConfig.cache_size must be an int (blocks per row), got {self.cache_size!r}.")
         for name in ("power_law_r", "saguaro_c") + (("acceptance",) if self.acceptance is not None else ()):
@@ -129,11 +134,15 @@ class SSDMixin:
         # the speculator samples with its own generator, seeded from the caller's: a seed gives the same output
         self._generator = torch.Generator(device=device).manual_seed(int(torch.randint(2 ** 62, (1,))))
         self._available = None  # (R,) tokens of this round's block that may be verified (n-gram blocks are short)
+        self._looked_up = None  # (R,) rows whose block this round came from an n-gram or random lookup
         # running counts for the fan-out and the fallback: rounds, hits, tokens committed after hits / misses
-        self.ssd_stats = {"rounds": 0, "hits": 0, "accepted": 0, "verified": 0, "tokens_hit": 0, "rounds_hit": 0,
+        self.ssd_stats = {"rounds": 0, "hits": 0, "accepted": 0, "verified": 0, "rejections": 0, "tokens_hit": 0,
+                          "rounds_hit": 0,
                           "tokens_miss": 0, "rounds_miss": 0, "fallbacks": {name: 0 for name in FALLBACKS[1:]},
-                          "by_lag": {}}  # lag -> [accepted, verified] (lag 0: drafted in time)
-        self._costs = None
+                          "by_lag": {}}  # lag -> [accepted, verified, rejections] (lag 0: drafted in time)
+        # the auto fallback weighs this machine's costs from the first round on: measured here (once, cached on
+        # disk, with a progress bar) rather than inside the first round's drafting time
+        self._costs = self._measured_costs() if ssd.fallback == "auto" and ssd.cache_size > 0 else None
         # N x S blocks: kept over the draft's own vocabulary, unless a processor reads which token a column is
         self._needs_target_vocab = not all(isinstance(p, VOCAB_FREE_PROCESSORS) for p in self.processors)
         # measured overlap: seconds the speculator ran, and seconds verification then waited for it
@@ -156,6 +165,7 @@ class SSDMixin:
         ready = self._next
         hit = ready.hit if ready is not None else torch.zeros(R, dtype=torch.bool, device=rows.device)
         self._available = torch.full((R,), self.draft.config.block_size, device=rows.device)
+        self._looked_up = torch.zeros(R, dtype=torch.bool, device=rows.device)  # rows given an n-gram/random block
         if bool(hit.all()):
             block = ready.block
         else:
@@ -179,6 +189,7 @@ class SSDMixin:
             self.ssd_stats["fallbacks"][kind] += int(missed.sum())
         if kind == "draft":
             return self._draft_now(anchor, anchor_pos)
+        self._looked_up = missed
         return self._lookup_block(missed, random=kind == "random")
 
     def _draft_now(self, anchor, anchor_pos):
@@ -260,7 +271,14 @@ class SSDMixin:
 
     def _speculate_now(self, block, verify_len, anchor, anchor_pos, context) -> _Speculation | None:
         fan_out = self._fan_out()
-        outcomes = predict_outcomes(_own(block), block.tokens, verify_len, fan_out)
+        process = (lambda prefix, logits: self.processors(prefix, logits.float())) if len(self.processors) else None
+        probs = _own(block)
+        if bool(self._looked_up.any()):
+            # a lookup block's one-hot distributions name no bonus candidates (every other token ties at 0): the
+            # draft's own distributions given its tokens do (the paper's primary speculator after a backup round)
+            scored = sample_block(self.draft, anchor, anchor_pos, context, process_logits=process, forced=block.tokens)
+            probs = torch.where(self._looked_up[:, None, None], scored.probs, probs)
+        outcomes = predict_outcomes(probs, block.tokens, verify_len, fan_out).worth_drafting()
         N, S = outcomes.bonus.shape
         if S == 0:
             return None
@@ -270,7 +288,6 @@ class SSDMixin:
         j = torch.arange(lag, device=seq.device)
         source = j - (lag - 1 - outcomes.accepted[..., None])  # right-aligned: the last known token at lag - 1
         known = seq.gather(1, source.clamp_min(0).view(N, -1)).view(N, S, lag).masked_fill(source < 0, -1)
-        process = (lambda prefix, logits: self.processors(prefix, logits.float())) if len(self.processors) else None
         blocks = sample_block(self.draft, outcomes.bonus, anchor_pos[:, None] + outcomes.accepted + 1, context,
                               self.do_sample, process_logits=process, generator=self._generator, known=known,
                               reweight=self._reweight(fan_out), target_vocab=self._needs_target_vocab)
@@ -297,10 +314,12 @@ class SSDMixin:
                 self.ssd_stats[f"tokens_{key}"] += c
                 self.ssd_stats[f"rounds_{key}"] += 1
             self.ssd_stats["accepted"] += int(n.sum())
+            self.ssd_stats["rejections"] += int((n < verify_len).sum())
             for lag, a, v in zip(self._lag.tolist(), n.tolist(), verify_len.tolist()):
-                seen = self.ssd_stats["by_lag"].setdefault(lag, [0, 0])
+                seen = self.ssd_stats["by_lag"].setdefault(lag, [0, 0, 0])
                 seen[0] += a
                 seen[1] += v
+                seen[2] += a < v
             self.ssd_stats["verified"] += int(verify_len.sum())
 
     def _keep(self, alive):
@@ -310,17 +329,16 @@ class SSDMixin:
 
     # -- planning ------------------------------------------------------------------------------------------------
     def _alpha(self) -> float:
-        """The acceptance rate for the fan-out: the configured one, else accepted / verified so far (prior 0.5)."""
+        """The acceptance rate for the fan-out: the configured one, else [`acceptance_rate`] of the rounds so far."""
         if self.ssd.acceptance is not None:
             return self.ssd.acceptance
-        s = self.ssd_stats
-        return (s["accepted"] + 1.0) / (s["verified"] + 2.0)
+        return acceptance_rate(self.ssd_stats["accepted"], self.ssd_stats["rejections"])
 
     def _fan_out(self) -> list[int]:
         gamma, budget = self.draft.config.block_size, self.ssd.cache_size
         if self.ssd.fan_out == "uniform":
-            return uniform_fan_out(budget, gamma)
-        return geometric_fan_out(budget, gamma, min(self._alpha(), 0.999), self.ssd.power_law_r)
+            return uniform_fan_out(budget, gamma, cache_last=False)
+        return geometric_fan_out(budget, gamma, self._alpha(), self.ssd.power_law_r, cache_last=False)
 
     def _reweight(self, fan_out):
         if not self.do_sample or self.ssd.saguaro_c == 1.0:
@@ -332,16 +350,27 @@ class SSDMixin:
         """From which batch size the n-gram fallback beats drafting just in time (Theorem 17), by this machine's
         measured costs and the hit rate and tokens per round seen so far (priors: half the outcomes hit, a block
         from the draft commits 1 + alpha tokens, an n-gram block 1)."""
-        from ..scheduling.profile import cached_costs
-
         if self._costs is None:
-            self._costs = cached_costs(self.target, self.draft, sorted({1, self.prompt.shape[0]}), progress=False)
+            self._costs = self._measured_costs()
         s, gamma, R = self.ssd_stats, self.draft.config.block_size, max(self.rows.numel(), 1)
         hit_rate = (s["hits"] + 1.0) / (s["rounds"] + 2.0)
         tokens_draft = (s["tokens_hit"] + 1.0 + self._alpha()) / (s["rounds_hit"] + 1.0)
         # the times of a round of R rows (an n-gram lookup costs next to nothing beside it)
         return critical_batch_size(hit_rate, tokens_draft, tokens_draft, 1.0, self._costs.verify(R, gamma + 1),
                                    self._costs.draft(R), 0.0)
+
+
+    def _measured_costs(self):
+        from ..scheduling.profile import cached_costs
+
+        return cached_costs(self.target, self.draft, sorted({1, self.prompt.shape[0]}))
+
+
+def acceptance_rate(accepted: int, rejections: int) -> float:
+    """The per-token acceptance rate alpha of the fan-out's model P(k) = alpha^k (1 - alpha): accepted tokens over
+    accepted tokens plus rejections (its maximum likelihood; the tokens after a rejection were never tested, so they
+    do not count), with one of each as a prior (0.5 before any round)."""
+    return (accepted + 1.0) / (accepted + rejections + 2.0)
 
 
 def _callers_autocast(device_type: str) -> torch.autocast:

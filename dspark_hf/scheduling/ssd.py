@@ -8,6 +8,9 @@ k = L under a constant acceptance rate alpha. A speculator has a *power-law* cac
 misses the top-F candidates with probability F^-r. Maximising the hit rate sum_k P(k) (1 - F_k^-r) under the
 budget (Lagrange: P(k) r F_k^(-r-1) equal for every k) gives F_k proportional to P(k)^(1 / (1 + r)): a geometric
 series in k with ratio alpha^(1 / (1 + r)), its last term raised by (1 - alpha)^(-1 / (1 + r)) (Theorem 12).
+A block-parallel draft has no distribution for the bonus token after its whole block (the paper's autoregressive
+speculator drafts one more token for it), so its cache leaves that last outcome out (`cache_last=False`): the
+series over k < L alone, where alpha -> 1 spreads the budget evenly instead of onto the outcome it cannot cache.
 
 **The fallback** (sec. 4.3): on a miss the whole batch waits for the backup speculator, and at batch size b some
 row misses with probability 1 - h^b. The slow, accurate backup (the draft itself, just in time) pays below a
@@ -31,20 +34,29 @@ def outcome_probabilities(alpha: float, verified: int) -> list[float]:
     return [alpha ** k * (1 - alpha) for k in range(verified)] + [alpha ** verified]
 
 
-def geometric_fan_out(budget: int, verified: int, alpha: float, r: float) -> list[int]:
+def geometric_fan_out(budget: int, verified: int, alpha: float, r: float, cache_last: bool = True) -> list[int]:
     """Theorem 12: F_0..F_verified, integers summing to `budget`, proportional to P(k)^(1 / (1 + r)).
 
     alpha: the draft's acceptance rate; r > 0: the exponent of its power-law miss rate F^-r (see
     [`fit_power_law`]). The real-valued optimum is rounded by largest remainders, so the total is exact.
+    cache_last=False: F_verified = 0 (the outcome "all accepted" cannot be cached) and the budget goes to k < verified,
+    in the same ratios (the common factor (1 - alpha)^(1 / (1 + r)) dropped, so alpha = 1 is the even spread it tends
+    to).
     """
     if r <= 0:
         raise ValueError(f"r is the exponent of a power-law miss rate F^-r and must be > 0, got {r}.")
+    if not cache_last:
+        outcome_probabilities(alpha, verified)  # checks alpha
+        return _apportion(budget, [alpha ** (k / (1 + r)) for k in range(verified)]) + [0]
     weights = [p ** (1 / (1 + r)) for p in outcome_probabilities(alpha, verified)]
     return _apportion(budget, weights)
 
 
-def uniform_fan_out(budget: int, verified: int) -> list[int]:
-    """The comparison: the budget spread evenly over k = 0..verified (the first ones get the remainder)."""
+def uniform_fan_out(budget: int, verified: int, cache_last: bool = True) -> list[int]:
+    """The comparison: the budget spread evenly over k = 0..verified (the first ones get the remainder); over
+    k < verified with cache_last=False (F_verified = 0)."""
+    if not cache_last:
+        return _apportion(budget, [1.0] * verified) + [0]
     return _apportion(budget, [1.0] * (verified + 1))
 
 
@@ -66,6 +78,8 @@ def expected_hit_rate(fan_out: Sequence[int], alpha: float, miss_rate) -> float:
 def _apportion(total: int, weights: Sequence[float]) -> list[int]:
     if total < 0:
         raise ValueError(f"the cache budget must be >= 0 blocks, got {total}.")
+    if not weights:  # no outcome to spend on (a block of no verified tokens)
+        return []
     scale = total / sum(weights)
     exact = [w * scale for w in weights]
     counts = [math.floor(x) for x in exact]
