@@ -190,14 +190,17 @@ def test_prepare_data_is_deterministic_and_resumable(tmp_path):
     again = tmp_path / "again"
     again.mkdir()
     assert tiny_dataset(again, target).read_text().splitlines() == full
+    made = manifest_path(tmp_path / "data.jsonl").read_text()  # as written before the first answer
     partial = tmp_path / "partial"
     partial.mkdir()
     (partial / "data.jsonl").write_text("\n".join(full[:4]) + "\n")  # the first batch of 4 survived a crash
+    (partial / "data.manifest.json").write_text(made)
     assert tiny_dataset(partial, target).read_text().splitlines() == full
     for n, cut in enumerate([6, 5]):  # a crash inside the second batch: after its 2nd line, and inside its 2nd line
         torn = tmp_path / f"torn{n}"
         torn.mkdir()
         (torn / "data.jsonl").write_text("\n".join(full[:cut]) + "\n" + (full[cut][:20] if cut == 5 else ""))
+        (torn / "data.manifest.json").write_text(made)
         assert sorted(tiny_dataset(torn, target).read_text().splitlines()) == sorted(full)
     examples = load_dataset(tmp_path / "data.jsonl", vocab_size=VOCAB)
     assert len(examples) == 12 and all(len(e.input_ids) > e.answer_start for e in examples)
@@ -209,8 +212,66 @@ def test_prepare_data_refuses_to_resume_a_file_started_with_other_settings(tmp_p
     before = path.read_text()
     prompts = [{"id": f"p{i}", "messages": [{"role": "user", "content": f"question {i}"}]} for i in range(12)]
     with pytest.raises(ValueError, match="another --num-examples"):
-        prepare_data(target, TinyTokenizer(), iter(prompts), path, 8, batch_size=4, progress=False)
+        prepare_data(target, TinyTokenizer(), iter(prompts), path, 8, batch_size=4, progress=False,
+                     settings=GenerationSettings(max_new_tokens=24))
     assert path.read_text() == before
+
+
+@pytest.mark.parametrize("change", ["temperature", "max_new_tokens", "seed", "batch_size", "max_prompt_tokens",
+                                    "target", "target_dtype", "no record"])
+def test_a_resumed_regeneration_refuses_answers_made_otherwise_than_those_the_file_holds(tmp_path, change):
+    target = tiny_target("llama")
+    full = tiny_dataset(tmp_path, target, n=8)
+    made = json.loads(manifest_path(full).read_text())
+    assert (made["settings"]["max_new_tokens"], made["batch_size"], made["seed"]) == (24, 4, 0)
+    assert len(made["target_fingerprint"]) == 16 and made["complete"]
+    path = tmp_path / "resumed.jsonl"
+    path.write_text("".join(full.read_text().splitlines(keepends=True)[:4]))  # the first batch, then killed
+    manifest_path(path).write_text(manifest_path(full).read_text())  # as recorded before the first answer
+    prompts = [{"id": f"p{i}", "messages": [{"role": "user", "content": f"question {i} " * (1 + i % 3)}]}
+               for i in range(8)]
+    kw = dict(batch_size=4, settings=GenerationSettings(max_new_tokens=24), seed=0, max_prompt_tokens=384)
+    if change in ("temperature", "max_new_tokens"):
+        kw["settings"] = GenerationSettings(**{change: {"temperature": 0.0, "max_new_tokens": 8}[change]})
+    elif change in ("seed", "batch_size", "max_prompt_tokens"):
+        kw[change] = {"seed": 1, "batch_size": 2, "max_prompt_tokens": 100}[change]
+    elif change == "target":
+        target = tiny_target("llama", seed=5)
+    elif change == "target_dtype":
+        target = target.to(torch.bfloat16)
+    else:
+        manifest_path(path).unlink()
+    before = path.read_text()
+    with pytest.raises(ValueError) as refused:
+        prepare_data(target, TinyTokenizer(), iter(prompts), path, 8, progress=False, **kw)
+    message = str(refused.value)
+    assert "\n" not in message and path.read_text() == before
+    if change == "no record":
+        assert "its manifest resumed.manifest.json, which records how they were made, is missing" in message
+    else:
+        assert "answers made otherwise" in message and ("target weights" if change == "target" else change) in message
+
+
+def test_a_resumed_regeneration_may_change_its_time_budget_and_ends_as_one_run_does(tmp_path):
+    target = tiny_target("llama")
+    full = tiny_dataset(tmp_path, target, n=8)
+    path = tmp_path / "resumed.jsonl"
+    path.write_text("".join(full.read_text().splitlines(keepends=True)[:4]))
+    manifest_path(path).write_text(manifest_path(full).read_text())
+    prompts = [{"id": f"p{i}", "messages": [{"role": "user", "content": f"question {i} " * (1 + i % 3)}]}
+               for i in range(8)]
+    prepare_data(target, TinyTokenizer(), iter(prompts), path, 8, batch_size=4, time_budget=3600.0, progress=False,
+                 settings=GenerationSettings(max_new_tokens=24))
+    assert path.read_text() == full.read_text()
+
+
+def test_prompts_that_share_an_id_are_refused(tmp_path):
+    prompts = [{"id": "a", "messages": [{"role": "user", "content": "hi"}]},
+               {"id": "a", "messages": [{"role": "user", "content": "other"}]}]
+    with pytest.raises(ValueError, match="two prompts share the id 'a'"):
+        prepare_data(tiny_target("llama"), TinyTokenizer(), iter(prompts), tmp_path / "d.jsonl", None,
+                     progress=False, settings=GenerationSettings(max_new_tokens=4))
+    assert not (tmp_path / "d.jsonl").exists()
 
 
 def test_temperature_zero_regenerates_the_targets_greedy_answers(tmp_path):
