@@ -176,9 +176,14 @@ def cmd_train(args) -> int:
 
         target = AutoModelForCausalLM.from_pretrained(args.target)  # train() places it (config.device, target_dtype)
     start = time.perf_counter()
-    train(config, target=target)
+    model = train(config, target=target)
+    minutes = (time.perf_counter() - start) / 60
+    if model.training:  # stopped by --stop-after before the end (train() says so in training mode)
+        print(f"not finished: a checkpoint is saved in {args.output_dir} ({minutes:.1f} min); run the same command "
+              "again to resume")
+        return 0
     what = "LoRA adapter" if args.lora else "draft"
-    print(f"{what} saved to {args.output_dir} ({(time.perf_counter() - start) / 60:.1f} min)")
+    print(f"{what} saved to {args.output_dir} ({minutes:.1f} min)")
     return 0
 
 
