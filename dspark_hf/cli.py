@@ -176,9 +176,14 @@ def cmd_train(args) -> int:
 
         target = AutoModelForCausalLM.from_pretrained(args.target)  # train() places it (config.device, target_dtype)
     start = time.perf_counter()
-    train(config, target=target)
+    model = train(config, target=target)
+    minutes = (time.perf_counter() - start) / 60
+    if model.training:  # stopped by --stop-after before the end (train() says so in training mode)
+        print(f"not finished: a checkpoint is saved in {args.output_dir} ({minutes:.1f} min); run the same command "
+              "again to resume")
+        return 0
     what = "LoRA adapter" if args.lora else "draft"
-    print(f"{what} saved to {args.output_dir} ({(time.perf_counter() - start) / 60:.1f} min)")
+    print(f"{what} saved to {args.output_dir} ({minutes:.1f} min)")
     return 0
 
 
@@ -344,8 +349,10 @@ def cmd_export(args) -> int:
     """Save a trained draft for sharing: chosen dtype, code for trust_remote_code, and a generated model card."""
     from .cards import render_model_card
     from .hub import folder_calibration, read_json
+    from .loading import _check_name
     from .model import DSparkDraftModel
 
+    _check_name(args.draft, "the draft")
     _output_folder(args.output)
     if args.format == "deepspec":
         from .model.convert import export_deepspec
@@ -365,6 +372,10 @@ def cmd_export(args) -> int:
     if not args.base_model:
         raise ValueError("--base-model is needed for the model card: the target's Hub id, e.g. "
                          "HuggingFaceTB/SmolLM2-135M-Instruct.")
+    if (Path(args.draft) / "adapter_config.json").exists():  # the card and weights of a full draft, not an adapter
+        raise ValueError(f"{args.draft} is a LoRA adapter (dspark train --lora), not a draft: merge it into its base "
+                         f"first with `dspark calibrate --draft {args.draft} --output DIR ...` (which saves the "
+                         "merged, calibrated draft), then export DIR.")
     draft = DSparkDraftModel.from_pretrained(args.draft).to(getattr(torch, args.dtype))
     draft.config.target_name_or_path = args.base_model  # not the path the target was trained from on some machine
     eval_results = read_json(args.eval)
@@ -406,7 +417,10 @@ def cmd_calibrate(args) -> int:
 
     fraction = _calibration_fraction(args.draft, args.heldout_fraction)
     target, tokenizer, draft = _load(args)
-    _, heldout = split_heldout(load_dataset(args.dataset), fraction)
+    _, heldout = split_heldout(load_dataset(args.dataset, target.get_output_embeddings().weight.shape[0]), fraction)
+    if not heldout:
+        raise ValueError(f"the held-out split of {args.dataset} at fraction {fraction:g} is empty: use a larger "
+                         "dataset.")
     first_answers = {}  # one rollout per prompt (several answers share one prompt), in file order
     for e in heldout:
         first_answers.setdefault(e.prompt_id, e)

@@ -299,6 +299,39 @@ def test_calibrate_with_no_drafted_round_says_to_decode_longer(tiny_models, tmp_
                  "--output", str(tmp_path / "out")])
 
 
+def test_calibrate_refuses_a_dataset_of_another_tokenizer_and_an_empty_held_out_split(tiny_models, tmp_path, capsys):
+    from dspark_hf.training.data import load_dataset, split_heldout
+
+    calibrate = ["calibrate", "--target", str(tiny_models / "target"), "--draft", str(tiny_models / "draft"),
+                 "--output", str(tmp_path / "out")]
+    other = tmp_path / "other.jsonl"
+    other.write_text(json.dumps({"id": "d0", "input_ids": [4, 5, 6, VOCAB + 50, 8], "answer_start": 3}) + "\n")
+    assert "token ids outside the target vocabulary (size 96): the dataset was made with another tokenizer" in \
+        cli_error(capsys, [*calibrate, "--dataset", str(other), "--heldout-fraction", "1.0"])
+    few = tmp_path / "few.jsonl"
+    few.write_text(json.dumps({"id": "d0", "input_ids": [4, 5, 6, 7, 8, 9], "answer_start": 3}) + "\n")
+    assert not split_heldout(load_dataset(few), 0.05)[1]
+    assert f"the held-out split of {few} at fraction 0.05 is empty: use a larger dataset" in cli_error(
+        capsys, [*calibrate, "--dataset", str(few), "--heldout-fraction", "0.05"])
+    assert not (tmp_path / "out").exists()
+
+
+def test_export_refuses_a_lora_adapter_and_a_missing_folder(tiny_models, tmp_path, capsys):
+    from dspark_hf.training.config import TrainConfig
+    from dspark_hf.training.drafts import add_lora
+
+    adapter = tmp_path / "adapter"
+    add_lora(DSparkDraftModel.from_pretrained(tiny_models / "draft"), TrainConfig(dataset="d", output_dir="o",
+                                                                                  lora=True),
+             str(tiny_models / "draft")).save_pretrained(adapter)  # as `dspark train --lora` saves one
+    export = ["--output", str(tmp_path / "out"), "--base-model", "org/tiny-target"]
+    error = cli_error(capsys, ["export", str(adapter), *export])
+    assert "is a LoRA adapter (dspark train --lora), not a draft: merge it" in error and "dspark calibrate" in error
+    assert f"the draft {tmp_path / 'nowhere'}: no such folder" in cli_error(
+        capsys, ["export", str(tmp_path / "nowhere"), *export])
+    assert not (tmp_path / "out").exists()
+
+
 def test_dspark_calibrate_saves_temperatures_a_report_and_a_diagram(tiny_models, tmp_path):
     data = tmp_path / "data.jsonl"
     with data.open("w") as f:

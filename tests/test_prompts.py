@@ -26,6 +26,15 @@ def test_sharegpt_first_turns_are_read_up_to_the_truncated_tail(tmp_path):
     assert found == [("a", "chat", "Hi there")]
 
 
+def test_sharegpt_gives_each_first_turn_text_once_so_no_copy_straddles_the_held_out_split(tmp_path):
+    path = tmp_path / "sharegpt.json"
+    conversations = [{"id": i, "conversations": [{"from": "human", "value": text}]}
+                     for i, text in (("a", "Hello"), ("b", "Write a poem"), ("c", " Hello\n"), ("d", "Hello"))]
+    path.write_text(json.dumps(conversations))
+    assert [(p["id"], p["messages"][0]["content"]) for p in read_sharegpt(path)] == [("a", "Hello"),
+                                                                                      ("b", "Write a poem")]
+
+
 def test_stdlib_prompts_ask_for_documented_public_functions_as_completions_and_instructions(tmp_path):
     (tmp_path / "shapes.py").write_text('''
 def area(width, height):

@@ -2,6 +2,7 @@
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -190,14 +191,17 @@ def test_prepare_data_is_deterministic_and_resumable(tmp_path):
     again = tmp_path / "again"
     again.mkdir()
     assert tiny_dataset(again, target).read_text().splitlines() == full
+    made = manifest_path(tmp_path / "data.jsonl").read_text()  # as written before the first answer
     partial = tmp_path / "partial"
     partial.mkdir()
     (partial / "data.jsonl").write_text("\n".join(full[:4]) + "\n")  # the first batch of 4 survived a crash
+    (partial / "data.manifest.json").write_text(made)
     assert tiny_dataset(partial, target).read_text().splitlines() == full
     for n, cut in enumerate([6, 5]):  # a crash inside the second batch: after its 2nd line, and inside its 2nd line
         torn = tmp_path / f"torn{n}"
         torn.mkdir()
         (torn / "data.jsonl").write_text("\n".join(full[:cut]) + "\n" + (full[cut][:20] if cut == 5 else ""))
+        (torn / "data.manifest.json").write_text(made)
         assert sorted(tiny_dataset(torn, target).read_text().splitlines()) == sorted(full)
     examples = load_dataset(tmp_path / "data.jsonl", vocab_size=VOCAB)
     assert len(examples) == 12 and all(len(e.input_ids) > e.answer_start for e in examples)
@@ -209,8 +213,66 @@ def test_prepare_data_refuses_to_resume_a_file_started_with_other_settings(tmp_p
     before = path.read_text()
     prompts = [{"id": f"p{i}", "messages": [{"role": "user", "content": f"question {i}"}]} for i in range(12)]
     with pytest.raises(ValueError, match="another --num-examples"):
-        prepare_data(target, TinyTokenizer(), iter(prompts), path, 8, batch_size=4, progress=False)
+        prepare_data(target, TinyTokenizer(), iter(prompts), path, 8, batch_size=4, progress=False,
+                     settings=GenerationSettings(max_new_tokens=24))
     assert path.read_text() == before
+
+
+@pytest.mark.parametrize("change", ["temperature", "max_new_tokens", "seed", "batch_size", "max_prompt_tokens",
+                                    "target", "target_dtype", "no record"])
+def test_a_resumed_regeneration_refuses_answers_made_otherwise_than_those_the_file_holds(tmp_path, change):
+    target = tiny_target("llama")
+    full = tiny_dataset(tmp_path, target, n=8)
+    made = json.loads(manifest_path(full).read_text())
+    assert (made["settings"]["max_new_tokens"], made["batch_size"], made["seed"]) == (24, 4, 0)
+    assert len(made["target_fingerprint"]) == 16 and made["complete"]
+    path = tmp_path / "resumed.jsonl"
+    path.write_text("".join(full.read_text().splitlines(keepends=True)[:4]))  # the first batch, then killed
+    manifest_path(path).write_text(manifest_path(full).read_text())  # as recorded before the first answer
+    prompts = [{"id": f"p{i}", "messages": [{"role": "user", "content": f"question {i} " * (1 + i % 3)}]}
+               for i in range(8)]
+    kw = dict(batch_size=4, settings=GenerationSettings(max_new_tokens=24), seed=0, max_prompt_tokens=384)
+    if change in ("temperature", "max_new_tokens"):
+        kw["settings"] = GenerationSettings(**{change: {"temperature": 0.0, "max_new_tokens": 8}[change]})
+    elif change in ("seed", "batch_size", "max_prompt_tokens"):
+        kw[change] = {"seed": 1, "batch_size": 2, "max_prompt_tokens": 100}[change]
+    elif change == "target":
+        target = tiny_target("llama", seed=5)
+    elif change == "target_dtype":
+        target = target.to(torch.bfloat16)
+    else:
+        manifest_path(path).unlink()
+    before = path.read_text()
+    with pytest.raises(ValueError) as refused:
+        prepare_data(target, TinyTokenizer(), iter(prompts), path, 8, progress=False, **kw)
+    message = str(refused.value)
+    assert "\n" not in message and path.read_text() == before
+    if change == "no record":
+        assert "its manifest resumed.manifest.json, which records how they were made, is missing" in message
+    else:
+        assert "answers made otherwise" in message and ("target weights" if change == "target" else change) in message
+
+
+def test_a_resumed_regeneration_may_change_its_time_budget_and_ends_as_one_run_does(tmp_path):
+    target = tiny_target("llama")
+    full = tiny_dataset(tmp_path, target, n=8)
+    path = tmp_path / "resumed.jsonl"
+    path.write_text("".join(full.read_text().splitlines(keepends=True)[:4]))
+    manifest_path(path).write_text(manifest_path(full).read_text())
+    prompts = [{"id": f"p{i}", "messages": [{"role": "user", "content": f"question {i} " * (1 + i % 3)}]}
+               for i in range(8)]
+    prepare_data(target, TinyTokenizer(), iter(prompts), path, 8, batch_size=4, time_budget=3600.0, progress=False,
+                 settings=GenerationSettings(max_new_tokens=24))
+    assert path.read_text() == full.read_text()
+
+
+def test_prompts_that_share_an_id_are_refused(tmp_path):
+    prompts = [{"id": "a", "messages": [{"role": "user", "content": "hi"}]},
+               {"id": "a", "messages": [{"role": "user", "content": "other"}]}]
+    with pytest.raises(ValueError, match="two prompts share the id 'a'"):
+        prepare_data(tiny_target("llama"), TinyTokenizer(), iter(prompts), tmp_path / "d.jsonl", None,
+                     progress=False, settings=GenerationSettings(max_new_tokens=4))
+    assert not (tmp_path / "d.jsonl").exists()
 
 
 def test_temperature_zero_regenerates_the_targets_greedy_answers(tmp_path):
@@ -710,3 +772,109 @@ def test_a_fresh_draft_beside_a_bfloat16_target_trains_float32_weights_as_a_resu
     for own, theirs in zip(draft.layers, target.model.layers[2:]):  # copied exactly (bf16 values fit float32)
         for name, weight in theirs.state_dict().items():
             assert torch.equal(own.state_dict()[name], weight.float())
+
+
+def test_a_run_resumes_only_with_the_settings_that_define_it(tmp_path):
+    target = tiny_target("llama")
+    data = tiny_dataset(tmp_path, target, n=8)
+    kw = dict(dataset=str(data), output_dir=str(tmp_path / "run"), batch_size=4, anchors_per_sequence=4,
+              heldout_fraction=0.0, save_every=2, max_steps=4, draft=dict(num_hidden_layers=1, markov_rank=4,
+                                                                          block_size=3))
+    train(TrainConfig(**kw), target=target, progress=False)  # checkpoints at 2 and 4
+    saved = (tmp_path / "run" / "train_config.json").read_text()
+    for change, named in ((dict(draft=dict(num_hidden_layers=2, markov_rank=4, block_size=5)), "draft"),
+                          (dict(heldout_fraction=0.3), "heldout_fraction 0.0 -> 0.3"), (dict(seed=1), "seed"),
+                          (dict(learning_rate=3e-3), "learning_rate"), (dict(dataset=str(tmp_path / "x.jsonl")),
+                                                                        "dataset")):
+        with pytest.raises(ValueError, match=f"holds a run started with other settings \\({named}") as refused:
+            train(TrainConfig(**{**kw, **change}), target=target, progress=False)
+        assert "\n" not in str(refused.value)
+        assert (tmp_path / "run" / "train_config.json").read_text() == saved, "the record still says what it holds"
+    # how long, how often it saves and where it runs may change
+    train(TrainConfig(**{**kw, "max_steps": 6, "save_every": 3, "device": "cpu", "stop_after": 60.0}),
+          target=target, progress=False)
+    assert (tmp_path / "run" / "checkpoint-6").exists()
+    assert json.loads((tmp_path / "run" / "train_config.json").read_text())["max_steps"] == 6
+
+
+def test_lora_beside_a_bfloat16_target_trains_float32_adapters_and_heads_and_resumes_them(tmp_path):
+    target = tiny_target("llama")
+    data = tiny_dataset(tmp_path, target, n=8)
+    tiny_draft(target, num_hidden_layers=1, markov_rank=4, block_size=3).save_pretrained(tmp_path / "base")
+    kw = dict(dataset=str(data), output_dir=str(tmp_path / "run"), lora=True, init_from=str(tmp_path / "base"),
+              target_dtype="bfloat16", batch_size=4, anchors_per_sequence=4, heldout_fraction=0.0, save_every=2)
+    for steps in (2, 3):  # a fresh run, then one resumed from its checkpoint
+        model = train(TrainConfig(max_steps=steps, **kw), target=target, progress=False)
+        trained = {n: p.dtype for n, p in model.named_parameters() if p.requires_grad}
+        assert any("confidence" in n for n in trained) and set(trained.values()) == {torch.float32}, trained
+
+
+def test_a_checkpoint_killed_while_saving_leaves_the_one_before_to_resume_from(tmp_path, monkeypatch):
+    import dspark_hf.training.checkpoints as checkpoints
+
+    target = tiny_target("llama")
+    data = tiny_dataset(tmp_path, target, n=8)
+    kw = dict(dataset=str(data), output_dir=str(tmp_path / "run"), batch_size=4, anchors_per_sequence=4,
+              heldout_fraction=0.0, save_every=2, draft=dict(num_hidden_layers=1, markov_rank=4, block_size=3))
+    train(TrainConfig(max_steps=4, **kw), target=target, progress=False)
+    real_save = torch.save
+
+    def killed(obj, path):  # the process dies halfway through writing the trainer state
+        Path(path).write_bytes(b"PK\x03\x04" + b"\0" * 64)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(checkpoints.torch, "save", killed)
+    with pytest.raises(KeyboardInterrupt):
+        train(TrainConfig(max_steps=6, **kw), target=target, progress=False)
+    monkeypatch.setattr(checkpoints.torch, "save", real_save)
+    assert not (tmp_path / "run" / "checkpoint-6" / "trainer_state.pt").exists(), "written whole or not at all"
+    # a state torn by an earlier version (written in place) is passed over, with a word, for the one before
+    state = tmp_path / "run" / "checkpoint-4" / "trainer_state.pt"
+    state.write_bytes(state.read_bytes()[: state.stat().st_size // 2])
+    with pytest.warns(UserWarning, match="state of checkpoint-4 .* does not load .* resuming from checkpoint-2"):
+        train(TrainConfig(max_steps=6, **kw), target=target, progress=False)
+    assert torch.load(tmp_path / "run" / "checkpoint-6" / "trainer_state.pt", weights_only=False)["step"] == 6
+
+
+def test_a_block_longer_than_every_answer_is_refused_before_anything_is_written(tmp_path):
+    target = tiny_target("llama")
+    data = tiny_dataset(tmp_path, target, n=8)  # answers of 24 tokens: block positions up to 23 learn
+    kw = dict(dataset=str(data), batch_size=4, anchors_per_sequence=4, heldout_fraction=0.0, max_steps=1)
+    with pytest.raises(ValueError, match="block_size 24 is more than the longest training answer .* at most 23"):
+        train(TrainConfig(output_dir=str(tmp_path / "run"), draft=dict(num_hidden_layers=1, markov_rank=4,
+                                                                         block_size=24), **kw), target=target)
+    assert not (tmp_path / "run").exists()
+    train(TrainConfig(output_dir=str(tmp_path / "ok"), draft=dict(num_hidden_layers=1, markov_rank=4, block_size=23),
+                      **kw), target=target, progress=False)
+
+
+def test_a_missing_init_from_folder_is_named(tmp_path):
+    target = tiny_target("llama")
+    data = tiny_dataset(tmp_path, target, n=4)
+    with pytest.raises(ValueError, match="init_from .*nowhere: no such folder"):
+        train(TrainConfig(dataset=str(data), output_dir=str(tmp_path / "run"), init_from=str(tmp_path / "nowhere")),
+              target=target)
+    assert not (tmp_path / "run").exists()
+
+
+def test_an_invocation_stopped_before_its_first_step_says_so_and_dspark_train_does_not_claim_a_saved_draft(
+        tmp_path, monkeypatch, capsys):
+    from dspark_hf.cli import main
+
+    monkeypatch.setattr("transformers.AutoTokenizer.from_pretrained", lambda *a, **k: None)  # tiny target: none
+    target = tiny_target("llama")
+    target.save_pretrained(tmp_path / "target")
+    data = tiny_dataset(tmp_path, target, n=8)
+    run = ["train", "--target", str(tmp_path / "target"), "--dataset", str(data), "--output-dir",
+           str(tmp_path / "run"), "--max-steps", "2", "--batch-size", "4", "--anchors", "2", "--heldout-fraction", "0",
+           "--layers", "1", "--markov-rank", "4", "--block-size", "3"]
+    capsys.readouterr()
+    with pytest.warns(UserWarning) as warned:  # 3 s: less than the time a checkpoint is given to save
+        assert main(run + ["--stop-after", "0.05"]) == 0
+    messages = [str(w.message) for w in warned]
+    assert any("stop_after=0.05 min ran out before the first training step" in m for m in messages), messages
+    assert not any("time_budget" in m for m in messages), messages
+    out = capsys.readouterr().out
+    assert "not finished" in out and "run the same command again" in out and "draft saved" not in out
+    assert main(run) == 0  # the next invocation resumes and finishes
+    assert "draft saved to" in capsys.readouterr().out

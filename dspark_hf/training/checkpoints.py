@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import pickle
 import shutil
+import warnings
 from pathlib import Path
 
 import torch
@@ -15,17 +18,39 @@ def checkpoint_folders(out_dir: Path) -> list[Path]:
     return sorted(out_dir.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
 
 
-def latest_checkpoint(out_dir: Path) -> Path | None:
+def latest_checkpoint(out_dir: Path) -> tuple[Path, dict] | None:
+    """The newest checkpoint whose trainer state loads, and that state (None: no checkpoint). A newer one whose state
+    does not load (torn by a run killed while an earlier version wrote it in place) is passed over with a warning;
+    ValueError if none loads."""
     found = [p for p in checkpoint_folders(out_dir) if (p / STATE_FILE).exists()]
-    return found[-1] if found else None
+    torn = []
+    for path in reversed(found):
+        try:
+            state = torch.load(path / STATE_FILE, weights_only=False)
+        except (RuntimeError, OSError, EOFError, pickle.UnpicklingError) as error:
+            torn.append(f"{path.name} ({' '.join(str(error).split())[:100]})")
+            continue
+        if torn:
+            warnings.warn(f"{out_dir}: the trainer state of {', '.join(torn)} does not load (a run killed while "
+                          f"saving it): resuming from {path.name}.", stacklevel=2)
+        return path, state
+    if found:
+        raise ValueError(f"no checkpoint of {out_dir} has a trainer state that loads: remove its checkpoint-* "
+                         "folders to train afresh, or give a new output_dir.")
+    return None
 
 
 def save_checkpoint(model, optimizer, step: int, clock, out_dir: Path, generator: torch.Generator):
     """Save `model` (a draft or a peft adapter), the optimizer, the step, the run clock's state and the anchor
-    generator's (a resumed epoch draws the anchors it would have drawn), then drop all but the two newest."""
+    generator's (a resumed epoch draws the anchors it would have drawn), then drop all but the two newest. The state
+    file, which marks the checkpoint complete, is written last and whole (through a temporary file), so a run killed
+    while saving leaves the previous checkpoint to resume from."""
     path = out_dir / f"checkpoint-{step}"
+    (path / STATE_FILE).unlink(missing_ok=True)  # a folder saved over (after a resume) is incomplete until the end
     model.save_pretrained(path)
+    partial = path / f"{STATE_FILE}.partial"
     torch.save({"optimizer": optimizer.state_dict(), "step": step, "clock": clock.state(),
-                "generator": generator.get_state()}, path / STATE_FILE)
+                "generator": generator.get_state()}, partial)
+    os.replace(partial, path / STATE_FILE)
     for old in checkpoint_folders(out_dir)[:-2]:
         shutil.rmtree(old, ignore_errors=True)

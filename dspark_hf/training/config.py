@@ -13,6 +13,11 @@ LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_
 # heads trained in full next to the adapters (peft `modules_to_save`: copies stored in the adapter file)
 LORA_HEADS = {"none": (), "confidence": ("confidence",), "all": ("w1", "w2", "rnn_proj", "confidence")}
 
+# what a resumed invocation may change: how long the run goes, where and in what precision it computes, and how often
+# it saves (every other field defines the run: changing one on resuming is refused, see `train`)
+RESUMABLE_CHANGES = frozenset({"output_dir", "epochs", "max_steps", "time_budget", "stop_after", "save_every",
+                               "device", "mixed_precision", "target_dtype", "gpu_memory_fraction", "feature_cache"})
+
 
 @dataclass
 class TrainConfig:

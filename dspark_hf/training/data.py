@@ -77,7 +77,9 @@ def prepare_data(target, tokenizer, prompts: Iterator[dict], output: str | Path,
     Every prompt gets its first answer before any gets a second, so a time budget that stops the run early cuts
     answers, not prompts; within each pass prompts are sorted by length, so a batch pads little however large it is
     (a GPU takes hundreds of rows). Deterministic for a seed and batch size (batch i is sampled with seed +
-    i) and resumable: batches already in `output` are skipped, so an interrupted run continues where it stopped.
+    i) and resumable: batches already in `output` are skipped, so an interrupted run continues where it stopped;
+    the manifest, written before the first answer, records the target and settings, and resuming with others (or
+    prompts that share an id) raises ValueError.
     time_budget (seconds): no batch starts that would likely end after it; run again to continue.
     """
     from tqdm.auto import tqdm
@@ -86,10 +88,16 @@ def prepare_data(target, tokenizer, prompts: Iterator[dict], output: str | Path,
     settings = settings or GenerationSettings()
     decoding = _decoding(settings)
     output = Path(output)
+    made_with = _made_with(target, settings, seed, max_prompt_tokens, batch_size)
     done = _answered(output)
+    if done:
+        _refuse_other_settings(output, made_with)
 
-    chosen = []
+    chosen, ids = [], set()
     for p in prompts:
+        if p["id"] in ids:  # its answer would be taken for the other's, and a resumed run would never complete
+            raise ValueError(f"two prompts share the id {p['id']!r}: give every prompt its own id.")
+        ids.add(p["id"])
         text = tokenizer.apply_chat_template(p["messages"], tokenize=False, add_generation_prompt=True)
         n_tokens = len(tokenizer(text)["input_ids"])
         if n_tokens <= max_prompt_tokens:
@@ -113,6 +121,9 @@ def prepare_data(target, tokenizer, prompts: Iterator[dict], output: str | Path,
     batches = [rows[i: i + batch_size] for i in range(0, len(rows), batch_size)]
 
     output.parent.mkdir(parents=True, exist_ok=True)
+    if not done:  # how the answers are made, recorded before the first one: a resumed run is checked against it
+        output.touch()
+        write_manifest(output, made_with, len(rows), 0.0)
     bar = tqdm(total=len(rows), initial=sum(r.id in done for r in rows),
                desc="regenerating answers", disable=not progress)
     eos_ids = eos_token_ids(target.generation_config)
@@ -146,8 +157,47 @@ def prepare_data(target, tokenizer, prompts: Iterator[dict], output: str | Path,
             bar.update(len(lines))
             slowest = max(slowest, time.perf_counter() - batch_start)
     bar.close()
-    write_manifest(output, target, settings, seed, len(rows), time.perf_counter() - started)
+    write_manifest(output, made_with, len(rows), time.perf_counter() - started)
     return output
+
+
+def _made_with(target, settings: GenerationSettings, seed: int, max_prompt_tokens: int, batch_size: int) -> dict:
+    """How the answers of a dataset are made, as its manifest records it. The batch size is part of it: batch i is
+    sampled with seed + i, and which rows share a batch follows from it. The device (of the last call) is not
+    checked on resuming: the same sampling on other hardware."""
+    from dataclasses import asdict
+
+    from ..model.modeling_dspark import target_fingerprint
+
+    return {"target": getattr(target.config, "_name_or_path", ""), "target_fingerprint": target_fingerprint(target),
+            "target_dtype": str(target.dtype).replace("torch.", ""), "device": str(target.device),
+            "settings": asdict(settings), "seed": seed, "max_prompt_tokens": max_prompt_tokens,
+            "batch_size": batch_size}
+
+
+def _refuse_other_settings(output: Path, made_with: dict) -> None:
+    """Refuse to add answers made otherwise than those `output` holds (as its manifest records them): the file would
+    mix two samplings, or two targets, under a manifest that names one."""
+    from ..model.modeling_dspark import same_fingerprint
+
+    path = manifest_path(output)
+    try:
+        recorded = json.loads(path.read_text()) if path.is_file() else {}
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        recorded = {}
+    missing = [key for key in made_with if key not in recorded and key != "device"]
+    if missing:
+        why = "is missing or unreadable" if not recorded else f"lacks {', '.join(missing)} (an older dspark-hf's)"
+        raise ValueError(f"{output} already holds answers, but its manifest {path.name}, which records how they were "
+                         f"made, {why}: a resumed run cannot check its settings against them; write to a new --output.")
+    changed = [f"{key} {recorded[key]!r} -> {value!r}" for key, value in made_with.items()
+               if key not in ("target_fingerprint", "device") and recorded[key] != value]
+    if not same_fingerprint(recorded["target_fingerprint"], made_with["target_fingerprint"]):
+        changed.append("target weights (another target_fingerprint)")
+    if changed:
+        raise ValueError(f"{output} holds answers made otherwise ({'; '.join(changed)}): resume it with the target and "
+                         "settings it was started with (time budget and device may change), or write to a new "
+                         "--output.")
 
 
 def _answered(output: Path) -> set[str]:
@@ -189,11 +239,11 @@ def manifest_path(dataset: str | Path) -> Path:
     return Path(dataset).with_suffix(".manifest.json")
 
 
-def write_manifest(dataset: Path, target, settings: GenerationSettings, seed: int, planned: int,
-                   seconds: float) -> dict:
-    """What `dataset` holds (prompts, answers and token totals, by source and domain) and how it was made, written
-    to [`manifest_path`]; `seconds` is this call's time."""
-    from dataclasses import asdict
+def write_manifest(dataset: Path, made_with: dict, planned: int, seconds: float) -> dict:
+    """What `dataset` holds (prompts, answers and token totals, by source and domain) and how it was made (the
+    target, its dtype, the sampling settings, seed, prompt limit and batch size of `made_with`), written to
+    [`manifest_path`]; `seconds` is this call's time."""
+    from ..files import write_atomic
 
     groups: dict[str, dict[str, dict]] = {"by_source": {}, "by_domain": {}}
     prompts, total = set(), {"examples": 0, "prompt_tokens": 0, "answer_tokens": 0}
@@ -211,12 +261,10 @@ def write_manifest(dataset: Path, target, settings: GenerationSettings, seed: in
     for table in groups.values():
         for group in table.values():
             group["prompts"] = len(group["prompts"])
-    manifest = {"dataset": dataset.name, "target": getattr(target.config, "_name_or_path", ""),
-                "target_dtype": str(target.dtype).replace("torch.", ""), "device": str(target.device),
-                "settings": asdict(settings), "seed": seed, "complete": total["examples"] >= planned,
+    manifest = {"dataset": dataset.name, **made_with, "complete": total["examples"] >= planned,
                 "planned_examples": planned, "prompts": len(prompts), **total, **groups,
                 "seconds_this_call": round(seconds, 1)}
-    manifest_path(dataset).write_text(json.dumps(manifest, indent=2))
+    write_atomic(manifest_path(dataset), json.dumps(manifest, indent=2))
     return manifest
 
 

@@ -93,7 +93,9 @@ def initial_draft(config: TrainConfig, target, resume: Path | None, default_targ
         from peft import PeftModel
 
         base_path = _lora_base(config, default_target)
-        base = DSparkDraftModel.from_pretrained(base_path, dtype=target.dtype).bind_target(target)
+        # float32 whatever the target's dtype, as fine-tuning loads it: the heads trained in full are copies of the
+        # base's (peft modules_to_save), and Adam's updates of bf16 weights round away
+        base = DSparkDraftModel.from_pretrained(base_path, dtype=torch.float32).bind_target(target)
         if resume is not None:
             return PeftModel.from_pretrained(base, resume, is_trainable=True)
         return add_lora(base, config, base_path)

@@ -66,11 +66,13 @@ def sharegpt_path() -> Path:
 
 
 def read_sharegpt(path: Path | None = None) -> Iterator[dict]:
-    """First human turn of each ShareGPT conversation, as {"id", "domain": "chat", "source": "sharegpt", "messages"}.
+    """First human turn of each ShareGPT conversation, as {"id", "domain": "chat", "source": "sharegpt", "messages"},
+    each text once (the first conversation that asks it: copies under other ids would straddle the held-out split).
     The packaged file is truncated, so objects are decoded one at a time and decoding stops at the first incomplete
     one."""
     text = Path(path or sharegpt_path()).read_text(encoding="utf-8", errors="replace")
     decoder = json.JSONDecoder()
+    seen = set()
     i = text.index("[") + 1
     while True:
         while i < len(text) and text[i] in " \n\r\t,":
@@ -82,9 +84,11 @@ def read_sharegpt(path: Path | None = None) -> Iterator[dict]:
         except json.JSONDecodeError:
             return  # the truncated tail
         turns = obj.get("conversations") or []
-        if turns and turns[0].get("from") == "human" and turns[0].get("value", "").strip():
+        first = turns[0].get("value", "").strip() if turns and turns[0].get("from") == "human" else ""
+        if first and first not in seen:
+            seen.add(first)
             yield {"id": obj.get("id", ""), "domain": "chat", "source": "sharegpt",
-                   "messages": [{"role": "user", "content": turns[0]["value"].strip()}]}
+                   "messages": [{"role": "user", "content": first}]}
 
 
 # -- Python's standard library ---------------------------------------------------------------------------------------

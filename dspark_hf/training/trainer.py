@@ -21,8 +21,9 @@ import torch
 
 from ..devices import clock, resolve_device
 from ..generation.decoding import unwrap_draft
-from .checkpoints import STATE_FILE, latest_checkpoint, save_checkpoint
-from .config import TrainConfig
+from ..files import write_atomic
+from .checkpoints import STATE_FILE, checkpoint_folders, latest_checkpoint, save_checkpoint
+from .config import RESUMABLE_CHANGES, TrainConfig
 from .data import load_dataset, split_heldout
 from .drafts import initial_draft
 from .features import CachedFeatures, OnlineFeatures
@@ -34,12 +35,22 @@ from .objective import train_step
 
 def train(config: TrainConfig, target=None, progress: bool = True):
     """Train (or resume) a draft as `config` says; returns the final draft, also saved to config.output_dir
-    (with ``config.lora``: the peft ``PeftModel``, saved as an adapter). With ``config.stop_after``, an invocation that
-    runs out of time returns the unfinished draft after saving a checkpoint to resume from."""
+    (with ``config.lora``: the peft ``PeftModel``, saved as an adapter), in eval mode. With ``config.stop_after``, an
+    invocation that runs out of time saves a checkpoint to resume from and returns the unfinished draft, still in
+    training mode (``.training`` is True).
+
+    Resuming (config.output_dir holds train_config.json and a checkpoint) needs the settings the run was started
+    with; only those of RESUMABLE_CHANGES may differ. Raises ValueError naming the others that do."""
     from accelerate import Accelerator
     from tqdm.auto import tqdm
 
     timer = RunClock(config)
+    out_dir = Path(config.output_dir)
+    _refuse_a_changed_run(config, out_dir)  # before anything is loaded or written
+    if config.init_from:
+        from ..loading import _check_name
+
+        _check_name(config.init_from, "init_from (--init-from)")
     device = resolve_device(config.device)
     if device.type == "cuda" and device.index is not None:
         torch.cuda.set_device(device)  # accelerate places a single process on the current GPU
@@ -67,11 +78,12 @@ def train(config: TrainConfig, target=None, progress: bool = True):
                          f"held-out split (heldout_fraction={config.heldout_fraction}, "
                          f"max_length={config.max_length}).")
 
-    out_dir = Path(config.output_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "train_config.json").write_text(json.dumps(asdict(config), indent=2))
-    resume = latest_checkpoint(out_dir)
+    found = latest_checkpoint(out_dir)
+    resume, state = found if found is not None else (None, None)
     draft = initial_draft(config, target, resume, default_target_used, train_set)
+    _refuse_a_block_past_every_answer(unwrap_draft(draft).config.block_size, train_set, config)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    write_atomic(out_dir / CONFIG_FILE, json.dumps(asdict(config), indent=2))
     draft.to(device).train()
     layer_ids = unwrap_draft(draft).config.target_layer_ids
 
@@ -89,8 +101,7 @@ def train(config: TrainConfig, target=None, progress: bool = True):
                                   fused=device.type == "cuda" or None)
     draft, optimizer = accelerator.prepare(draft, optimizer)
     step, generator_state = 0, None
-    if resume is not None:
-        state = torch.load(resume / STATE_FILE, weights_only=False)
+    if state is not None:
         optimizer.load_state_dict(state["optimizer"])
         step = state["step"]
         timer.restore(state.get("clock", {}))
@@ -146,15 +157,19 @@ def train(config: TrainConfig, target=None, progress: bool = True):
             if step % config.save_every == 0 and accelerator.is_main_process:
                 save_checkpoint(model, optimizer, step, timer, out_dir, generator)
     bar.close()
-    if step == 0:
-        warnings.warn(f"{config.output_dir}: the time budget ran out before the first training step; the saved "
-                      "draft is untrained. Give a larger time_budget.", stacklevel=2)
     if timer.must_stop() and not (timer.budget_spent() if total_steps is None else step >= total_steps):
+        if step == 0:
+            warnings.warn(f"{config.output_dir}: stop_after={config.stop_after:g} min ran out before the first "
+                          "training step (loading and setup took it); the checkpoint holds an untrained draft. Give a "
+                          "larger stop_after.", stacklevel=2)
         if accelerator.is_main_process:
             save_checkpoint(model, optimizer, step, timer, out_dir, generator)
             print(f"stopped after {config.stop_after:g} min at step {step}: run the same command again to resume "
                   f"from {out_dir}")
-        return accelerator.unwrap_model(draft, keep_fp32_wrapper=False)
+        return accelerator.unwrap_model(draft, keep_fp32_wrapper=False)  # still in training mode: unfinished
+    if step == 0:
+        warnings.warn(f"{config.output_dir}: the time budget ran out before the first training step; the saved "
+                      "draft is untrained. Give a larger time_budget.", stacklevel=2)
     # drop accelerate's autocast wrapper of forward: held-out figures and the returned draft run in the draft's dtype
     model = accelerator.unwrap_model(draft, keep_fp32_wrapper=False)
     core = unwrap_draft(model)
@@ -171,6 +186,51 @@ def train(config: TrainConfig, target=None, progress: bool = True):
         model.save_pretrained(out_dir)
     return model
 
+
+
+CONFIG_FILE = "train_config.json"
+
+
+def _refuse_a_changed_run(config: TrainConfig, out_dir: Path) -> None:
+    """A run resumed with settings that define it (the draft, the data and its split, the objective, the optimizer)
+    other than those it was started with would continue the old draft under a train_config.json that describes
+    another: refuse it. How long and where it runs (RESUMABLE_CHANGES) may change."""
+    from dataclasses import MISSING, fields
+
+    saved_file = out_dir / CONFIG_FILE
+    if not saved_file.is_file() or not any((p / STATE_FILE).exists() for p in checkpoint_folders(out_dir)):
+        return  # nothing to resume: the run starts afresh
+    try:
+        saved = json.loads(saved_file.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"{saved_file} does not read as the settings of a run ({error}): resume with a readable "
+                         "train_config.json, or train into a new output_dir.") from error
+    now = json.loads(json.dumps(asdict(config)))  # as saved: tuples become lists
+    changed = []
+    for f in fields(TrainConfig):
+        if f.name in RESUMABLE_CHANGES:
+            continue
+        default = f.default_factory() if f.default_factory is not MISSING else f.default
+        # a field newer than the run: the run had its default
+        before = saved.get(f.name) if f.name in saved or default is MISSING else json.loads(json.dumps(default))
+        same_path = (f.name in ("dataset", "init_from") and isinstance(before, str) and isinstance(now[f.name], str)
+                     and Path(before).resolve() == Path(now[f.name]).resolve())
+        if before != now[f.name] and not same_path:
+            changed.append(f"{f.name} {before!r} -> {now[f.name]!r}")
+    if changed:
+        raise ValueError(f"{out_dir} holds a run started with other settings ({'; '.join(changed)}): resume it with "
+                         f"the settings of its {CONFIG_FILE}, or train into a new output_dir (only "
+                         f"{', '.join(sorted(RESUMABLE_CHANGES - {'output_dir'}))} may change on resuming).")
+
+
+def _refuse_a_block_past_every_answer(block_size: int, train_set: list, config: TrainConfig) -> None:
+    """Block position k learns from an answer of more than k + 1 tokens (its anchor, then the token it predicts):
+    positions past the longest answer would get no gradient, and the draft would propose untrained tokens there."""
+    longest = max(len(e.input_ids) - e.answer_start for e in train_set)
+    if block_size > longest - 1:
+        raise ValueError(f"block_size {block_size} is more than the longest training answer of {config.dataset} "
+                         f"({longest} tokens after max_length={config.max_length}) less one: its last positions "
+                         f"would never be trained. Give a block size of at most {longest - 1}, or longer answers.")
 
 
 def lr_factor(start: float, end: float, warmup: float) -> float:
