@@ -386,17 +386,27 @@ class DSparkDraftModel(DSparkPreTrainedModel):
     sharing: ClassVar[Any] = None
 
     @classmethod
-    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, output_loading_info: bool = False, **kwargs):
         """transformers' `from_pretrained` (hub ids, revisions, cache, tokens); under ``HF_HUB_OFFLINE=1`` a draft
-        missing from the cache raises an error that says so (`dspark_hf.hub.offline_load_error`)."""
+        missing from the cache raises an error that says so (`dspark_hf.hub.offline_load_error`). A checkpoint that
+        lacks any of the draft's tensors is refused: a draft has no optional weights, and transformers would start
+        the missing ones random (or, for the draft-vocabulary buffers, uninitialised)."""
         try:
-            return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+            model, info = super().from_pretrained(pretrained_model_name_or_path, *args, output_loading_info=True,
+                                                  **kwargs)
         except OSError as error:
             clearer = None if cls.sharing is None else cls.sharing.offline_load_error(pretrained_model_name_or_path,
                                                                                        kwargs)
             if clearer is None:
                 raise
             raise clearer from error
+        missing = sorted(info["missing_keys"])
+        if missing:
+            more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+            raise ValueError(f"{pretrained_model_name_or_path} is not a complete DSpark draft: its weights lack "
+                             f"{', '.join(missing[:5])}{more}, which would load random. Load the folder or revision "
+                             "that holds all of them, or re-save the draft with save_pretrained.")
+        return (model, info) if output_loading_info else model
 
     def save_pretrained(self, save_directory, *args, model_card: bool = True, card_data=None, **kwargs):
         """transformers' `save_pretrained`, plus a README.md model card (`dspark_hf.hub.save_pretrained`): written
