@@ -24,7 +24,7 @@ from dspark_hf.hub import push_draft
 from dspark_hf.scheduling.calibration import calibration_report, sequential_temperature_scaling
 from dspark_hf.training.config import TrainConfig
 
-from conftest import has_smollm2, tiny_draft, tiny_target
+from conftest import cli_error, has_smollm2, tiny_draft, tiny_target
 from hub_stub import HubStub, go_offline, use_hub
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -250,6 +250,21 @@ def test_push_draft_sends_a_trained_folder_with_a_card_from_its_result_files(hub
 
     with pytest.raises(FileNotFoundError, match="no saved draft"):
         push_draft(tmp_path, "alice/trained", token=TOKEN)
+
+
+def test_a_result_file_of_another_command_is_refused_in_one_line_naming_the_right_one(hub, tmp_path, capsys):
+    folder, _, calibration = trained_folder(tmp_path)
+    files = {"eval": EVAL, "calibration": calibration, "bench": {"settings": {}, "machine": {}, "methods": {}}}
+    for name, results in files.items():
+        (tmp_path / f"{name}.json").write_text(json.dumps(results))
+    for flag, wrong, expected in [("--eval", "calibration", "results.json of `dspark eval` (they have no 'settings'"),
+                                  ("--eval", "bench", "results.json of `dspark eval` (they have no 'domains'"),
+                                  ("--calibration", "eval", "calibration.json of `dspark calibrate` (they have no "
+                                                            "'before'")]:
+        for argv in (["push", str(folder), "alice/draft", "--token", TOKEN],
+                     ["export", str(folder), "--output", str(tmp_path / "out"), "--base-model", TARGET]):
+            assert f"are not the {expected}" in cli_error(capsys, argv + [flag, str(tmp_path / f"{wrong}.json")])
+    assert hub.requests == [] and not (tmp_path / "out").exists()
 
 
 def run_python(script: str, env: dict, cwd: Path, *args: str) -> str:
