@@ -259,6 +259,21 @@ def test_settings_that_cannot_work_are_refused_however_they_arrive(tmp_path, bad
         AutoConfig.from_pretrained(tmp_path, **bad)
 
 
+@pytest.mark.parametrize("field, value, message", [
+    ("confidence_temperatures", [1.0, 2.0], "confidence_temperatures has 2 entries"),
+    ("confidence_temperatures", [0.0, 1.0, 1.0, 1.0], "confidence_temperatures must be finite and > 0"),
+    ("head_type", "Markov", "head_type='Markov' is not one of"),
+], ids=str)
+def test_a_config_changed_after_construction_is_checked_before_saving(tmp_path, field, value, message):
+    """Calibration sets config.confidence_temperatures on a built draft: a bad value is refused when saving, not
+    later by the folder's from_pretrained."""
+    draft = tiny_draft(tiny_target("llama"))
+    setattr(draft.config, field, value)
+    with pytest.raises(ValueError, match=f"config was changed into one from_pretrained would refuse: {message}"):
+        draft.save_pretrained(tmp_path / "draft")
+    assert not (tmp_path / "draft").exists()
+
+
 def test_a_folder_of_another_model_or_a_misspelled_field_is_refused(tmp_path):
     target = tiny_target("llama")
     target.save_pretrained(tmp_path)

@@ -412,7 +412,9 @@ class DSparkDraftModel(DSparkPreTrainedModel):
         """transformers' `save_pretrained`, plus a README.md model card (`dspark_hf.hub.save_pretrained`): written
         unless the folder holds a README.md that dspark-hf did not generate, or ``model_card=False``. `card_data`
         (a `dspark_hf.cards.CardData` or dict: base_model, repo_id, eval_results, calibration, recipe, ...) feeds
-        it. Without dspark_hf installed (remote code), no card is written."""
+        it. Without dspark_hf installed (remote code), no card is written. A config changed after the draft was
+        built is checked first: from_pretrained would refuse it."""
+        self._check_config()
         if self.sharing is None:
             _refuse_card_data(card_data)
             return super().save_pretrained(save_directory, *args, **kwargs)
@@ -422,10 +424,19 @@ class DSparkDraftModel(DSparkPreTrainedModel):
     def push_to_hub(self, repo_id: str, *, model_card: bool = True, card_data=None, **kwargs):
         """transformers' `push_to_hub` (same arguments), with the card of [`save_pretrained`] as README.md
         (`dspark_hf.hub.push_to_hub`; ``model_card=False`` leaves the Hub's README.md alone)."""
+        self._check_config()
         if self.sharing is None:
             _refuse_card_data(card_data)
             return super().push_to_hub(repo_id, **kwargs)
         return self.sharing.push_to_hub(self, repo_id, model_card=model_card, card_data=card_data, **kwargs)
+
+    def _check_config(self) -> None:
+        # fields set after construction (calibration sets confidence_temperatures) were never validated
+        try:
+            self.config.validate_dspark()
+        except ValueError as error:
+            raise ValueError(f"The draft's config was changed into one from_pretrained would refuse: {error}") \
+                from error
 
     # -- pieces of the forward pass ----------------------------------------------------------------------------
     @property
