@@ -65,12 +65,30 @@ def load_draft(name_or_path: str | None, target, dtype: torch.dtype | str = "aut
             raise ValueError(f"The adapter in {name_or_path} does not name its base draft (base_model_name_or_path "
                              "in adapter_config.json): set it to the draft's folder or Hub id, or load the draft and "
                              "apply the adapter with peft.PeftModel.from_pretrained(draft, adapter_folder).")
-        draft = DSparkDraftModel.from_pretrained(base, dtype=dtype).to(target.device)
+        draft = _adapter_base(name_or_path, base, dtype).to(target.device)
         # merged, every caller sees a plain draft (calibrate and export save a full one); same function
         draft = PeftModel.from_pretrained(draft, name_or_path).merge_and_unload()
     else:
         draft = DSparkDraftModel.from_pretrained(name_or_path, dtype=dtype).to(target.device)
     return draft.bind_target(target).eval()
+
+
+def _adapter_base(adapter: str, base: str, dtype):
+    """The base draft an adapter names: a folder (absolute, or relative to the working directory or to the adapter's
+    folder), else a Hub id. Adapters trained before dspark-hf recorded absolute paths name their base relative to
+    the directory training ran in, which is no Hub id: that says so in one line."""
+    from .model import DSparkDraftModel
+
+    folder = next((p for p in (Path(base).expanduser(), Path(adapter) / base) if p.is_dir()), None)
+    if folder is not None:
+        return DSparkDraftModel.from_pretrained(folder, dtype=dtype)
+    try:
+        return DSparkDraftModel.from_pretrained(base, dtype=dtype)
+    except OSError as error:
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ValueError(f"The adapter's base draft {base} (base_model_name_or_path in {adapter}/adapter_config.json) "
+                         f"is not a folder here, nor a draft loadable from the Hub ({reason}): set it to the base "
+                         "draft's folder or Hub id.") from error
 
 
 def load_models(target: str | None = None, draft: str | None = None, dtype: torch.dtype = torch.float32,
