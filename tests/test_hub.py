@@ -212,6 +212,16 @@ def test_save_pretrained_writes_the_card_and_keeps_a_user_readme(tmp_path):
     assert "base_model" not in front_matter(card) and f'from_pretrained("{tmp_path}", dtype=torch.float32)' in card
 
 
+def test_a_refused_card_leaves_the_folder_as_it_was(tmp_path):
+    """The card checks the results against the draft before anything is written: new weights must not end up beside
+    the previous draft's card."""
+    make_draft(seed=1).save_pretrained(tmp_path, card_data={"eval_results": EVAL})
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    with pytest.raises(ValueError, match="measured with block size 7, this draft drafts 4"):
+        make_draft(seed=2, block_size=4).save_pretrained(tmp_path, card_data={"eval_results": EVAL})
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+
+
 def trained_folder(root: Path) -> tuple[Path, DSparkDraftModel, dict]:
     """A folder shaped like `dspark train` + `dspark calibrate` output: the draft, train_config.json,
     heldout.json, calibration.json, a checkpoint and the training state."""
