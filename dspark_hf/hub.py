@@ -15,11 +15,14 @@ transformers' own `push_to_hub` would replace our card with its generic one (it 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import tempfile
 import warnings
 from pathlib import Path
+
+import torch
 
 from .cards import GENERATED_MARK, CardData, is_hub_model_id, render_card_data, training_recipe
 from .model.modeling_dspark import DSparkDraftModel
@@ -68,7 +71,8 @@ def save_pretrained(draft, base_save, save_directory: str | Path, *args, model_c
         before = _timestamps(folder)
     # rendering checks the result files against the draft: refused, it must leave the folder as it was
     card = render_card_data(draft.config, data) if model_card and is_main_process else None
-    result = base_save(save_directory, *args, **kwargs)
+    with _target_recorded_as(draft, data.base_model if push_to_hub else None):
+        result = base_save(save_directory, *args, **kwargs)
     if not is_main_process:
         return result
     if model_card and write_model_card(draft, folder, card=card) is None and card_data is not None:
@@ -98,7 +102,7 @@ def push_to_hub(draft, repo_id: str, *, commit_message: str | None = None, commi
     api = _api()
     repo_id = api.create_repo(repo_id, private=private, token=token, exist_ok=True).repo_id
     data = dataclasses.replace(data, repo_id=data.repo_id or repo_id)
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, _target_recorded_as(draft, data.base_model):
         draft.save_pretrained(tmp, max_shard_size=max_shard_size, model_card=model_card, card_data=data)
         files = sorted(p for p in Path(tmp).rglob("*") if p.is_file())
         return _commit(api, Path(tmp), files, repo_id, token=token, revision=revision, create_pr=create_pr,
@@ -108,9 +112,10 @@ def push_to_hub(draft, repo_id: str, *, commit_message: str | None = None, commi
 def push_draft(folder: str | Path, repo_id: str, base_model: str | None = None,
                eval_results: str | Path | dict | None = None, calibration: str | Path | dict | None = None,
                recipe: str | Path | None = None, private: bool = False, token: str | None = None,
-               revision: str | None = None, commit_message: str | None = None):
+               revision: str | None = None, commit_message: str | None = None,
+               dtype: torch.dtype | str = torch.bfloat16):
     """Push a draft folder written by `dspark train` (its --output-dir) or `dspark calibrate` (its --output), with
-    a card rendered from its results.
+    a card rendered from its results, in `dtype` (default bfloat16, as `dspark export` writes it).
 
     base_model: the target's hub id (default: the draft config's ``target_name_or_path``, which must then be one).
     eval_results: the results.json of `dspark eval` (path or dict). calibration: the calibration.json of
@@ -122,7 +127,7 @@ def push_draft(folder: str | Path, repo_id: str, base_model: str | None = None,
     if not (folder / "config.json").is_file():
         raise FileNotFoundError(f"{folder} holds no saved draft (no config.json): pass the --output-dir of "
                                 "`dspark train` or the --output of `dspark calibrate`.")
-    draft = DSparkDraftModel.from_pretrained(folder)
+    draft = DSparkDraftModel.from_pretrained(folder).to(getattr(torch, dtype) if isinstance(dtype, str) else dtype)
     data = CardData(base_model=base_model, eval_results=read_json(eval_results),
                     calibration=folder_calibration(folder, calibration),
                     recipe=_recipe(recipe, folder))
@@ -166,6 +171,19 @@ def _check_pushable(draft, data: CardData) -> None:
                          "card_data={'base_model': 'ORG/NAME'} (`dspark push --base-model ORG/NAME`), or push "
                          "without a card (model_card=False).")
     render_card_data(draft.config, data)
+
+
+@contextlib.contextmanager
+def _target_recorded_as(draft, base_model: str | None):
+    """The config records `base_model` as the target while it is saved: what goes to the Hub names the target's Hub
+    id given for the card, not the local path the draft was trained from (the draft itself is left unchanged)."""
+    recorded = draft.config.target_name_or_path
+    if base_model is not None:
+        draft.config.target_name_or_path = base_model
+    try:
+        yield
+    finally:
+        draft.config.target_name_or_path = recorded
 
 
 def _commit(api, folder: Path, files: list[Path], repo_id: str, *, token=None, revision: str | None = None,

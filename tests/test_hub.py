@@ -179,9 +179,16 @@ def test_push_refuses_cards_it_cannot_make_right_before_contacting_the_hub(hub, 
         with pytest.raises(ValueError, match="from_pretrained would refuse: confidence_temperatures has 2 entries"):
             push()
     assert hub.requests == [] and hub.repos == {}
-    # with an explicit Hub id the draft of a local target can go
+    # with an explicit Hub id the draft of a local target can go, and its config names the target by that id, not
+    # by this machine's path (the draft in memory keeps its own)
     local_target.push_to_hub("alice/draft", token=TOKEN, card_data={"base_model": TARGET})
-    assert front_matter(hub.repos["alice/draft"].files()["README.md"].decode())["base_model"] == TARGET
+    files = hub.repos["alice/draft"].files()
+    assert front_matter(files["README.md"].decode())["base_model"] == TARGET
+    assert json.loads(files["config.json"])["target_name_or_path"] == TARGET
+    assert local_target.config.target_name_or_path == str(tmp_path)
+    local_target.save_pretrained(tmp_path / "pushed", push_to_hub=True, repo_id="alice/saved", token=TOKEN,
+                                 card_data={"base_model": TARGET})
+    assert json.loads(hub.repos["alice/saved"].files()["config.json"])["target_name_or_path"] == TARGET
 
 
 def test_save_pretrained_writes_the_card_and_keeps_a_user_readme(tmp_path):
@@ -261,7 +268,13 @@ def test_push_draft_sends_a_trained_folder_with_a_card_from_its_result_files(hub
     assert "0.29 0.29" in card and "expected greedy tau 1.41" in card
     assert f"| after STS | {calibration['after']['ece']:.2%} |" in card
     assert f"| macro | {EVAL['macro_acceptance_length']:.2f} |" in card
+    # in bfloat16 by default, as `dspark export` writes it (the trained folder holds float32 master weights)
+    assert json.loads(files["config.json"])["dtype"] == "bfloat16"
     stored = load_safetensors(files["model.safetensors"])
+    assert all(torch.equal(stored[k], v.to(torch.bfloat16) if v.is_floating_point() else v)
+               for k, v in draft.state_dict().items())
+    info = push_draft(folder, "alice/trained", token=TOKEN, dtype="float32")
+    stored = load_safetensors(repo.files(info.oid)["model.safetensors"])
     assert all(torch.equal(stored[k], v) for k, v in draft.state_dict().items())
 
     with pytest.raises(FileNotFoundError, match="no saved draft"):
@@ -281,6 +294,14 @@ def test_a_result_file_of_another_command_is_refused_in_one_line_naming_the_righ
                      ["export", str(folder), "--output", str(tmp_path / "out"), "--base-model", TARGET]):
             assert f"are not the {expected}" in cli_error(capsys, argv + [flag, str(tmp_path / f"{wrong}.json")])
     assert hub.requests == [] and not (tmp_path / "out").exists()
+
+
+def test_dspark_push_records_the_base_model_as_the_target_in_the_pushed_config(hub, tmp_path, capsys):
+    from dspark_hf.cli import main
+
+    make_draft(target_name_or_path="/home/alice/models/target").save_pretrained(tmp_path / "draft")
+    assert main(["push", str(tmp_path / "draft"), "alice/draft", "--token", TOKEN, "--base-model", TARGET]) == 0
+    assert json.loads(hub.repos["alice/draft"].files()["config.json"])["target_name_or_path"] == TARGET
 
 
 def run_python(script: str, env: dict, cwd: Path, *args: str) -> str:
@@ -323,7 +344,9 @@ def test_fresh_processes_push_through_HF_ENDPOINT_and_load_with_HF_HUB_OFFLINE(t
                              "print_weight_sums(revision=sys.argv[2])\n",
                              {"HF_ENDPOINT": stub.url, "HF_HUB_OFFLINE": "1"}, tmp_path, cache, oid).splitlines()
         assert stub.requests == []
-    expected = {k: v.double().sum().item() for k, v in draft.state_dict().items()}
+    # `dspark push` sends bfloat16 weights, as `dspark export` writes them
+    expected = {k: v.to(torch.bfloat16 if v.is_floating_point() else v.dtype).double().sum().item()
+                for k, v in draft.state_dict().items()}
     for line in (online[-1], offline[-2], offline[-1]):
         assert json.loads(line) == expected
 
