@@ -361,19 +361,29 @@ def test_a_push_that_cannot_reach_the_hub_says_so_in_one_line(tmp_path):
     assert out.splitlines()[-1].startswith("2 dspark push: error: could not reach the Hub")
 
 
-def test_remote_code_without_dspark_hf_saves_without_a_card(tmp_path):
+def test_remote_code_without_dspark_hf_saves_without_a_card_and_says_what_decoding_needs(tmp_path):
     """modeling_dspark.py is copied next to the weights and imports dspark_hf lazily: where dspark_hf is absent a
-    draft loaded with trust_remote_code still saves (no card), and asking for a card says what is missing."""
+    draft loaded with trust_remote_code still saves (no card), and asking for a card, or passing the draft to
+    generate() as assistant_model (transformers' assisted decoding cannot run a DSpark draft), says what is
+    missing."""
+    target = tiny_target("llama")
+    target.save_pretrained(tmp_path / "target")
     make_draft().save_pretrained(tmp_path / "draft")
     out = run_python(
         "import sys; sys.modules['dspark_hf'] = None\n"  # make `import dspark_hf` fail in this process
-        "from transformers import AutoModel\n"
+        "import torch\n"
+        "from transformers import AutoModel, AutoModelForCausalLM\n"
         "m = AutoModel.from_pretrained('draft', trust_remote_code=True)\n"
         "m.save_pretrained('resaved')\n"
         "try:\n    m.save_pretrained('with-card', card_data={'base_model': 'org/x'})\n"
+        "except ImportError as e:\n    print(e)\n"
+        "target = AutoModelForCausalLM.from_pretrained('target')\n"
+        "try:\n    target.generate(input_ids=torch.ones(1, 3, dtype=torch.long), max_new_tokens=2, assistant_model=m)\n"
         "except ImportError as e:\n    print(e)\n",
         {"HF_HUB_OFFLINE": "1"}, tmp_path)
-    assert "card_data needs dspark-hf" in out
+    card, decoding = out.strip().splitlines()[-2:]
+    assert card.startswith("card_data needs dspark-hf")
+    assert decoding.startswith("Decoding with a DSpark draft needs dspark-hf: pip install dspark-hf, import dspark_hf")
     assert (tmp_path / "resaved" / "config.json").is_file() and not (tmp_path / "resaved" / "README.md").exists()
 
 

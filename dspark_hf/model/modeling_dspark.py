@@ -430,6 +430,22 @@ class DSparkDraftModel(DSparkPreTrainedModel):
             return super().push_to_hub(repo_id, **kwargs)
         return self.sharing.push_to_hub(self, repo_id, model_card=model_card, card_data=card_data, **kwargs)
 
+    @property
+    def generation_config(self):
+        """A draft does not generate on its own. transformers' assisted decoding reads this first: without dspark_hf
+        (this file as remote code) that says what DSpark decoding needs, not that the attribute is missing."""
+        if "_generation_config" in self.__dict__:
+            return self.__dict__["_generation_config"]
+        if self.sharing is None:
+            raise ImportError("Decoding with a DSpark draft needs dspark-hf: pip install dspark-hf, import dspark_hf, "
+                              "then load the draft (DSparkDraftModel.from_pretrained or AutoModel) and pass it as "
+                              "assistant_model.")
+        raise AttributeError("generation_config")  # as for any model that cannot generate
+
+    @generation_config.setter
+    def generation_config(self, value) -> None:
+        self.__dict__["_generation_config"] = value
+
     def _check_config(self) -> None:
         # fields set after construction (calibration sets confidence_temperatures) were never validated
         try:
