@@ -136,20 +136,31 @@ def push_draft(folder: str | Path, repo_id: str, base_model: str | None = None,
 
 
 def offline_load_error(name_or_path, kwargs: dict) -> OSError | None:
-    """For a failed `from_pretrained(name_or_path, **kwargs)`: the error to raise instead when offline mode is on
-    and `name_or_path` is a Hub id (transformers' own says it could not connect), else None."""
+    """For a failed `from_pretrained(name_or_path, **kwargs)`: the error to raise instead when offline mode or
+    ``local_files_only=True`` forbids downloading and `name_or_path` is a Hub id whose config or weights are not
+    cached (transformers' own says it could not connect, or that the repo has no weights file), else None."""
     from huggingface_hub import constants, is_offline_mode, try_to_load_from_cache
 
-    if (not (is_offline_mode() or kwargs.get("local_files_only")) or Path(name_or_path).exists()
-            or not is_hub_model_id(str(name_or_path))):
+    causes = [cause for cause, on in (("HF_HUB_OFFLINE=1", is_offline_mode()),
+                                      ("local_files_only=True", kwargs.get("local_files_only"))) if on]
+    if not causes or Path(name_or_path).exists() or not is_hub_model_id(str(name_or_path)):
         return None
     cache, revision = kwargs.get("cache_dir") or constants.HF_HUB_CACHE, kwargs.get("revision")
-    if isinstance(try_to_load_from_cache(str(name_or_path), "config.json", cache, revision), str):
+
+    def cached(filename: str) -> bool:
+        return isinstance(try_to_load_from_cache(str(name_or_path), filename, cache, revision), str)
+
+    if not cached("config.json"):
+        state = "is not in"
+    elif not (cached("model.safetensors") or cached("model.safetensors.index.json")):
+        state = "has its config.json but not its weights (model.safetensors) in"
+    else:
         return None  # the draft is cached: transformers' error is about something else
-    why = "HF_HUB_OFFLINE=1 forbids" if is_offline_mode() else "local_files_only=True forbids"
-    return OSError(f"{name_or_path} (revision {revision or 'main'}) is not in the Hugging Face cache "
-                   f"at {cache}, and {why} downloading it. Load it once with network access (it is then cached), "
-                   "pass the cache_dir that holds it, or unset HF_HUB_OFFLINE.")
+    fixes = {"HF_HUB_OFFLINE=1": "unset HF_HUB_OFFLINE", "local_files_only=True": "drop local_files_only=True"}
+    return OSError(f"{name_or_path} (revision {revision or 'main'}) {state} the Hugging Face cache at {cache}, and "
+                   f"{' and '.join(causes)} forbid{'s' if len(causes) == 1 else ''} downloading it. Load it once with "
+                   "network access (it is then cached), pass the cache_dir that holds it, or "
+                   f"{' and '.join(fixes[c] for c in causes)}.")
 
 
 # ---------------------------------------------------------------------------------------------------------------

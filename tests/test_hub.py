@@ -152,6 +152,24 @@ def test_pull_round_trips_and_loads_offline_from_the_hub_cache_at_a_revision(hub
         DSparkDraftModel.from_pretrained("alice/never-downloaded", cache_dir=cache)
 
 
+def test_an_offline_load_says_what_the_cache_lacks_and_which_setting_forbids_downloading(hub, tmp_path,
+                                                                                        monkeypatch):
+    from huggingface_hub import hf_hub_download
+
+    cache = tmp_path / "cache"
+    make_draft().push_to_hub("alice/tiny-draft", token=TOKEN)
+    with pytest.raises(OSError, match=r"alice/tiny-draft \(revision main\) is not in the Hugging Face cache at "
+                                      rf"{cache}, and local_files_only=True forbids downloading it\. .*, or drop "
+                                      r"local_files_only=True\.$"):
+        DSparkDraftModel.from_pretrained("alice/tiny-draft", cache_dir=cache, local_files_only=True)
+    hf_hub_download("alice/tiny-draft", "config.json", cache_dir=cache)  # a download cut short: config only
+    go_offline(monkeypatch)
+    with pytest.raises(OSError, match=r"alice/tiny-draft \(revision main\) has its config.json but not its weights "
+                                      rf"\(model.safetensors\) in the Hugging Face cache at {cache}, and "
+                                      r"HF_HUB_OFFLINE=1 forbids downloading it\. .*, or unset HF_HUB_OFFLINE\.$"):
+        DSparkDraftModel.from_pretrained("alice/tiny-draft", cache_dir=cache)
+
+
 def test_save_pretrained_pushes_its_folder_with_the_card(hub, tmp_path):
     draft = make_draft()
     info = draft.save_pretrained(tmp_path / "tiny-draft", push_to_hub=True, token=TOKEN,
