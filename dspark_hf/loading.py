@@ -48,8 +48,8 @@ def load_target(name_or_path: str | None = None, dtype: torch.dtype = torch.floa
 
 
 def load_draft(name_or_path: str | None, target, dtype: torch.dtype | str = "auto"):
-    """A draft bound to `target`, on its device: a saved draft (Hub id or path), a LoRA adapter folder (`dspark
-    train --lora`) merged into its base, or the draft shipped for SmolLM2 when None. dtype "auto":
+    """A draft bound to `target`, on its device: a saved draft (Hub id or path), a LoRA adapter (`dspark train
+    --lora`; a folder or Hub id) merged into its base, or the draft shipped for SmolLM2 when None. dtype "auto":
     [`fast_draft_dtype`]; a draft's dtype changes speed only, never what generate() returns."""
     from .model import DSparkDraftModel
 
@@ -57,7 +57,7 @@ def load_draft(name_or_path: str | None, target, dtype: torch.dtype | str = "aut
     if name_or_path is None:
         return default_draft(target, dtype)
     _check_name(name_or_path, "the draft")
-    if (Path(name_or_path) / "adapter_config.json").exists():
+    if _is_adapter(name_or_path):
         from peft import PeftConfig, PeftModel
 
         base = PeftConfig.from_pretrained(name_or_path).base_model_name_or_path
@@ -71,6 +71,15 @@ def load_draft(name_or_path: str | None, target, dtype: torch.dtype | str = "aut
     else:
         draft = DSparkDraftModel.from_pretrained(name_or_path, dtype=dtype).to(target.device)
     return draft.bind_target(target).eval()
+
+
+def _is_adapter(name_or_path: str) -> bool:
+    """Whether a folder or Hub repo holds a peft adapter (adapter_config.json) rather than a draft."""
+    if Path(name_or_path).expanduser().is_dir():
+        return (Path(name_or_path).expanduser() / "adapter_config.json").is_file()
+    from transformers.utils import find_adapter_config_file
+
+    return find_adapter_config_file(name_or_path) is not None  # the Hub, or its cache offline
 
 
 def _adapter_base(adapter: str, base: str, dtype):

@@ -217,6 +217,33 @@ def test_an_adapter_naming_its_base_relative_to_elsewhere_says_so_in_one_line(tm
     assert type(load_draft(str(tmp_path / "adapter"), target, torch.float32)) is DSparkDraftModel
 
 
+def test_an_adapter_on_the_hub_loads_merged_into_its_base(tmp_path, target, monkeypatch):
+    import huggingface_hub.constants as constants
+    import huggingface_hub.hf_api
+    from huggingface_hub import HfApi
+
+    from dspark_hf import load_draft
+    from hub_stub import HubStub, use_hub
+
+    with HubStub({"hf_alice": "alice"}) as hub:
+        use_hub(monkeypatch, hub.url)
+        # peft calls huggingface_hub's module-level file_exists, whose HfApi took its endpoint at import
+        monkeypatch.setattr(huggingface_hub.hf_api.api, "endpoint", hub.url)
+        monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "cache"))
+        tiny_draft(target, target_name_or_path="org/tiny-target").push_to_hub("alice/base", token="hf_alice")
+        torch.manual_seed(0)
+        wrapped = get_peft_model(DSparkDraftModel.from_pretrained("alice/base"),  # the base peft records
+                                 LoraConfig(r=2, target_modules=["q_proj"], init_lora_weights=False))
+        wrapped.save_pretrained(tmp_path / "adapter")
+        HfApi().create_repo("alice/adapter", token="hf_alice")
+        HfApi().upload_folder(folder_path=tmp_path / "adapter", repo_id="alice/adapter", token="hf_alice")
+        draft = load_draft("alice/adapter", target, torch.float32)
+    assert type(draft) is DSparkDraftModel
+    merged = copy.deepcopy(wrapped).merge_and_unload().state_dict()
+    assert draft.state_dict().keys() == merged.keys()
+    assert all(torch.equal(v, merged[k]) for k, v in draft.state_dict().items())
+
+
 # -- generation --------------------------------------------------------------------------------------------------------
 def lora_draft(target) -> PeftModel:
     """A draft wrapped with a random, non-zero LoRA adapter (peft's init_lora_weights=False)."""
