@@ -158,8 +158,26 @@ def training_recipe(train_config: dict, heldout: dict | None = None) -> str:
     return "\n".join(lines)
 
 
+# the top-level keys a card reads from each result file: another command's JSON would fail as a KeyError
+_EVAL_KEYS = ("settings", "machine", "domains", "overall", "macro_acceptance_length")
+_CALIBRATION_KEYS = ("before", "after", "temperatures", "prompts", "rounds", "max_new_tokens")
+
+
+def _check_kind(results, keys: tuple[str, ...], name: str, kind: str) -> None:
+    if results is None:
+        return
+    missing = [k for k in keys if k not in results] if isinstance(results, dict) else list(keys)
+    if missing:
+        raise ValueError(f"The {name} are not the {kind} (they have no {', '.join(map(repr, missing))}): pass the "
+                         "file that command wrote.")
+
+
 def check_results_match(config, data: CardData) -> None:
-    """Raise a ValueError if the eval or calibration results cannot belong to a draft with this config."""
+    """Raise a ValueError if the eval or calibration results are not the JSON `dspark eval` / `dspark calibrate`
+    write, or cannot belong to a draft with this config."""
+    _check_kind(data.eval_results, _EVAL_KEYS, "eval results (eval_results, --eval)", "results.json of `dspark eval`")
+    _check_kind(data.calibration, _CALIBRATION_KEYS, "calibration results (calibration, --calibration)",
+                "calibration.json of `dspark calibrate`")
     s = (data.eval_results or {}).get("settings", {})
     if "block_size" in s and s["block_size"] != config.block_size:
         raise ValueError(f"The eval results were measured with block size {s['block_size']}, this draft drafts "

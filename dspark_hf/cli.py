@@ -318,7 +318,7 @@ def cmd_push(args) -> int:
 
     info = push_draft(args.draft, args.repo_id, base_model=args.base_model, eval_results=args.eval,
                       calibration=args.calibration, recipe=args.recipe, private=args.private, token=args.token,
-                      revision=args.revision, commit_message=args.commit_message)
+                      revision=args.revision, commit_message=args.commit_message, dtype=args.dtype)
     print(f"pushed {info.commit_url} (load it with revision={info.oid!r})")
     return 0
 
@@ -686,7 +686,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("push", help="push a trained draft to the Hub with a generated model card")
     p.add_argument("draft", help="the --output-dir of `dspark train` or the --output of `dspark calibrate`")
     p.add_argument("repo_id", help="ORG/NAME on the Hub")
-    p.add_argument("--base-model", help="the target's hub id (default: the one the draft records, if a hub id)")
+    p.add_argument("--base-model", help="the target's hub id (default: the one the draft records, if a hub id); "
+                                        "the pushed config records it as the target")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
+                   help="dtype of the pushed weights")
     p.add_argument("--eval", help="results.json from `dspark eval`, for the card's results")
     p.add_argument("--calibration", help="calibration.json from `dspark calibrate` (default: DRAFT/calibration.json)")
     p.add_argument("--recipe", help="markdown file with the training recipe (default: from DRAFT/train_config.json)")

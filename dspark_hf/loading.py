@@ -48,8 +48,8 @@ def load_target(name_or_path: str | None = None, dtype: torch.dtype = torch.floa
 
 
 def load_draft(name_or_path: str | None, target, dtype: torch.dtype | str = "auto"):
-    """A draft bound to `target`, on its device: a saved draft (Hub id or path), a LoRA adapter folder (`dspark
-    train --lora`) merged into its base, or the draft shipped for SmolLM2 when None. dtype "auto":
+    """A draft bound to `target`, on its device: a saved draft (Hub id or path), a LoRA adapter (`dspark train
+    --lora`; a folder or Hub id) merged into its base, or the draft shipped for SmolLM2 when None. dtype "auto":
     [`fast_draft_dtype`]; a draft's dtype changes speed only, never what generate() returns."""
     from .model import DSparkDraftModel
 
@@ -57,7 +57,7 @@ def load_draft(name_or_path: str | None, target, dtype: torch.dtype | str = "aut
     if name_or_path is None:
         return default_draft(target, dtype)
     _check_name(name_or_path, "the draft")
-    if (Path(name_or_path) / "adapter_config.json").exists():
+    if _is_adapter(name_or_path):
         from peft import PeftConfig, PeftModel
 
         base = PeftConfig.from_pretrained(name_or_path).base_model_name_or_path
@@ -65,12 +65,39 @@ def load_draft(name_or_path: str | None, target, dtype: torch.dtype | str = "aut
             raise ValueError(f"The adapter in {name_or_path} does not name its base draft (base_model_name_or_path "
                              "in adapter_config.json): set it to the draft's folder or Hub id, or load the draft and "
                              "apply the adapter with peft.PeftModel.from_pretrained(draft, adapter_folder).")
-        draft = DSparkDraftModel.from_pretrained(base, dtype=dtype).to(target.device)
+        draft = _adapter_base(name_or_path, base, dtype).to(target.device)
         # merged, every caller sees a plain draft (calibrate and export save a full one); same function
         draft = PeftModel.from_pretrained(draft, name_or_path).merge_and_unload()
     else:
         draft = DSparkDraftModel.from_pretrained(name_or_path, dtype=dtype).to(target.device)
     return draft.bind_target(target).eval()
+
+
+def _is_adapter(name_or_path: str) -> bool:
+    """Whether a folder or Hub repo holds a peft adapter (adapter_config.json) rather than a draft."""
+    if Path(name_or_path).expanduser().is_dir():
+        return (Path(name_or_path).expanduser() / "adapter_config.json").is_file()
+    from transformers.utils import find_adapter_config_file
+
+    return find_adapter_config_file(name_or_path) is not None  # the Hub, or its cache offline
+
+
+def _adapter_base(adapter: str, base: str, dtype):
+    """The base draft an adapter names: a folder (absolute, or relative to the working directory or to the adapter's
+    folder), else a Hub id. Adapters trained before dspark-hf recorded absolute paths name their base relative to
+    the directory training ran in, which is no Hub id: that says so in one line."""
+    from .model import DSparkDraftModel
+
+    folder = next((p for p in (Path(base).expanduser(), Path(adapter) / base) if p.is_dir()), None)
+    if folder is not None:
+        return DSparkDraftModel.from_pretrained(folder, dtype=dtype)
+    try:
+        return DSparkDraftModel.from_pretrained(base, dtype=dtype)
+    except OSError as error:
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ValueError(f"The adapter's base draft {base} (base_model_name_or_path in {adapter}/adapter_config.json) "
+                         f"is not a folder here, nor a draft loadable from the Hub ({reason}): set it to the base "
+                         "draft's folder or Hub id.") from error
 
 
 def load_models(target: str | None = None, draft: str | None = None, dtype: torch.dtype = torch.float32,

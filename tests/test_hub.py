@@ -24,7 +24,7 @@ from dspark_hf.hub import push_draft
 from dspark_hf.scheduling.calibration import calibration_report, sequential_temperature_scaling
 from dspark_hf.training.config import TrainConfig
 
-from conftest import has_smollm2, tiny_draft, tiny_target
+from conftest import cli_error, has_smollm2, tiny_draft, tiny_target
 from hub_stub import HubStub, go_offline, use_hub
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -152,6 +152,24 @@ def test_pull_round_trips_and_loads_offline_from_the_hub_cache_at_a_revision(hub
         DSparkDraftModel.from_pretrained("alice/never-downloaded", cache_dir=cache)
 
 
+def test_an_offline_load_says_what_the_cache_lacks_and_which_setting_forbids_downloading(hub, tmp_path,
+                                                                                        monkeypatch):
+    from huggingface_hub import hf_hub_download
+
+    cache = tmp_path / "cache"
+    make_draft().push_to_hub("alice/tiny-draft", token=TOKEN)
+    with pytest.raises(OSError, match=r"alice/tiny-draft \(revision main\) is not in the Hugging Face cache at "
+                                      rf"{cache}, and local_files_only=True forbids downloading it\. .*, or drop "
+                                      r"local_files_only=True\.$"):
+        DSparkDraftModel.from_pretrained("alice/tiny-draft", cache_dir=cache, local_files_only=True)
+    hf_hub_download("alice/tiny-draft", "config.json", cache_dir=cache)  # a download cut short: config only
+    go_offline(monkeypatch)
+    with pytest.raises(OSError, match=r"alice/tiny-draft \(revision main\) has its config.json but not its weights "
+                                      rf"\(model.safetensors\) in the Hugging Face cache at {cache}, and "
+                                      r"HF_HUB_OFFLINE=1 forbids downloading it\. .*, or unset HF_HUB_OFFLINE\.$"):
+        DSparkDraftModel.from_pretrained("alice/tiny-draft", cache_dir=cache)
+
+
 def test_save_pretrained_pushes_its_folder_with_the_card(hub, tmp_path):
     draft = make_draft()
     info = draft.save_pretrained(tmp_path / "tiny-draft", push_to_hub=True, token=TOKEN,
@@ -172,10 +190,23 @@ def test_push_refuses_cards_it_cannot_make_right_before_contacting_the_hub(hub, 
         draft.push_to_hub("alice/draft", token=TOKEN, card_data={"calibration": other})
     with pytest.raises(ValueError, match="block size"):
         make_draft(block_size=3).push_to_hub("alice/draft", token=TOKEN, card_data={"eval_results": EVAL})
+    miscalibrated = make_draft()
+    miscalibrated.config.confidence_temperatures = [1.0, 2.0]  # set after construction: never validated
+    for push in (lambda: miscalibrated.push_to_hub("alice/draft", token=TOKEN, model_card=False),
+                 lambda: miscalibrated.save_pretrained(tmp_path / "d", push_to_hub=True, token=TOKEN)):
+        with pytest.raises(ValueError, match="from_pretrained would refuse: confidence_temperatures has 2 entries"):
+            push()
     assert hub.requests == [] and hub.repos == {}
-    # with an explicit Hub id the draft of a local target can go
+    # with an explicit Hub id the draft of a local target can go, and its config names the target by that id, not
+    # by this machine's path (the draft in memory keeps its own)
     local_target.push_to_hub("alice/draft", token=TOKEN, card_data={"base_model": TARGET})
-    assert front_matter(hub.repos["alice/draft"].files()["README.md"].decode())["base_model"] == TARGET
+    files = hub.repos["alice/draft"].files()
+    assert front_matter(files["README.md"].decode())["base_model"] == TARGET
+    assert json.loads(files["config.json"])["target_name_or_path"] == TARGET
+    assert local_target.config.target_name_or_path == str(tmp_path)
+    local_target.save_pretrained(tmp_path / "pushed", push_to_hub=True, repo_id="alice/saved", token=TOKEN,
+                                 card_data={"base_model": TARGET})
+    assert json.loads(hub.repos["alice/saved"].files()["config.json"])["target_name_or_path"] == TARGET
 
 
 def test_save_pretrained_writes_the_card_and_keeps_a_user_readme(tmp_path):
@@ -204,6 +235,16 @@ def test_save_pretrained_writes_the_card_and_keeps_a_user_readme(tmp_path):
     make_draft(target_name_or_path=str(tmp_path)).save_pretrained(tmp_path / "d")
     card = (tmp_path / "d" / "README.md").read_text()
     assert "base_model" not in front_matter(card) and f'from_pretrained("{tmp_path}", dtype=torch.float32)' in card
+
+
+def test_a_refused_card_leaves_the_folder_as_it_was(tmp_path):
+    """The card checks the results against the draft before anything is written: new weights must not end up beside
+    the previous draft's card."""
+    make_draft(seed=1).save_pretrained(tmp_path, card_data={"eval_results": EVAL})
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    with pytest.raises(ValueError, match="measured with block size 7, this draft drafts 4"):
+        make_draft(seed=2, block_size=4).save_pretrained(tmp_path, card_data={"eval_results": EVAL})
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
 
 
 def trained_folder(root: Path) -> tuple[Path, DSparkDraftModel, dict]:
@@ -245,11 +286,40 @@ def test_push_draft_sends_a_trained_folder_with_a_card_from_its_result_files(hub
     assert "0.29 0.29" in card and "expected greedy tau 1.41" in card
     assert f"| after STS | {calibration['after']['ece']:.2%} |" in card
     assert f"| macro | {EVAL['macro_acceptance_length']:.2f} |" in card
+    # in bfloat16 by default, as `dspark export` writes it (the trained folder holds float32 master weights)
+    assert json.loads(files["config.json"])["dtype"] == "bfloat16"
     stored = load_safetensors(files["model.safetensors"])
+    assert all(torch.equal(stored[k], v.to(torch.bfloat16) if v.is_floating_point() else v)
+               for k, v in draft.state_dict().items())
+    info = push_draft(folder, "alice/trained", token=TOKEN, dtype="float32")
+    stored = load_safetensors(repo.files(info.oid)["model.safetensors"])
     assert all(torch.equal(stored[k], v) for k, v in draft.state_dict().items())
 
     with pytest.raises(FileNotFoundError, match="no saved draft"):
         push_draft(tmp_path, "alice/trained", token=TOKEN)
+
+
+def test_a_result_file_of_another_command_is_refused_in_one_line_naming_the_right_one(hub, tmp_path, capsys):
+    folder, _, calibration = trained_folder(tmp_path)
+    files = {"eval": EVAL, "calibration": calibration, "bench": {"settings": {}, "machine": {}, "methods": {}}}
+    for name, results in files.items():
+        (tmp_path / f"{name}.json").write_text(json.dumps(results))
+    for flag, wrong, expected in [("--eval", "calibration", "results.json of `dspark eval` (they have no 'settings'"),
+                                  ("--eval", "bench", "results.json of `dspark eval` (they have no 'domains'"),
+                                  ("--calibration", "eval", "calibration.json of `dspark calibrate` (they have no "
+                                                            "'before'")]:
+        for argv in (["push", str(folder), "alice/draft", "--token", TOKEN],
+                     ["export", str(folder), "--output", str(tmp_path / "out"), "--base-model", TARGET]):
+            assert f"are not the {expected}" in cli_error(capsys, argv + [flag, str(tmp_path / f"{wrong}.json")])
+    assert hub.requests == [] and not (tmp_path / "out").exists()
+
+
+def test_dspark_push_records_the_base_model_as_the_target_in_the_pushed_config(hub, tmp_path, capsys):
+    from dspark_hf.cli import main
+
+    make_draft(target_name_or_path="/home/alice/models/target").save_pretrained(tmp_path / "draft")
+    assert main(["push", str(tmp_path / "draft"), "alice/draft", "--token", TOKEN, "--base-model", TARGET]) == 0
+    assert json.loads(hub.repos["alice/draft"].files()["config.json"])["target_name_or_path"] == TARGET
 
 
 def run_python(script: str, env: dict, cwd: Path, *args: str) -> str:
@@ -292,7 +362,9 @@ def test_fresh_processes_push_through_HF_ENDPOINT_and_load_with_HF_HUB_OFFLINE(t
                              "print_weight_sums(revision=sys.argv[2])\n",
                              {"HF_ENDPOINT": stub.url, "HF_HUB_OFFLINE": "1"}, tmp_path, cache, oid).splitlines()
         assert stub.requests == []
-    expected = {k: v.double().sum().item() for k, v in draft.state_dict().items()}
+    # `dspark push` sends bfloat16 weights, as `dspark export` writes them
+    expected = {k: v.to(torch.bfloat16 if v.is_floating_point() else v.dtype).double().sum().item()
+                for k, v in draft.state_dict().items()}
     for line in (online[-1], offline[-2], offline[-1]):
         assert json.loads(line) == expected
 
@@ -307,19 +379,29 @@ def test_a_push_that_cannot_reach_the_hub_says_so_in_one_line(tmp_path):
     assert out.splitlines()[-1].startswith("2 dspark push: error: could not reach the Hub")
 
 
-def test_remote_code_without_dspark_hf_saves_without_a_card(tmp_path):
+def test_remote_code_without_dspark_hf_saves_without_a_card_and_says_what_decoding_needs(tmp_path):
     """modeling_dspark.py is copied next to the weights and imports dspark_hf lazily: where dspark_hf is absent a
-    draft loaded with trust_remote_code still saves (no card), and asking for a card says what is missing."""
+    draft loaded with trust_remote_code still saves (no card), and asking for a card, or passing the draft to
+    generate() as assistant_model (transformers' assisted decoding cannot run a DSpark draft), says what is
+    missing."""
+    target = tiny_target("llama")
+    target.save_pretrained(tmp_path / "target")
     make_draft().save_pretrained(tmp_path / "draft")
     out = run_python(
         "import sys; sys.modules['dspark_hf'] = None\n"  # make `import dspark_hf` fail in this process
-        "from transformers import AutoModel\n"
+        "import torch\n"
+        "from transformers import AutoModel, AutoModelForCausalLM\n"
         "m = AutoModel.from_pretrained('draft', trust_remote_code=True)\n"
         "m.save_pretrained('resaved')\n"
         "try:\n    m.save_pretrained('with-card', card_data={'base_model': 'org/x'})\n"
+        "except ImportError as e:\n    print(e)\n"
+        "target = AutoModelForCausalLM.from_pretrained('target')\n"
+        "try:\n    target.generate(input_ids=torch.ones(1, 3, dtype=torch.long), max_new_tokens=2, assistant_model=m)\n"
         "except ImportError as e:\n    print(e)\n",
         {"HF_HUB_OFFLINE": "1"}, tmp_path)
-    assert "card_data needs dspark-hf" in out
+    card, decoding = out.strip().splitlines()[-2:]
+    assert card.startswith("card_data needs dspark-hf")
+    assert decoding.startswith("Decoding with a DSpark draft needs dspark-hf: pip install dspark-hf, import dspark_hf")
     assert (tmp_path / "resaved" / "config.json").is_file() and not (tmp_path / "resaved" / "README.md").exists()
 
 

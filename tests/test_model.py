@@ -259,6 +259,21 @@ def test_settings_that_cannot_work_are_refused_however_they_arrive(tmp_path, bad
         AutoConfig.from_pretrained(tmp_path, **bad)
 
 
+@pytest.mark.parametrize("field, value, message", [
+    ("confidence_temperatures", [1.0, 2.0], "confidence_temperatures has 2 entries"),
+    ("confidence_temperatures", [0.0, 1.0, 1.0, 1.0], "confidence_temperatures must be finite and > 0"),
+    ("head_type", "Markov", "head_type='Markov' is not one of"),
+], ids=str)
+def test_a_config_changed_after_construction_is_checked_before_saving(tmp_path, field, value, message):
+    """Calibration sets config.confidence_temperatures on a built draft: a bad value is refused when saving, not
+    later by the folder's from_pretrained."""
+    draft = tiny_draft(tiny_target("llama"))
+    setattr(draft.config, field, value)
+    with pytest.raises(ValueError, match=f"config was changed into one from_pretrained would refuse: {message}"):
+        draft.save_pretrained(tmp_path / "draft")
+    assert not (tmp_path / "draft").exists()
+
+
 def test_a_folder_of_another_model_or_a_misspelled_field_is_refused(tmp_path):
     target = tiny_target("llama")
     target.save_pretrained(tmp_path)
@@ -318,21 +333,58 @@ def test_save_and_auto_load_round_trip_bit_identically_without_target_weights(tm
     assert config["auto_map"]["AutoModel"] == "modeling_dspark.DSparkDraftModel"
 
 
+@pytest.mark.parametrize("dropped", [["layers.0.self_attn.q_proj.weight", "w2.weight"], ["draft_vocab"]], ids=str)
+def test_a_checkpoint_missing_any_tensor_is_refused_naming_them(tmp_path, dropped):
+    """A draft has no optional weights: transformers would start missing ones random, and the draft-vocabulary
+    buffers uninitialised (generate then indexed with garbage)."""
+    from safetensors.torch import load_file, save_file
+
+    tiny_draft(tiny_target("llama"), draft_vocab=list(range(20, 80))).save_pretrained(tmp_path, model_card=False)
+    weights = load_file(tmp_path / "model.safetensors")
+    for name in dropped:
+        del weights[name]
+    save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    message = f"{tmp_path} is not a complete DSpark draft: its weights lack {', '.join(dropped)}.*save_pretrained"
+    with pytest.raises(ValueError, match=message):
+        DSparkDraftModel.from_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=message):
+        AutoModel.from_pretrained(tmp_path)
+
+
+def test_output_loading_info_still_returns_the_report(tmp_path):
+    tiny_draft(tiny_target("llama")).save_pretrained(tmp_path)
+    draft, info = DSparkDraftModel.from_pretrained(tmp_path, output_loading_info=True)
+    assert isinstance(draft, DSparkDraftModel) and info["missing_keys"] == set() == info["unexpected_keys"]
+
+
 def test_a_fresh_process_loads_the_draft_with_remote_code_and_no_dspark_hf(tmp_path):
+    """...and the remote code, a copy of the package's file, refuses a checkpoint missing a tensor as it does."""
+    from safetensors.torch import load_file, save_file
+
     draft = tiny_draft(tiny_target("llama"))
     draft.save_pretrained(tmp_path / "draft")
     expected = draft.fc.weight.sum().item()
+    draft.save_pretrained(tmp_path / "partial")
+    weights = load_file(tmp_path / "partial" / "model.safetensors")
+    del weights["w2.weight"]
+    save_file(weights, tmp_path / "partial" / "model.safetensors", metadata={"format": "pt"})
     script = (
         "import sys; sys.modules['dspark_hf'] = None\n"  # make `import dspark_hf` fail in this process
         "from transformers import AutoModel\n"
         f"m = AutoModel.from_pretrained({str(tmp_path / 'draft')!r}, trust_remote_code=True)\n"
         "print(type(m).__name__, m.fc.weight.sum().item())\n"
+        "try:\n"
+        f"    AutoModel.from_pretrained({str(tmp_path / 'partial')!r}, trust_remote_code=True)\n"
+        "except ValueError as e:\n"
+        "    print(e)\n"
     )
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path,
                          env={"HF_HUB_OFFLINE": "1", "PATH": ""}, timeout=120)
     assert out.returncode == 0, out.stderr
-    name, total = out.stdout.split()
+    loaded, refused = out.stdout.splitlines()
+    name, total = loaded.split()
     assert name == "DSparkDraftModel" and float(total) == pytest.approx(expected)
+    assert refused.startswith(f"{tmp_path / 'partial'} is not a complete DSpark draft: its weights lack w2.weight")
 
 
 def test_a_draft_loaded_as_remote_code_before_dspark_hf_says_how_to_load_it_for_generate(tmp_path):

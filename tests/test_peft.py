@@ -3,6 +3,7 @@ drafts and targets inside generate(), lossless."""
 
 import copy
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -164,10 +165,8 @@ def test_the_cli_trains_an_adapter_and_loads_it_merged_as_a_draft(tmp_path, targ
 
     from dspark_hf.cli import _load, main
 
-    from types import SimpleNamespace
-
-    # the tiny target saves no tokenizer, and nothing here tokenizes: a stand-in that has a pad token
-    monkeypatch.setattr("transformers.AutoTokenizer.from_pretrained", lambda *a, **k: SimpleNamespace(pad_token="<p>"))
+    tokenizer = SimpleNamespace(pad_token="<pad>")  # tiny target: none of its own; load_target reads pad_token
+    monkeypatch.setattr("transformers.AutoTokenizer.from_pretrained", lambda *a, **k: tokenizer)
     target.save_pretrained(tmp_path / "target")
     data = tiny_dataset(tmp_path, target, n=8)
     out = tmp_path / "adapter"
@@ -184,6 +183,65 @@ def test_the_cli_trains_an_adapter_and_loads_it_merged_as_a_draft(tmp_path, targ
     context, anchors, positions = context_and_anchors(draft, loaded_target)
     torch.testing.assert_close(sample_block(draft, anchors, positions, context).probs,
                                sample_block(wrapped, anchors, positions, context).probs)
+
+
+def test_an_adapter_records_its_base_folder_absolute_and_loads_from_any_directory(tmp_path, target, base_dir,
+                                                                                  monkeypatch):
+    from dspark_hf import load_draft
+
+    data = tiny_dataset(tmp_path, target, n=4)
+    monkeypatch.chdir(tmp_path)
+    train(lora_config(tmp_path, data, "base", output_dir="adapter"), target=target, progress=False)
+    assert json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["base_model_name_or_path"] \
+        == str(base_dir)
+    monkeypatch.chdir(tmp_path.parent)
+    assert type(load_draft(str(tmp_path / "adapter"), target, torch.float32)) is DSparkDraftModel
+
+
+def test_an_adapter_naming_its_base_relative_to_elsewhere_says_so_in_one_line(tmp_path, target, monkeypatch):
+    from dspark_hf import load_draft
+    from hub_stub import go_offline
+
+    get_peft_model(tiny_draft(target), LoraConfig(r=2, target_modules=["q_proj"])).save_pretrained(tmp_path / "adapter")
+    adapter_config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    adapter_config["base_model_name_or_path"] = "../lora-base"
+    (tmp_path / "adapter" / "adapter_config.json").write_text(json.dumps(adapter_config))
+    go_offline(monkeypatch)  # nothing is asked of the Hub
+    monkeypatch.chdir(tmp_path.parent)
+    with pytest.raises(ValueError, match=r"^The adapter's base draft \.\./lora-base \(base_model_name_or_path in "
+                                         rf"{tmp_path / 'adapter'}/adapter_config.json\) is not a folder here, nor a "
+                                         r"draft loadable from the Hub \(.*\): set it to the base draft's folder"):
+        load_draft(str(tmp_path / "adapter"), target, torch.float32)
+    # a relative base is also looked for from the adapter's folder
+    tiny_draft(target).save_pretrained(tmp_path / "lora-base")
+    assert type(load_draft(str(tmp_path / "adapter"), target, torch.float32)) is DSparkDraftModel
+
+
+def test_an_adapter_on_the_hub_loads_merged_into_its_base(tmp_path, target, monkeypatch):
+    import huggingface_hub.constants as constants
+    import huggingface_hub.hf_api
+    from huggingface_hub import HfApi
+
+    from dspark_hf import load_draft
+    from hub_stub import HubStub, use_hub
+
+    with HubStub({"hf_alice": "alice"}) as hub:
+        use_hub(monkeypatch, hub.url)
+        # peft calls huggingface_hub's module-level file_exists, whose HfApi took its endpoint at import
+        monkeypatch.setattr(huggingface_hub.hf_api.api, "endpoint", hub.url)
+        monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "cache"))
+        tiny_draft(target, target_name_or_path="org/tiny-target").push_to_hub("alice/base", token="hf_alice")
+        torch.manual_seed(0)
+        wrapped = get_peft_model(DSparkDraftModel.from_pretrained("alice/base"),  # the base peft records
+                                 LoraConfig(r=2, target_modules=["q_proj"], init_lora_weights=False))
+        wrapped.save_pretrained(tmp_path / "adapter")
+        HfApi().create_repo("alice/adapter", token="hf_alice")
+        HfApi().upload_folder(folder_path=tmp_path / "adapter", repo_id="alice/adapter", token="hf_alice")
+        draft = load_draft("alice/adapter", target, torch.float32)
+    assert type(draft) is DSparkDraftModel
+    merged = copy.deepcopy(wrapped).merge_and_unload().state_dict()
+    assert draft.state_dict().keys() == merged.keys()
+    assert all(torch.equal(v, merged[k]) for k, v in draft.state_dict().items())
 
 
 # -- generation --------------------------------------------------------------------------------------------------------

@@ -386,23 +386,35 @@ class DSparkDraftModel(DSparkPreTrainedModel):
     sharing: ClassVar[Any] = None
 
     @classmethod
-    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, output_loading_info: bool = False, **kwargs):
         """transformers' `from_pretrained` (hub ids, revisions, cache, tokens); under ``HF_HUB_OFFLINE=1`` a draft
-        missing from the cache raises an error that says so (`dspark_hf.hub.offline_load_error`)."""
+        missing from the cache raises an error that says so (`dspark_hf.hub.offline_load_error`). A checkpoint that
+        lacks any of the draft's tensors is refused: a draft has no optional weights, and transformers would start
+        the missing ones random (or, for the draft-vocabulary buffers, uninitialised)."""
         try:
-            return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+            model, info = super().from_pretrained(pretrained_model_name_or_path, *args, output_loading_info=True,
+                                                  **kwargs)
         except OSError as error:
             clearer = None if cls.sharing is None else cls.sharing.offline_load_error(pretrained_model_name_or_path,
                                                                                        kwargs)
             if clearer is None:
                 raise
             raise clearer from error
+        missing = sorted(info["missing_keys"])
+        if missing:
+            more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+            raise ValueError(f"{pretrained_model_name_or_path} is not a complete DSpark draft: its weights lack "
+                             f"{', '.join(missing[:5])}{more}, which would load random. Load the folder or revision "
+                             "that holds all of them, or re-save the draft with save_pretrained.")
+        return (model, info) if output_loading_info else model
 
     def save_pretrained(self, save_directory, *args, model_card: bool = True, card_data=None, **kwargs):
         """transformers' `save_pretrained`, plus a README.md model card (`dspark_hf.hub.save_pretrained`): written
         unless the folder holds a README.md that dspark-hf did not generate, or ``model_card=False``. `card_data`
         (a `dspark_hf.cards.CardData` or dict: base_model, repo_id, eval_results, calibration, recipe, ...) feeds
-        it. Without dspark_hf installed (remote code), no card is written."""
+        it. Without dspark_hf installed (remote code), no card is written. A config changed after the draft was
+        built is checked first: from_pretrained would refuse it."""
+        self._check_config()
         if self.sharing is None:
             _refuse_card_data(card_data)
             return super().save_pretrained(save_directory, *args, **kwargs)
@@ -412,10 +424,35 @@ class DSparkDraftModel(DSparkPreTrainedModel):
     def push_to_hub(self, repo_id: str, *, model_card: bool = True, card_data=None, **kwargs):
         """transformers' `push_to_hub` (same arguments), with the card of [`save_pretrained`] as README.md
         (`dspark_hf.hub.push_to_hub`; ``model_card=False`` leaves the Hub's README.md alone)."""
+        self._check_config()
         if self.sharing is None:
             _refuse_card_data(card_data)
             return super().push_to_hub(repo_id, **kwargs)
         return self.sharing.push_to_hub(self, repo_id, model_card=model_card, card_data=card_data, **kwargs)
+
+    @property
+    def generation_config(self):
+        """A draft does not generate on its own. transformers' assisted decoding reads this first: without dspark_hf
+        (this file as remote code) that says what DSpark decoding needs, not that the attribute is missing."""
+        if "_generation_config" in self.__dict__:
+            return self.__dict__["_generation_config"]
+        if self.sharing is None:
+            raise ImportError("Decoding with a DSpark draft needs dspark-hf: pip install dspark-hf, import dspark_hf, "
+                              "then load the draft (DSparkDraftModel.from_pretrained or AutoModel) and pass it as "
+                              "assistant_model.")
+        raise AttributeError("generation_config")  # as for any model that cannot generate
+
+    @generation_config.setter
+    def generation_config(self, value) -> None:
+        self.__dict__["_generation_config"] = value
+
+    def _check_config(self) -> None:
+        # fields set after construction (calibration sets confidence_temperatures) were never validated
+        try:
+            self.config.validate_dspark()
+        except ValueError as error:
+            raise ValueError(f"The draft's config was changed into one from_pretrained would refuse: {error}") \
+                from error
 
     # -- pieces of the forward pass ----------------------------------------------------------------------------
     @property

@@ -76,9 +76,12 @@ def add_lora(draft: DSparkDraftModel, config: TrainConfig, base_name_or_path: st
 
 
 def _lora_base(config: TrainConfig, default_target: bool) -> str:
-    """The draft a LoRA run adapts: init_from, or the shipped draft when training for the default target."""
+    """The draft a LoRA run adapts: init_from (a folder as its absolute path, which the adapter records as its base),
+    or the shipped draft when training for the default target."""
     if config.init_from:
-        return config.init_from
+        folder = Path(config.init_from).expanduser()
+        # a relative path recorded in adapter_config.json would only load from the directory training ran in
+        return str(folder.resolve()) if folder.is_dir() else config.init_from
     if not default_target:
         raise ValueError("LoRA adapts an existing draft: pass init_from (--init-from DIR) with a draft trained for "
                          "this target.")
