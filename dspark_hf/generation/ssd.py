@@ -137,8 +137,8 @@ class SSDMixin:
         self._looked_up = None  # (R,) rows whose block this round came from an n-gram or random lookup
         # running counts for the fan-out and the fallback: rounds, hits, tokens committed after hits / misses
         self.ssd_stats = {"rounds": 0, "hits": 0, "accepted": 0, "verified": 0, "rejections": 0, "tokens_hit": 0,
-                          "rounds_hit": 0,
-                          "tokens_miss": 0, "rounds_miss": 0, "fallbacks": {name: 0 for name in FALLBACKS[1:]},
+                          "rounds_hit": 0, "tokens_miss": 0, "rounds_miss": 0,
+                          "fallbacks": {name: 0 for name in FALLBACKS[1:]},
                           "by_lag": {}}  # lag -> [accepted, verified, rejections] (lag 0: drafted in time)
         # the auto fallback weighs this machine's costs from the first round on: measured here (once, cached on
         # disk, with a progress bar) rather than inside the first round's drafting time
@@ -358,7 +358,6 @@ class SSDMixin:
         # the times of a round of R rows (an n-gram lookup costs next to nothing beside it)
         return critical_batch_size(hit_rate, tokens_draft, tokens_draft, 1.0, self._costs.verify(R, gamma + 1),
                                    self._costs.draft(R), 0.0)
-
 
     def _measured_costs(self):
         from ..scheduling.profile import cached_costs
