@@ -31,11 +31,12 @@ def _check_outputs(args) -> None:
     output, plot = Path(args.output), getattr(args, "plot", None)
     if output.is_dir():
         raise ValueError(f"--output {args.output} is a folder: give the path of the JSON file to write.")
-    blocked = next((p for p in output.parents if p.exists() and not p.is_dir()), None)
-    if blocked is not None:
-        raise ValueError(f"--output {args.output}: {blocked} is a file, not a folder: give another path.")
     if plot is not None and Path(plot).exists() and not Path(plot).is_dir():
         raise ValueError(f"--plot {plot} is a file: give a folder for the PNGs.")
+    for flag, path in (("--output", output), ("--plot", None if plot is None else Path(plot))):
+        blocked = None if path is None else next((p for p in path.parents if p.exists() and not p.is_dir()), None)
+        if blocked is not None:
+            raise ValueError(f"{flag} {path}: {blocked} is a file, not a folder: give another path.")
 
 
 def _write_json(path: str, data: dict) -> None:
@@ -153,12 +154,23 @@ def cmd_prepare_data(args) -> int:
         prompts = itertools.islice(prompts, args.skip, None)
     settings = GenerationSettings(args.temperature, args.top_p, args.top_k, args.max_new_tokens,
                                   args.samples_per_prompt)
-    batch_size = args.batch_size or (512 if target.device.type == "cuda" else 32)
+    # a resumed run goes on in the batches it started with (the answers depend on them), wherever it runs now
+    batch_size = args.batch_size or _recorded_batch_size(args.output) or (512 if target.device.type == "cuda" else 32)
     path = prepare_data(target, tokenizer, prompts, args.output, args.num_examples or None, batch_size, settings,
                         args.seed, args.max_prompt_tokens,
                         time_budget=None if args.time_budget is None else 60 * args.time_budget)
     print(f"dataset: {path}\nmanifest: {manifest_path(path)}")
     return 0
+
+
+def _recorded_batch_size(dataset: str) -> int | None:
+    """The batch size an earlier `prepare-data` into `dataset` recorded in its manifest, if any."""
+    from .training.data import manifest_path
+
+    try:
+        return int(json.loads(manifest_path(dataset).read_text())["batch_size"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def cmd_train(args) -> int:
@@ -349,7 +361,7 @@ def cmd_export(args) -> int:
     """Save a trained draft for sharing: chosen dtype, code for trust_remote_code, and a generated model card."""
     from .cards import render_model_card
     from .hub import folder_calibration, read_json
-    from .loading import _check_name
+    from .loading import _check_name, refuse_adapter
     from .model import DSparkDraftModel
 
     _check_name(args.draft, "the draft")
@@ -372,10 +384,7 @@ def cmd_export(args) -> int:
     if not args.base_model:
         raise ValueError("--base-model is needed for the model card: the target's Hub id, e.g. "
                          "HuggingFaceTB/SmolLM2-135M-Instruct.")
-    if (Path(args.draft) / "adapter_config.json").exists():  # the card and weights of a full draft, not an adapter
-        raise ValueError(f"{args.draft} is a LoRA adapter (dspark train --lora), not a draft: merge it into its base "
-                         f"first with `dspark calibrate --draft {args.draft} --output DIR ...` (which saves the "
-                         "merged, calibrated draft), then export DIR.")
+    refuse_adapter(args.draft, "dspark export")
     draft = DSparkDraftModel.from_pretrained(args.draft).to(getattr(torch, args.dtype))
     draft.config.target_name_or_path = args.base_model  # not the path the target was trained from on some machine
     eval_results = read_json(args.eval)
@@ -415,6 +424,8 @@ def cmd_calibrate(args) -> int:
     from .scheduling.calibration import calibration_report, reliability_diagram, sequential_temperature_scaling
     from .training.data import load_dataset, split_heldout
 
+    if Path(args.output).is_file():  # found before the rollouts, not after them
+        raise ValueError(f"--output {args.output} is a file: give a folder for the calibrated draft.")
     fraction = _calibration_fraction(args.draft, args.heldout_fraction)
     target, tokenizer, draft = _load(args)
     _, heldout = split_heldout(load_dataset(args.dataset, target.get_output_embeddings().weight.shape[0]), fraction)
@@ -629,7 +640,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--samples-per-prompt", type=POSITIVE, default=1,
                    help="answers drawn per prompt (different draws; needs --temperature > 0)")
     p.add_argument("--skip", type=COUNT, default=0, help="skip this many prompts first")
-    p.add_argument("--batch-size", type=POSITIVE, help="rows per generate() call (default: 512 on a GPU, 32 on a CPU)")
+    p.add_argument("--batch-size", type=POSITIVE, help="rows per generate() call (default: the one the dataset "
+                   "was started with when resuming, else 512 on a GPU, 32 on a CPU)")
     p.add_argument("--time-budget", type=MINUTES, metavar="MINUTES",
                    help="start no batch that would end after this; run the same command again to continue")
     p.add_argument("--max-new-tokens", type=POSITIVE, default=192,

@@ -123,7 +123,10 @@ def push_draft(folder: str | Path, repo_id: str, base_model: str | None = None,
     rendered from ``folder/train_config.json`` (and ``heldout.json``) if present. The rest as in [`push_to_hub`].
     Only the draft's own files are sent (not checkpoints, training state or result files).
     """
+    from .loading import refuse_adapter
+
     folder = Path(folder)
+    refuse_adapter(str(folder), "dspark push")
     if not (folder / "config.json").is_file():
         raise FileNotFoundError(f"{folder} holds no saved draft (no config.json): pass the --output-dir of "
                                 "`dspark train` or the --output of `dspark calibrate`.")

@@ -30,15 +30,15 @@ def load_target(name_or_path: str | None = None, dtype: torch.dtype = torch.floa
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     _check_name(name_or_path, "the target")
-    kind = AutoConfig.from_pretrained(name_or_path).model_type
-    if kind == "dspark":
-        raise ValueError(f"the target {name_or_path} is a DSpark draft: pass it as the draft (--draft), and the "
-                         "model it drafts for as the target.")
     try:
         model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype)
     except ValueError as error:  # transformers' message lists every causal-LM config class: thousands of characters
         if not str(error).startswith("Unrecognized configuration class"):
             raise
+        kind = AutoConfig.from_pretrained(name_or_path).model_type
+        if kind == "dspark":
+            raise ValueError(f"the target {name_or_path} is a DSpark draft: pass it as the draft (--draft), and the "
+                             "model it drafts for as the target.") from error
         raise ValueError(f"the target {name_or_path} is a {kind} model, which AutoModelForCausalLM cannot load: "
                          "give a decoder-only causal LM.") from error
     tokenizer = AutoTokenizer.from_pretrained(name_or_path, padding_side="left")
@@ -71,6 +71,15 @@ def load_draft(name_or_path: str | None, target, dtype: torch.dtype | str = "aut
     else:
         draft = DSparkDraftModel.from_pretrained(name_or_path, dtype=dtype).to(target.device)
     return draft.bind_target(target).eval()
+
+
+def refuse_adapter(name_or_path: str, command: str) -> None:
+    """Refuse, in one line, a LoRA adapter where `command` needs a whole draft (it would publish or export the adapter
+    under a full draft's card): say how to merge it first."""
+    if _is_adapter(name_or_path):
+        raise ValueError(f"{name_or_path} is a LoRA adapter (dspark train --lora), not a draft, which {command} needs: "
+                         f"merge it into its base first with `dspark calibrate --draft {name_or_path} --output DIR ...` "
+                         "(which saves the merged, calibrated draft), then pass DIR.")
 
 
 def _is_adapter(name_or_path: str) -> bool:

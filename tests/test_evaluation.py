@@ -463,6 +463,8 @@ def test_result_paths_that_cannot_be_written_are_refused_before_any_work(tiny_mo
         capsys, ["bench", "speed", *start, "--output", str(tmp_path / "a-file" / "bench.json")])
     assert "--plot " + str(tmp_path / "a-file") + " is a file" in cli_error(
         capsys, ["bench", "serve", *start, "--plot", str(tmp_path / "a-file")])
+    assert "a-file is a file, not a folder" in cli_error(
+        capsys, ["eval", *start, "--output", str(tmp_path / "r.json"), "--plot", str(tmp_path / "a-file" / "plots")])
     assert "no such file; make one with `dspark profile" in cli_error(
         capsys, ["bench", "oracle", *start[:2], "--policy", "scheduled", "--profile", str(tmp_path / "p.json")])
 
@@ -560,3 +562,33 @@ def test_the_threshold_sweep_plot_labels_both_axes_and_its_legend_names_the_line
     assert bars.get_ylabel() == "draft tokens per step" and line.get_ylabel() == "acceptance rate"
     assert [t.get_text() for t in bars.get_legend().get_texts()] == ["accepted / step", "rejected / step",
                                                                       "acceptance rate"]
+
+
+def test_a_prompt_file_that_is_not_utf8_names_the_line_that_is_not():
+    from dspark_hf.training.data import DataFileError, read_jsonl
+
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "late.jsonl"
+        lines = [json.dumps({"id": i, "prompt": f"question {i}"}) for i in range(299)]
+        path.write_bytes(("\n".join(lines) + "\n").encode() + '{"id": 299, "prompt": "caf\u00e9"}\n'.encode("latin-1"))
+        with pytest.raises(DataFileError, match=r"late.jsonl:300: not UTF-8 text"):
+            list(read_jsonl(path))
+
+
+def test_a_resumed_prepare_data_defaults_to_the_batch_size_its_dataset_started_with(tmp_path):
+    from dspark_hf.cli import _recorded_batch_size
+
+    data = tmp_path / "data.jsonl"
+    assert _recorded_batch_size(str(data)) is None
+    (tmp_path / "data.manifest.json").write_text(json.dumps({"batch_size": 512}))
+    assert _recorded_batch_size(str(data)) == 512
+
+
+def test_calibrate_refuses_an_output_that_is_a_file_before_any_rollout(tmp_path, capsys):
+    (tmp_path / "a-file").write_text("")
+    assert "--output " + str(tmp_path / "a-file") + " is a file" in cli_error(
+        capsys, ["calibrate", "--target", str(tmp_path / "no-target"), "--dataset", "d.jsonl",
+                 "--output", str(tmp_path / "a-file")])

@@ -430,3 +430,11 @@ def test_a_pull_request_push_leaves_main_alone_and_loads_by_its_ref(hub, tmp_pat
     assert repo.refs["main"] == head and repo.refs["refs/pr/1"] == info.oid and info.pr_url.endswith("/1")
     pulled = DSparkDraftModel.from_pretrained("alice/tiny-draft", revision="refs/pr/1", cache_dir=tmp_path)
     assert_same_weights(pulled, proposal)
+
+
+def test_push_refuses_a_lora_adapter_folder_saying_how_to_merge_it(tmp_path):
+    folder = tmp_path / "adapter"
+    folder.mkdir()
+    (folder / "adapter_config.json").write_text("{}")
+    with pytest.raises(ValueError, match=r"is a LoRA adapter .* which dspark push needs: merge it"):
+        push_draft(folder, "alice/adapter", token=TOKEN)  # refused before anything reaches the Hub

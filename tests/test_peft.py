@@ -306,3 +306,19 @@ def test_a_peft_wrapped_target_is_lossless_with_a_draft(corruption):
     accepted = [r.accepted for rows in out.rounds for r in rows]
     assert max(accepted) == draft.config.block_size, "the oracle's blocks are accepted whole: same target"
     assert torch.equal(generate(peft_target, ids, mask, assistant_model=draft), reference)
+
+
+def test_a_peft_adapter_folder_given_as_the_target_loads_as_transformers_loads_it(tmp_path, target):
+    from dspark_hf.loading import load_target
+    from test_evaluation import tiny_tokenizer
+
+    target.save_pretrained(tmp_path / "base")
+    adapter = get_peft_model(copy.deepcopy(target), LoraConfig(r=2, target_modules=["q_proj", "v_proj"]))
+    adapter.save_pretrained(tmp_path / "adapter")
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    config["base_model_name_or_path"] = str(tmp_path / "base")
+    (tmp_path / "adapter" / "adapter_config.json").write_text(json.dumps(config))
+    tiny_tokenizer().save_pretrained(tmp_path / "adapter")
+    model, tokenizer = load_target(str(tmp_path / "adapter"))
+    assert type(model).__name__ == type(target).__name__ and tokenizer.pad_token is not None
+    assert any("lora" in name for name, _ in model.named_modules()), "the adapter is applied, as transformers does"

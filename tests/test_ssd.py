@@ -192,7 +192,7 @@ def ssd_generate(target, draft, ids, mask, **kw):
 
 @pytest.mark.parametrize("batch", [1, 3])
 @pytest.mark.parametrize("config", [
-    # every round hits (the first block drafted: an n-gram block's one-hot distributions name no bonus candidates)
+    # every round hits (the first block drafted by the draft, so that every outcome's candidates are its own)
     SSDConfig(cache_size=EVERY_OUTCOME, fan_out="uniform", fallback="draft"),
     SSDConfig(cache_size=6, fallback="draft"),  # most rounds miss: the draft, just in time
     SSDConfig(cache_size=6, fallback="ngram", overlap=False),

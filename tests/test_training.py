@@ -266,6 +266,20 @@ def test_a_resumed_regeneration_may_change_its_time_budget_and_ends_as_one_run_d
     assert path.read_text() == full.read_text()
 
 
+def test_a_resumed_regeneration_knows_its_target_by_the_weights_not_by_the_path_that_named_it(tmp_path):
+    target = tiny_target("llama")
+    full = tiny_dataset(tmp_path, target, n=8)
+    path = tmp_path / "resumed.jsonl"
+    path.write_text("".join(full.read_text().splitlines(keepends=True)[:4]))
+    manifest_path(path).write_text(manifest_path(full).read_text())
+    target.config._name_or_path = str(tmp_path / "moved" / "same-target")  # another path to the same weights
+    prompts = [{"id": f"p{i}", "messages": [{"role": "user", "content": f"question {i} " * (1 + i % 3)}]}
+               for i in range(8)]
+    prepare_data(target, TinyTokenizer(), iter(prompts), path, 8, batch_size=4, progress=False,
+                 settings=GenerationSettings(max_new_tokens=24))
+    assert path.read_text() == full.read_text()
+
+
 def test_prompts_that_share_an_id_are_refused(tmp_path):
     prompts = [{"id": "a", "messages": [{"role": "user", "content": "hi"}]},
                {"id": "a", "messages": [{"role": "user", "content": "other"}]}]
@@ -538,6 +552,24 @@ def test_a_run_stopped_inside_an_epoch_and_resumed_ends_where_an_uninterrupted_o
     resumed = train(TrainConfig(output_dir=str(tmp_path / "resumed"), **kw), target=target, progress=False)
     for (name, a), b in zip(straight.state_dict().items(), resumed.state_dict().values()):
         assert torch.equal(a, b), name  # the same anchors and lags were drawn after the resume
+
+
+def test_a_resumed_run_keeps_the_batch_size_auto_find_chose_when_it_started(tmp_path, monkeypatch):
+    import dspark_hf.training.trainer as trainer
+
+    target = tiny_target("llama")
+    data = tiny_dataset(tmp_path, target, n=12)
+    kw = dict(dataset=str(data), output_dir=str(tmp_path / "run"), batch_size=4, auto_find_batch_size=True,
+              anchors_per_sequence=4, heldout_fraction=0.0, save_every=1000, epochs=2,
+              draft=dict(num_hidden_layers=1, markov_rank=4, block_size=3))
+    found = iter([2, 6])  # the memory a resume sees may fit another batch
+    monkeypatch.setattr(trainer, "find_batch_size", lambda *a: next(found))
+    FakeClock(monkeypatch, step_seconds=60.0)
+    train(TrainConfig(stop_after=1.5, **kw), target=target, progress=False)
+    state = torch.load(next((tmp_path / "run").glob("checkpoint-*")) / "trainer_state.pt", weights_only=False)
+    assert state["batch_size"] == 2
+    train(TrainConfig(**kw), target=target, progress=False)
+    assert next(found) == 6, "the resumed run did not search again: it goes on in the batches it started with"
 
 
 def test_the_learning_rate_warms_up_then_decays_to_zero_without_wasting_a_step():

@@ -40,9 +40,11 @@ def latest_checkpoint(out_dir: Path) -> tuple[Path, dict] | None:
     return None
 
 
-def save_checkpoint(model, optimizer, step: int, clock, out_dir: Path, generator: torch.Generator):
-    """Save `model` (a draft or a peft adapter), the optimizer, the step, the run clock's state and the anchor
-    generator's (a resumed epoch draws the anchors it would have drawn), then drop all but the two newest. The state
+def save_checkpoint(model, optimizer, step: int, clock, out_dir: Path, generator: torch.Generator,
+                    batch_size: int):
+    """Save `model` (a draft or a peft adapter), the optimizer, the step, the run clock's state, the anchor
+    generator's (a resumed epoch draws the anchors it would have drawn) and the batch size (which
+    auto_find_batch_size may have chosen: a resumed run keeps it), then drop all but the two newest. The state
     file, which marks the checkpoint complete, is written last and whole (through a temporary file), so a run killed
     while saving leaves the previous checkpoint to resume from."""
     path = out_dir / f"checkpoint-{step}"
@@ -50,7 +52,7 @@ def save_checkpoint(model, optimizer, step: int, clock, out_dir: Path, generator
     model.save_pretrained(path)
     partial = path / f"{STATE_FILE}.partial"
     torch.save({"optimizer": optimizer.state_dict(), "step": step, "clock": clock.state(),
-                "generator": generator.get_state()}, partial)
+                "generator": generator.get_state(), "batch_size": batch_size}, partial)
     os.replace(partial, path / STATE_FILE)
     for old in checkpoint_folders(out_dir)[:-2]:
         shutil.rmtree(old, ignore_errors=True)

@@ -36,10 +36,14 @@ def read_jsonl(path) -> Iterator[tuple[int, object]]:
     path = Path(path)
     if not path.is_file():
         raise DataFileError(f"{path}: no such file.")
-    n = 0
     try:
-        with (gzip.open(path, "rt", encoding="utf-8") if path.suffix == ".gz" else path.open(encoding="utf-8")) as f:
-            for n, line in enumerate(f, 1):
+        with gzip.open(path, "rb") if path.suffix == ".gz" else path.open("rb") as f:
+            for n, raw in enumerate(f, 1):  # decoded line by line, so that an error names its line
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise DataFileError(f"{path}:{n}: not UTF-8 text ({e.reason}): save the file as UTF-8 "
+                                        "JSONL.") from e
                 if not line.strip():
                     continue
                 try:
@@ -47,8 +51,6 @@ def read_jsonl(path) -> Iterator[tuple[int, object]]:
                 except json.JSONDecodeError as e:
                     raise DataFileError(f"{path}:{n}: not valid JSON ({e.msg}). Each line must be one JSON "
                                         "object.") from e
-    except UnicodeDecodeError as e:
-        raise DataFileError(f"{path}:{n + 1}: not UTF-8 text ({e.reason}): save the file as UTF-8 JSONL.") from e
     except (gzip.BadGzipFile, EOFError, zlib.error) as e:
         raise DataFileError(f"{path}: its name ends in .gz but it is not a whole gzip file ({e}): compress it with "
                             "gzip, or drop the .gz from its name if it is plain JSONL.") from e
@@ -190,8 +192,10 @@ def _refuse_other_settings(output: Path, made_with: dict) -> None:
         why = "is missing or unreadable" if not recorded else f"lacks {', '.join(missing)} (an older dspark-hf's)"
         raise ValueError(f"{output} already holds answers, but its manifest {path.name}, which records how they were "
                          f"made, {why}: a resumed run cannot check its settings against them; write to a new --output.")
+    # the target is its weights (the fingerprint), not the path it was named by: another path to the same folder,
+    # or the folder moved, resumes
     changed = [f"{key} {recorded[key]!r} -> {value!r}" for key, value in made_with.items()
-               if key not in ("target_fingerprint", "device") and recorded[key] != value]
+               if key not in ("target", "target_fingerprint", "device") and recorded[key] != value]
     if not same_fingerprint(recorded["target_fingerprint"], made_with["target_fingerprint"]):
         changed.append("target weights (another target_fingerprint)")
     if changed:

@@ -92,7 +92,9 @@ def train(config: TrainConfig, target=None, progress: bool = True):
                 if config.feature_cache else OnlineFeatures(target, layer_ids))
     weights = LossWeights(config.loss_ce, config.loss_l1, config.loss_confidence, config.position_decay,
                           config.loss_kl)
-    if config.auto_find_batch_size:
+    if state is not None and "batch_size" in state:  # the batch the run started with, found or given: the steps
+        config.batch_size = state["batch_size"]  # and their data depend on it, whatever memory a resume sees
+    elif config.auto_find_batch_size:
         config.batch_size = find_batch_size(draft, target, train_set, features, config, weights, accelerator)
     steps_per_epoch = math.ceil(len(train_set) / (config.batch_size * accelerator.num_processes))
     total_steps = None if config.time_budget else config.max_steps or max(1, int(config.epochs * steps_per_epoch))
@@ -155,7 +157,7 @@ def train(config: TrainConfig, target=None, progress: bool = True):
             bar.update(1 if total_steps is not None else min(round(timer.loop_spent), bar.total) - bar.n)
             bar.set_postfix_str(f"step={step} {_postfix(running)}")
             if step % config.save_every == 0 and accelerator.is_main_process:
-                save_checkpoint(model, optimizer, step, timer, out_dir, generator)
+                save_checkpoint(model, optimizer, step, timer, out_dir, generator, config.batch_size)
     bar.close()
     if timer.must_stop() and not (timer.budget_spent() if total_steps is None else step >= total_steps):
         if step == 0:
@@ -163,7 +165,7 @@ def train(config: TrainConfig, target=None, progress: bool = True):
                           "training step (loading and setup took it); the checkpoint holds an untrained draft. Give a "
                           "larger stop_after.", stacklevel=2)
         if accelerator.is_main_process:
-            save_checkpoint(model, optimizer, step, timer, out_dir, generator)
+            save_checkpoint(model, optimizer, step, timer, out_dir, generator, config.batch_size)
             print(f"stopped after {config.stop_after:g} min at step {step}: run the same command again to resume "
                   f"from {out_dir}")
         return accelerator.unwrap_model(draft, keep_fp32_wrapper=False)  # still in training mode: unfinished

@@ -43,8 +43,8 @@ pair() {  # run two commands (each one quoted string) side by side; fail if eith
 export -f train measure && export COMMON OUT R DATA FEATURES
 pair "train lag0" "train lag8 --feature-lag 8"
 # Shaped lags (added 2026-11-24, after results-256): SSD with the shipped draft verifies at lags 0, 1 and 2 in the
-# proportion 507 : 150 : 6 (experiments/ssd/results/bench_ssd.json, acceptance_by_lag), so `ssd-lags` draws them
-# so; `half0` keeps half the blocks unlagged and spreads the rest uniformly over lags 1..8.
+# proportion 507 : 150 : 6 (`git show e2a3f7c:experiments/ssd/results/bench_ssd.json`, acceptance_by_lag), so
+# `ssd-lags` draws them so; `half0` keeps half the blocks unlagged and spreads the rest uniformly over lags 1..8.
 pair "train ssd-lags --feature-lag 2 --feature-lag-weights 507 150 6" \
   "train half0 --feature-lag 8 --feature-lag-weights 8 1 1 1 1 1 1 1 1"
 pair "train lag0-seed1 --seed 1" "for arm in lag0 lag8 ssd-lags half0; do measure \$arm $OUT/\$arm; done"
