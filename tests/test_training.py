@@ -253,30 +253,22 @@ def test_a_resumed_regeneration_refuses_answers_made_otherwise_than_those_the_fi
         assert "answers made otherwise" in message and ("target weights" if change == "target" else change) in message
 
 
-def test_a_resumed_regeneration_may_change_its_time_budget_and_ends_as_one_run_does(tmp_path):
+@pytest.mark.parametrize("change", ["time budget", "path of the target"])
+def test_a_resumed_regeneration_may_change_how_long_it_runs_and_where_its_target_lies(tmp_path, change):
     target = tiny_target("llama")
     full = tiny_dataset(tmp_path, target, n=8)
     path = tmp_path / "resumed.jsonl"
     path.write_text("".join(full.read_text().splitlines(keepends=True)[:4]))
     manifest_path(path).write_text(manifest_path(full).read_text())
-    prompts = [{"id": f"p{i}", "messages": [{"role": "user", "content": f"question {i} " * (1 + i % 3)}]}
-               for i in range(8)]
-    prepare_data(target, TinyTokenizer(), iter(prompts), path, 8, batch_size=4, time_budget=3600.0, progress=False,
-                 settings=GenerationSettings(max_new_tokens=24))
-    assert path.read_text() == full.read_text()
-
-
-def test_a_resumed_regeneration_knows_its_target_by_the_weights_not_by_the_path_that_named_it(tmp_path):
-    target = tiny_target("llama")
-    full = tiny_dataset(tmp_path, target, n=8)
-    path = tmp_path / "resumed.jsonl"
-    path.write_text("".join(full.read_text().splitlines(keepends=True)[:4]))
-    manifest_path(path).write_text(manifest_path(full).read_text())
-    target.config._name_or_path = str(tmp_path / "moved" / "same-target")  # another path to the same weights
+    kw = {}
+    if change == "time budget":
+        kw["time_budget"] = 3600.0
+    else:  # the target is known by its weights, not by the path that named it
+        target.config._name_or_path = str(tmp_path / "moved" / "same-target")
     prompts = [{"id": f"p{i}", "messages": [{"role": "user", "content": f"question {i} " * (1 + i % 3)}]}
                for i in range(8)]
     prepare_data(target, TinyTokenizer(), iter(prompts), path, 8, batch_size=4, progress=False,
-                 settings=GenerationSettings(max_new_tokens=24))
+                 settings=GenerationSettings(max_new_tokens=24), **kw)
     assert path.read_text() == full.read_text()
 
 
