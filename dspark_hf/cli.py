@@ -165,12 +165,10 @@ def cmd_prepare_data(args) -> int:
 
 def _recorded_batch_size(dataset: str) -> int | None:
     """The batch size an earlier `prepare-data` into `dataset` recorded in its manifest, if any."""
-    from .training.data import manifest_path
+    from .training.data import read_manifest
 
-    try:
-        return int(json.loads(manifest_path(dataset).read_text())["batch_size"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
+    batch_size = read_manifest(dataset).get("batch_size")
+    return batch_size if isinstance(batch_size, int) else None
 
 
 def cmd_train(args) -> int:

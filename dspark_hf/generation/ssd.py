@@ -142,7 +142,11 @@ class SSDMixin:
                           "by_lag": {}}  # lag -> [accepted, verified, rejections] (lag 0: drafted in time)
         # the auto fallback weighs this machine's costs from the first round on: measured here (once, cached on
         # disk, with a progress bar) rather than inside the first round's drafting time
-        self._costs = self._measured_costs() if ssd.fallback == "auto" and ssd.cache_size > 0 else None
+        self._costs = None
+        if ssd.fallback == "auto":
+            from ..scheduling.profile import cached_costs
+
+            self._costs = cached_costs(self.target, self.draft, sorted({1, self.prompt.shape[0]}))
         # N x S blocks: kept over the draft's own vocabulary, unless a processor reads which token a column is
         self._needs_target_vocab = not all(isinstance(p, VOCAB_FREE_PROCESSORS) for p in self.processors)
         # measured overlap: seconds the speculator ran, and seconds verification then waited for it
@@ -350,19 +354,12 @@ class SSDMixin:
         """From which batch size the n-gram fallback beats drafting just in time (Theorem 17), by this machine's
         measured costs and the hit rate and tokens per round seen so far (priors: half the outcomes hit, a block
         from the draft commits 1 + alpha tokens, an n-gram block 1)."""
-        if self._costs is None:
-            self._costs = self._measured_costs()
         s, gamma, R = self.ssd_stats, self.draft.config.block_size, max(self.rows.numel(), 1)
         hit_rate = (s["hits"] + 1.0) / (s["rounds"] + 2.0)
         tokens_draft = (s["tokens_hit"] + 1.0 + self._alpha()) / (s["rounds_hit"] + 1.0)
         # the times of a round of R rows (an n-gram lookup costs next to nothing beside it)
         return critical_batch_size(hit_rate, tokens_draft, tokens_draft, 1.0, self._costs.verify(R, gamma + 1),
                                    self._costs.draft(R), 0.0)
-
-    def _measured_costs(self):
-        from ..scheduling.profile import cached_costs
-
-        return cached_costs(self.target, self.draft, sorted({1, self.prompt.shape[0]}))
 
 
 def acceptance_rate(accepted: int, rejections: int) -> float:

@@ -182,11 +182,7 @@ def _refuse_other_settings(output: Path, made_with: dict) -> None:
     mix two samplings, or two targets, under a manifest that names one."""
     from ..model.modeling_dspark import same_fingerprint
 
-    path = manifest_path(output)
-    try:
-        recorded = json.loads(path.read_text()) if path.is_file() else {}
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        recorded = {}
+    path, recorded = manifest_path(output), read_manifest(output)
     missing = [key for key in made_with if key not in recorded and key != "device"]
     if missing:
         why = "is missing or unreadable" if not recorded else f"lacks {', '.join(missing)} (an older dspark-hf's)"
@@ -241,6 +237,15 @@ def _sample_id(prompt_id: str, k: int, samples: int) -> str:
 
 def manifest_path(dataset: str | Path) -> Path:
     return Path(dataset).with_suffix(".manifest.json")
+
+
+def read_manifest(dataset: str | Path) -> dict:
+    """The manifest of `dataset` as recorded, or {} where there is none that reads as a JSON object."""
+    try:
+        recorded = json.loads(manifest_path(dataset).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return {}
+    return recorded if isinstance(recorded, dict) else {}
 
 
 def write_manifest(dataset: Path, made_with: dict, planned: int, seconds: float) -> dict:
