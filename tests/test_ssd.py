@@ -11,9 +11,9 @@ from conftest import left_padded_prompts, tiny_draft, tiny_target
 from dspark_hf import SSDConfig
 from dspark_hf.generation.drafting import saguaro
 from dspark_hf.generation.ssd import SSDMixin, ngram_proposal
-from dspark_hf.generation.speculation import predict_outcomes
+from dspark_hf.generation.speculation import bonus_rank, predict_outcomes
 from dspark_hf.scheduling.ssd import (critical_batch_size, expected_hit_rate, fit_power_law, geometric_fan_out,
-                                      outcome_probabilities, ssd_speedup, uniform_fan_out)
+                                      measured_fan_out, outcome_probabilities, ssd_speedup, uniform_fan_out)
 from test_generation_greedy import eos_inside_a_block, oracle, plain
 from test_generation_sampling import (ALPHA, SAMPLES, flattened_draft, p_value, sample_continuations,
                                       sampling_setup)
@@ -91,11 +91,45 @@ def test_a_power_law_is_recovered_from_its_miss_rates():
         fit_power_law({1: 0.5, 2: 1.0, 3: 0.0})
 
 
+def test_the_measured_fan_out_on_hand_computed_cases():
+    # 6 rounds ended at k = 0 (5 with the first candidate, 1 with the second), 3 at k = 1 with the first
+    ranks = {0: {0: 5, 1: 1}, 1: {0: 3}}
+    assert measured_fan_out(1, 3, ranks) == [1, 0, 0, 0]
+    assert measured_fan_out(2, 3, ranks) == [1, 1, 0, 0]
+    assert measured_fan_out(3, 3, ranks) == [2, 1, 0, 0]
+    assert measured_fan_out(5, 3, ranks) == [4, 1, 0, 0], "blocks no outcome needs go to the earliest"
+    # a curve that is not concave: the first block at k = 1 holds nothing, the second holds 3 rounds. One block
+    # at a time by marginal gain would stop at 2 rounds (k = 0); the exact plan holds 3
+    assert measured_fan_out(2, 2, {0: {0: 2}, 1: {1: 3}}) == [0, 2, 0]
+    assert measured_fan_out(2, 2, {0: {0: 2}, 1: {5: 9}, 2: {0: 9}}) == [2, 0, 0], \
+        "ranks past the budget, and the outcome no cache can hold, buy nothing"
+    assert measured_fan_out(0, 2, ranks) == [0, 0, 0]
+
+
+def test_the_measured_fan_out_holds_the_most_outcomes_of_any_fan_out_at_its_budget():
+    import itertools
+
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        counts = torch.randint(0, 4, (3, 8), generator=generator).tolist()  # rounds by (k, rank)
+        ranks = {k: {j: n for j, n in enumerate(row)} for k, row in enumerate(counts)}
+        held = lambda F: sum(counts[k][j] for k in range(3) for j in range(F[k]))  # noqa: E731
+        for budget in (1, 4, 7):
+            F = measured_fan_out(budget, 3, ranks)
+            assert sum(F) == budget and F[-1] == 0
+            best = max(held(c) for c in itertools.product(range(budget + 1), repeat=3) if sum(c) == budget)
+            assert held(F[:3]) == best
+
+
 def test_bad_fan_out_arguments_say_what_is_wrong():
     with pytest.raises(ValueError, match="power-law"):
         geometric_fan_out(8, 3, 0.5, r=0.0)
     with pytest.raises(ValueError, match="acceptance rate"):
         geometric_fan_out(8, 3, 1.5, r=1.0)
+    with pytest.raises(ValueError, match="needs the bonus ranks of some round"):
+        measured_fan_out(8, 3, {3: {0: 5}})
+    with pytest.raises(ValueError, match="budget must be >= 0"):
+        measured_fan_out(-1, 3, {0: {0: 5}})
 
 
 # -- the cache's outcomes and lookup -------------------------------------------------------------------------------
@@ -117,6 +151,33 @@ def test_the_cache_prepares_the_top_candidates_without_the_rejected_drafted_toke
     for accepted, bonus in ((0, 3), (0, 2), (2, 0)):  # the rejected token itself, a token outside the top 2, k = 2
         hit, _ = outcomes.lookup(torch.tensor([accepted]), torch.tensor([bonus]))
         assert hit.tolist() == [False]
+
+
+def test_a_bonus_at_rank_j_is_held_exactly_by_caches_of_more_than_j_candidates_for_its_k():
+    generator = torch.Generator().manual_seed(0)
+    N, gamma, V = 6, 3, 9
+    probs = torch.rand(N, gamma, V, generator=generator).softmax(-1)
+    tokens = torch.randint(V, (N, gamma), generator=generator)
+    verify_len = torch.tensor([0, 1, 2, 3, 3, 2])
+    for _ in range(30):
+        accepted = (torch.rand(N, generator=generator) * (verify_len + 1)).long()  # k <= verify_len
+        bonus = torch.randint(V, (N,), generator=generator)
+        rejected = (accepted < verify_len) & (bonus == tokens[torch.arange(N), accepted.clamp(max=gamma - 1)])
+        bonus = torch.where(rejected, (bonus + 1) % V, bonus)  # a rejected drafted token is never the bonus
+        rank = bonus_rank(probs, tokens, verify_len, accepted, bonus)
+        for i in range(N):
+            k, j = int(accepted[i]), int(rank[i])
+            if k == gamma:
+                assert j == -1
+                continue
+            for F, held in ((j, False), (j + 1, True)):
+                if F == 0:  # no block for k at all
+                    continue
+                fan_out = [0] * (gamma + 1)
+                fan_out[k] = F
+                hit, _ = predict_outcomes(probs[i:i + 1], tokens[i:i + 1], verify_len[i:i + 1], fan_out).lookup(
+                    accepted[i:i + 1], bonus[i:i + 1])
+                assert bool(hit) == held
 
 
 def test_outcomes_past_a_rows_verified_length_or_the_block_are_never_hits():
@@ -383,6 +444,33 @@ def test_ssd_decodes_count_rejections_and_never_draft_for_an_outcome_the_cache_c
     assert sum(lag[2] for lag in out.ssd_stats["by_lag"].values()) == out.ssd_stats["rejections"]
 
 
+def test_ssd_decodes_record_where_each_bonus_stood_and_a_fan_out_planned_from_them_is_lossless(monkeypatch):
+    import dspark_hf.generation.ssd as ssd_module
+
+    target = tiny_target("llama")
+    ids, mask = left_padded_prompts(3)
+    _, eos = eos_inside_a_block(target, ids, mask)
+    reference = plain(target, ids, mask, max_new_tokens=30, eos_token_id=eos)
+    gamma = tiny_draft(target).config.block_size
+    uniform = uniform_fan_out(2 * gamma, gamma, cache_last=False)
+    out = ssd_generate(target, tiny_draft(target), ids, mask, max_new_tokens=30, eos_token_id=eos,
+                       ssd=SSDConfig(cache_size=2 * gamma, fan_out="uniform", fallback="draft"))
+    stats = out.ssd_stats
+    assert sum(stats["outcomes"].values()) == stats["rounds"]
+    assert sum(sum(ranks.values()) for ranks in stats["bonus_ranks"].values()) == \
+        stats["rounds"] - stats["outcomes"].get(gamma, 0), "every outcome but a whole block accepted has a rank"
+    held = sum(n for k, ranks in stats["bonus_ranks"].items() for j, n in ranks.items() if j < uniform[k])
+    assert held == stats["hits"] > 0, "the ranks say which rounds the cache held"
+
+    planned = measured_fan_out(2 * gamma, gamma, stats["bonus_ranks"])[:-1]
+    fan_outs, predict = [], ssd_module.predict_outcomes
+    monkeypatch.setattr(ssd_module, "predict_outcomes", lambda *a: fan_outs.append(list(a[3])) or predict(*a))
+    again = ssd_generate(target, tiny_draft(target), ids, mask, max_new_tokens=30, eos_token_id=eos,
+                         ssd=SSDConfig(cache_size=2 * gamma, fan_out=planned, fallback="draft"))
+    assert torch.equal(again.sequences, reference) and torch.equal(out.sequences, reference)
+    assert fan_outs and all(F == planned + [0] for F in fan_outs)
+
+
 @pytest.mark.parametrize("fallback", ["ngram", "random"])
 def test_after_a_lookup_block_the_bonus_candidates_are_the_drafts_own(fallback, monkeypatch):
     """A lookup block's one-hot distributions rank no other token: the speculator scores its tokens with the draft
@@ -459,6 +547,11 @@ def test_ngram_lookup_proposes_what_followed_the_latest_earlier_occurrence():
 def test_bad_ssd_settings_and_processors_that_read_ids_are_refused():
     with pytest.raises(ValueError, match="fan_out must be one of geometric, uniform"):
         SSDConfig(fan_out="tree")
+    with pytest.raises(ValueError, match="fan_out holds 3 blocks but cache_size is 16: set cache_size=3"):
+        SSDConfig(fan_out=[2, 1, 0])
+    for bad in ([2, -1], [True, 1], "21", 3):
+        with pytest.raises((TypeError, ValueError), match="fan_out must be"):
+            SSDConfig(cache_size=2, fan_out=bad)
     with pytest.raises(ValueError, match=r"saguaro_c must be in \[0, 1\]"):
         SSDConfig(saguaro_c=2.0)
     for bad, message in ((dict(cache_size=2.5), "cache_size must be an int"), (dict(saguaro_c=None), "a number"),
@@ -472,6 +565,9 @@ def test_bad_ssd_settings_and_processors_that_read_ids_are_refused():
                      ssd=SSDConfig())
     with pytest.raises(TypeError, match="dspark_hf.SSDConfig"):
         ssd_generate(target, tiny_draft(target), ids, mask, max_new_tokens=4, ssd={"cache_size": 4})
+    with pytest.raises(ValueError, match=r"fan_out has 2 counts, but this draft's block of 4 needs one per number "
+                                         r"of accepted tokens 0..3 \(4 counts\)"):
+        ssd_generate(target, tiny_draft(target), ids, mask, max_new_tokens=4, ssd=SSDConfig(3, fan_out=[2, 1]))
 
 
 # -- lagged context ---------------------------------------------------------------------------------------------
@@ -513,8 +609,9 @@ def setup():
 
 @pytest.mark.parametrize("config", [SSDConfig(cache_size=3, saguaro_c=0.3, fallback="draft"),
                                     SSDConfig(cache_size=12, saguaro_c=0.0, fallback="draft"),
-                                    SSDConfig(cache_size=2, fallback="ngram")],
-                         ids=["saguaro-0.3", "saguaro-0", "ngram"])
+                                    SSDConfig(cache_size=2, fallback="ngram"),
+                                    SSDConfig(cache_size=3, fan_out=[1, 2], saguaro_c=0.3, fallback="draft")],
+                         ids=["saguaro-0.3", "saguaro-0", "ngram", "listed-fan-out"])
 def test_sampled_ssd_follows_the_target_distribution(setup, config):
     target, draft, settings, probs = setup
     torch.manual_seed(7)

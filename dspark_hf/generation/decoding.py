@@ -76,15 +76,18 @@ def dspark_generate(
     if ssd is None:
         policy = AutoScheduled() if verification_policy is None else as_policy(verification_policy)
         return _Decoder(*args, policy, token_streamer).run()
-    _check_ssd(ssd, logits_processor)
+    _check_ssd(ssd, logits_processor, draft_model.config.block_size)
     policy = FullBlock() if verification_policy is None else as_policy(verification_policy)
     return _SSDDecoder(*args, policy, token_streamer, ssd=ssd).run()
 
 
-def _check_ssd(ssd, processors) -> None:
+def _check_ssd(ssd, processors, gamma: int) -> None:
     if not isinstance(ssd, SSDConfig):
         raise TypeError(f"ssd must be a dspark_hf.SSDConfig, got {type(ssd).__name__}.")
     ssd.validate()
+    if not isinstance(ssd.fan_out, str) and len(ssd.fan_out) != gamma:
+        raise ValueError(f"SSDConfig.fan_out has {len(ssd.fan_out)} counts, but this draft's block of {gamma} "
+                         f"needs one per number of accepted tokens 0..{gamma - 1} ({gamma} counts).")
     reading_ids = [type(p).__name__ for p in processors if not isinstance(p, _IDS_FREE_PROCESSORS)]
     if reading_ids:
         raise ValueError(f"SSD drafts blocks for tokens not yet committed, which logits processors that read the "

@@ -74,3 +74,22 @@ def predict_outcomes(probs: torch.Tensor, tokens: torch.Tensor, verify_len: torc
         empty = torch.zeros(N, 0, dtype=torch.long, device=probs.device)
         return PredictedOutcomes(empty, empty, empty.bool())
     return PredictedOutcomes(torch.cat(accepted, 1), torch.cat(bonus, 1), torch.cat(valid, 1))
+
+
+def bonus_rank(probs: torch.Tensor, tokens: torch.Tensor, verify_len: torch.Tensor, accepted: torch.Tensor,
+               bonus: torch.Tensor) -> torch.Tensor:
+    """Where the real outcome's bonus stood among the candidates [`predict_outcomes`] ranks for its k: (N,) rank j
+    (0: the first candidate), so a cache with F_k > j blocks for k held it; -1 where k = gamma (no candidates).
+
+    probs (N, gamma, V), tokens (N, gamma), verify_len (N,) as given to `predict_outcomes`; accepted (N,) and bonus
+    (N,) the outcome. Ties with the bonus are counted in its favour (top-F may hold another of the tied tokens).
+    """
+    N, gamma, _ = probs.shape
+    rows = torch.arange(N, device=probs.device)
+    k = accepted.clamp(max=gamma - 1)
+    p = probs[rows, k].clone()
+    rejected = accepted < verify_len
+    p[rows[rejected], tokens[rows, k][rejected]] = -1.0
+    rank = (p > p[rows, bonus][:, None]).sum(1)
+    return torch.where(accepted < gamma, rank, -1)
+

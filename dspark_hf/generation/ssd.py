@@ -19,13 +19,14 @@ import math
 import numbers
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, fields
+from typing import Sequence
 
 import torch
 
 from ..devices import clock
 from ..scheduling.ssd import critical_batch_size, geometric_fan_out, uniform_fan_out
 from .drafting import VOCAB_FREE_PROCESSORS, BlockProposer, DraftBlock, empty_block, sample_block, saguaro
-from .speculation import PredictedOutcomes, predict_outcomes
+from .speculation import PredictedOutcomes, bonus_rank, predict_outcomes
 
 FAN_OUTS = ("geometric", "uniform")
 FALLBACKS = ("auto", "draft", "ngram", "random")
@@ -37,8 +38,10 @@ class SSDConfig:
 
     cache_size: int = field(default=16, metadata={"help": "Blocks prepared per row while the target verifies "
                             "(sum over k of the fan-out F_k)."})
-    fan_out: str = field(default="geometric", metadata={"help": "How the cache is spread over the number of "
-                         "accepted tokens: geometric (Theorem 12) or uniform.", "choices": FAN_OUTS})
+    fan_out: str | Sequence[int] = field(default="geometric", metadata={"help": "How the cache is spread over the "
+                                         "number k of accepted tokens: geometric (Theorem 12), uniform, or the "
+                                         "blocks F_0..F_(block_size - 1) for each k, summing to cache_size (e.g. "
+                                         "from `scheduling.ssd.measured_fan_out`)."})
     power_law_r: float = field(default=1.0, metadata={"help": "Exponent r of the draft's power-law miss rate F^-r "
                                "that shapes the geometric fan-out (`dspark bench ssd` fits it)."})
     acceptance: float | None = field(default=None, metadata={"help": "Acceptance rate alpha for the geometric "
@@ -67,11 +70,21 @@ class SSDConfig:
                 raise ValueError(f"SSDConfig.{name} must be a number, got NaN.")
         if not isinstance(self.overlap, bool):
             raise TypeError(f"SSDConfig.overlap must be True or False, got {self.overlap!r}.")
-        for name, allowed in (("fan_out", FAN_OUTS), ("fallback", FALLBACKS)):
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"SSDConfig.{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}.")
+        if isinstance(self.fan_out, str):
+            if self.fan_out not in FAN_OUTS:
+                raise ValueError(f"SSDConfig.fan_out must be one of {', '.join(FAN_OUTS)} or a list of blocks per "
+                                 f"number of accepted tokens, got {self.fan_out!r}.")
+        elif not isinstance(self.fan_out, Sequence) or not all(
+                isinstance(F, numbers.Integral) and not isinstance(F, bool) and F >= 0 for F in self.fan_out):
+            raise TypeError("SSDConfig.fan_out must be geometric, uniform or a list of blocks (ints >= 0) per number "
+                            f"of accepted tokens, got {self.fan_out!r}.")
+        if self.fallback not in FALLBACKS:
+            raise ValueError(f"SSDConfig.fallback must be one of {', '.join(FALLBACKS)}, got {self.fallback!r}.")
         if self.cache_size < 0:
             raise ValueError(f"SSDConfig.cache_size must be >= 0 blocks, got {self.cache_size}.")
+        if not isinstance(self.fan_out, str) and sum(self.fan_out) != self.cache_size:
+            raise ValueError(f"SSDConfig.fan_out holds {sum(self.fan_out)} blocks but cache_size is "
+                             f"{self.cache_size}: set cache_size={sum(self.fan_out)}.")
         if not 0.0 <= self.saguaro_c <= 1.0:
             raise ValueError(f"SSDConfig.saguaro_c must be in [0, 1], got {self.saguaro_c}.")
         if self.power_law_r <= 0:
@@ -80,7 +93,8 @@ class SSDConfig:
             raise ValueError(f"SSDConfig.acceptance must be in [0, 1] or None, got {self.acceptance}.")
 
     def to_dict(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        return {f.name: getattr(self, f.name) if f.name != "fan_out" or isinstance(self.fan_out, str)
+                else list(self.fan_out) for f in fields(self)}
 
 
 @dataclass
@@ -89,19 +103,23 @@ class _Speculation:
 
     outcomes: PredictedOutcomes
     blocks: DraftBlock
+    ranked: tuple  # (probs, tokens, verify_len): what the outcomes' candidates were ranked by, for `bonus_rank`
 
 
 @dataclass
 class _Ready:
-    """Blocks ready for the next round: per row, whether it came from the cache, the block where it did, and its
-    lag (how many tokens before its anchor it saw without their target features)."""
+    """Blocks ready for the next round: per row, whether it came from the cache, the block where it did, its lag
+    (how many tokens before its anchor it saw without their target features), and the outcome that decided it
+    (k accepted, and the bonus's rank among the candidates for k: `bonus_rank`)."""
 
     hit: torch.Tensor
     block: DraftBlock
     lag: torch.Tensor
+    accepted: torch.Tensor
+    rank: torch.Tensor
 
     def select(self, idx: torch.Tensor) -> "_Ready":
-        return _Ready(self.hit[idx], self.block.index(idx), self.lag[idx])
+        return _Ready(self.hit[idx], self.block.index(idx), self.lag[idx], self.accepted[idx], self.rank[idx])
 
 
 def ngram_proposal(history: list[int], length: int, max_n: int = 3) -> list[int]:
@@ -139,7 +157,8 @@ class SSDMixin:
         self.ssd_stats = {"rounds": 0, "hits": 0, "accepted": 0, "verified": 0, "rejections": 0, "tokens_hit": 0,
                           "rounds_hit": 0, "tokens_miss": 0, "rounds_miss": 0,
                           "fallbacks": {name: 0 for name in FALLBACKS[1:]},
-                          "by_lag": {}}  # lag -> [accepted, verified, rejections] (lag 0: drafted in time)
+                          "by_lag": {},  # lag -> [accepted, verified, rejections] (lag 0: drafted in time)
+                          "outcomes": {}, "bonus_ranks": {}}  # k -> rounds; k -> {bonus rank -> rounds}
         # the auto fallback weighs this machine's costs from the first round on: measured here (once, cached on
         # disk, with a progress bar) rather than inside the first round's drafting time
         self._costs = None
@@ -181,6 +200,7 @@ class SSDMixin:
         if ready is not None:  # the rounds that had a cache to look in
             self.ssd_stats["rounds"] += R
             self.ssd_stats["hits"] += int(hit.sum())
+            self._record_outcomes(ready.accepted, ready.rank)
         self.timings["draft"] += self._clock() - start
         return block, torch.minimum(self._verify_lengths(block), self._available)
 
@@ -295,7 +315,7 @@ class SSDMixin:
         blocks = sample_block(self.draft, outcomes.bonus, anchor_pos[:, None] + outcomes.accepted + 1, context,
                               self.do_sample, process_logits=process, generator=self._generator, known=known,
                               reweight=self._reweight(fan_out), target_vocab=self._needs_target_vocab)
-        return _Speculation(outcomes, blocks)
+        return _Speculation(outcomes, blocks, (probs, block.tokens, verify_len))
 
     def _outcome(self, accepted, next_token):
         spec, self._speculation = self._speculation, None
@@ -305,7 +325,17 @@ class SSDMixin:
         hit, slot = spec.outcomes.lookup(accepted, next_token)
         rows = torch.arange(hit.shape[0], device=hit.device)
         block = spec.blocks.index(rows, slot).in_target_vocab(self.draft.config.target_vocab_size)
-        self._next = _Ready(hit, block, spec.outcomes.accepted[rows, slot] + 1)
+        rank = bonus_rank(*spec.ranked, accepted, next_token)
+        self._next = _Ready(hit, block, spec.outcomes.accepted[rows, slot] + 1, accepted, rank)
+
+    def _record_outcomes(self, accepted, rank):
+        """Count the outcomes a cache was looked up for: k accepted, and where the bonus stood among the candidates
+        for k (what `scheduling.ssd.measured_fan_out` plans a cache from)."""
+        for k, j in zip(accepted.tolist(), rank.tolist()):
+            self.ssd_stats["outcomes"][k] = self.ssd_stats["outcomes"].get(k, 0) + 1
+            if j >= 0:
+                ranks = self.ssd_stats["bonus_ranks"].setdefault(k, {})
+                ranks[j] = ranks.get(j, 0) + 1
 
     def _record(self, block, verify_len, n, nxt, counts):
         super()._record(block, verify_len, n, nxt, counts)
@@ -340,6 +370,8 @@ class SSDMixin:
 
     def _fan_out(self) -> list[int]:
         gamma, budget = self.draft.config.block_size, self.ssd.cache_size
+        if not isinstance(self.ssd.fan_out, str):
+            return list(self.ssd.fan_out) + [0]
         if self.ssd.fan_out == "uniform":
             return uniform_fan_out(budget, gamma, cache_last=False)
         return geometric_fan_out(budget, gamma, self._alpha(), self.ssd.power_law_r, cache_last=False)

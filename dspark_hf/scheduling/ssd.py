@@ -11,6 +11,8 @@ series in k with ratio alpha^(1 / (1 + r)), its last term raised by (1 - alpha)^
 A block-parallel draft has no distribution for the bonus token after its whole block (the paper's autoregressive
 speculator drafts one more token for it), so its cache leaves that last outcome out (`cache_last=False`): the
 series over k < L alone, where alpha -> 1 spreads the budget evenly instead of onto the outcome it cannot cache.
+A measured cache shape drops the model: [`measured_fan_out`] spends the budget where the outcomes of earlier
+rounds were (each k with its own miss curve, from where each bonus stood among its candidates).
 
 **The fallback** (sec. 4.3): on a miss the whole batch waits for the backup speculator, and at batch size b some
 row misses with probability 1 - h^b. The slow, accurate backup (the draft itself, just in time) pays below a
@@ -23,8 +25,9 @@ after a cached and a fallback block, t_v the verification, t_b the fallback's dr
 
 from __future__ import annotations
 
+import itertools
 import math
-from typing import Sequence
+from typing import Mapping, Sequence
 
 
 def outcome_probabilities(alpha: float, verified: int) -> list[float]:
@@ -58,6 +61,41 @@ def uniform_fan_out(budget: int, verified: int, cache_last: bool = True) -> list
     if not cache_last:
         return _apportion(budget, [1.0] * verified) + [0]
     return _apportion(budget, [1.0] * (verified + 1))
+
+
+def measured_fan_out(budget: int, verified: int, bonus_ranks: Mapping[int, Mapping[int, int]]) -> list[int]:
+    """F_0..F_verified (F_verified = 0, as `cache_last=False`) summing to `budget` that would have held the most of
+    the outcomes seen: bonus_ranks {k: {rank j: rounds}} counts rounds that ended with k accepted and a bonus at
+    candidate rank j (`ssd_stats["bonus_ranks"]` of a decode), and F_k blocks hold those with j < F_k.
+
+    Theorem 12 without its model: each outcome gets its own measured miss curve instead of a shared power law and
+    a geometric P(k). Solved exactly (a knapsack over k, as a measured curve need not be concave); among equal
+    totals the earlier outcomes get the blocks.
+    """
+    if budget < 0:
+        raise ValueError(f"the cache budget must be >= 0 blocks, got {budget}.")
+    if not any(n for k, ranks in bonus_ranks.items() if 0 <= k < verified for n in ranks.values()):
+        raise ValueError("measured_fan_out needs the bonus ranks of some round that accepted fewer than all "
+                         f"{verified} tokens (`ssd_stats['bonus_ranks']` of a decode with ssd=).")
+    # held[k][F]: rounds with outcome k whose bonus the top F candidates hold
+    held = []
+    for k in range(verified):
+        counts = [0] * (budget + 1)
+        for j, n in bonus_ranks.get(k, {}).items():
+            if 0 <= j < budget:
+                counts[j + 1] += n
+        held.append(list(itertools.accumulate(counts)))
+    # best[k][b]: the most rounds outcomes k.. hold with b blocks; take[k][b]: the F_k that gets it
+    best = [[0] * (budget + 1) for _ in range(verified + 1)]
+    take = [[0] * (budget + 1) for _ in range(verified)]
+    for k in reversed(range(verified)):
+        for b in range(budget + 1):
+            best[k][b], take[k][b] = max((held[k][F] + best[k + 1][b - F], F) for F in range(b + 1))
+    fan_out, left = [], budget
+    for k in range(verified):  # the last outcome takes what is left (max prefers the larger F among equals)
+        fan_out.append(take[k][left])
+        left -= fan_out[-1]
+    return fan_out + [0]
 
 
 def fit_power_law(miss_rates: dict[float, float]) -> float:
