@@ -269,7 +269,8 @@ def cmd_bench_ssd(args) -> int:
     prompts = load_prompts(args.prompts, args.suite or (None if args.prompts else ["humaneval", "mtbench", "gsm"]),
                            args.limit)
     target, tokenizer, draft = _load(args)
-    steps = 2 * len(args.cache_sizes) + len(args.saguaro_c) + len(args.batch_sizes) + 1
+    shapes = 3 if len(prompts) > 1 else 2  # the measured shape plans each prompt's cache from the others
+    steps = shapes * len(args.cache_sizes) + len(args.saguaro_c) + len(args.batch_sizes) + 1
     with tqdm(total=steps, desc="bench ssd") as bar:
         report = bench_ssd(target, tokenizer, draft, prompts, tuple(args.cache_sizes), tuple(args.saguaro_c),
                            tuple(args.batch_sizes), args.max_new_tokens, args.repeats, args.temperature,

@@ -438,9 +438,18 @@ def test_dspark_bench_ssd_compares_fan_out_shapes_saguaro_and_speed(tiny_models,
                  "--speed-cache-size", "480", "--repeats", "1", "--output", str(out), "--plot",
                  str(tmp_path / "plots")]) == 0
     report = json.loads(out.read_text())
-    for shape in ("uniform", "geometric"):
+    for shape in ("uniform", "geometric", "measured"):
         assert list(report["fan_out"][shape]) == ["2", "8"]
         assert all(0 <= v["hit_rate"] <= 1 and v["rounds"] > 0 for v in report["fan_out"][shape].values())
+    for B, plans in report["measured_plans"].items():  # one plan per prompt, from the other prompt's rounds
+        assert len(plans["per_prompt"]) == 2 and all(sum(F) == int(B) for F in plans["per_prompt"])
+        assert sum(plans["all_prompts"]) == int(B) and len(plans["all_prompts"]) == report["block_size"]
+    curves = report["outcome_miss_curves"]
+    assert sum(c["share"] for c in curves.values()) == pytest.approx(1.0)
+    assert curves[str(report["block_size"])]["held_by_top"] is None, "no candidates after a whole block"
+    for c in curves.values():
+        held = list((c["held_by_top"] or {}).values())
+        assert held == sorted(held), "more candidates hold at least as many rounds"
     assert list(report["saguaro"]) == ["1.0", "0.3"] and report["power_law_r"] > 0
     for batch in ("1", "2"):
         methods = report["speed"][batch]
@@ -450,7 +459,13 @@ def test_dspark_bench_ssd_compares_fan_out_shapes_saguaro_and_speed(tiny_models,
     # 480 blocks hold every outcome of the tiny vocabulary: rounds hit, and their blocks have lags of 1 and more
     assert report["equation"]["hit_rate"] > 0.5 and len(report["acceptance_by_lag"]) > 1
     assert (tmp_path / "plots" / "ssd.png").stat().st_size > 1000
-    assert "Cache hit rate by fan-out shape" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "Cache hit rate by fan-out shape" in printed and "Each outcome's miss curve" in printed
+    from dspark_hf.evaluation.bench_ssd import format_ssd_tables
+
+    one_prompt = {**report, "fan_out": {shape: report["fan_out"][shape] for shape in ("uniform", "geometric")},
+                  "measured_plans": {}}
+    assert "measured shape not run" in format_ssd_tables(one_prompt), "a missing column is said, not left out"
 
 
 def test_result_paths_that_cannot_be_written_are_refused_before_any_work(tiny_models, tmp_path, capsys):

@@ -2,7 +2,10 @@
 
 1. **Cache hit rate by fan-out shape** (the SSD paper's Fig. 4): greedy decodes of held-out prompts with a cache of
    B blocks spread uniformly over the outcomes, then geometrically (Theorem 12) with the power law fitted to the
-   uniform runs' miss rates and the acceptance rate they saw: the two shapes at the same cache size.
+   uniform runs' miss rates and the acceptance rate they saw, then as measured (`measured_fan_out`: planned for
+   each prompt from where the bonus stood in the other prompts' uniform rounds): the shapes at the same cache size.
+   Beside them, each outcome's own miss curve (the share of rounds ending with k accepted, and how often the top F
+   candidates for k held the bonus), which Theorem 12 models as one power law under a geometric P(k).
 2. **Hit rate and acceptance by Saguaro's C** (Fig. 5), sampled.
 3. **Speed**: plain `generate()`, DSpark and DSpark + SSD at each batch size, interleaved in one run, paired;
    and the acceptance of blocks by lag (prepared for k accepted tokens: lag k + 1; drafted in time: lag 0).
@@ -14,20 +17,23 @@ from __future__ import annotations
 
 from ..generation.ssd import SSDConfig
 from ..scheduling.policies import FullBlock
-from ..scheduling.ssd import fit_power_law, ssd_speedup
+from ..scheduling.ssd import fit_power_law, measured_fan_out, ssd_speedup
 from .evaluate import _sampling, bench_speed, chat_batch
 from .machine import machine_info
 
 
-def _decode_all(target, tokenizer, draft, prompts, ssd: SSDConfig, max_new_tokens: int, temperature: float) -> dict:
-    """Decode every prompt alone with `ssd`; totals of the per-round records and timings."""
+def _decode_all(target, tokenizer, draft, prompts, ssd: SSDConfig | list[SSDConfig], max_new_tokens: int,
+                temperature: float) -> dict:
+    """Decode every prompt alone with `ssd` (one config, or one per prompt); totals of the per-round records and
+    timings, and each prompt's bonus ranks (`prompt_ranks`)."""
     totals = {"rounds": 0, "hits": 0, "accepted": 0, "verified": 0, "rejections": 0, "tokens_hit": 0, "rounds_hit": 0,
               "tokens_miss": 0, "rounds_miss": 0, "target": 0.0, "draft": 0.0, "speculate": 0.0, "wait": 0.0,
-              "drafted_rounds": 0, "missed_rounds": 0, "by_lag": {}}
-    for prompt in prompts:
+              "drafted_rounds": 0, "missed_rounds": 0, "by_lag": {}, "outcomes": {}, "bonus_ranks": {},
+              "prompt_ranks": []}
+    for prompt, config in zip(prompts, ssd if isinstance(ssd, list) else [ssd] * len(prompts)):
         inputs = chat_batch(tokenizer, [prompt], target.device)
         out = target.generate(**inputs, max_new_tokens=max_new_tokens, **_sampling(temperature), assistant_model=draft,
-                              verification_policy=FullBlock(), ssd=ssd, return_dict_in_generate=True)
+                              verification_policy=FullBlock(), ssd=config, return_dict_in_generate=True)
         for key in ("rounds", "hits", "accepted", "verified", "rejections", "tokens_hit", "rounds_hit", "tokens_miss",
                     "rounds_miss"):
             totals[key] += out.ssd_stats[key]
@@ -36,10 +42,44 @@ def _decode_all(target, tokenizer, draft, prompts, ssd: SSDConfig, max_new_token
         for lag, seen in out.ssd_stats["by_lag"].items():
             counts = totals["by_lag"].setdefault(lag, [0, 0, 0])
             totals["by_lag"][lag] = [c + s for c, s in zip(counts, seen)]
+        _add_counts(totals["outcomes"], out.ssd_stats["outcomes"])
+        totals["bonus_ranks"] = _pooled([totals["bonus_ranks"], out.ssd_stats["bonus_ranks"]])
+        totals["prompt_ranks"].append(out.ssd_stats["bonus_ranks"])
         records = [r for r in out.rounds[0] if r.cache_hit is not None]
         totals["drafted_rounds"] += len(records)
         totals["missed_rounds"] += sum(not r.cache_hit for r in records)
     return totals
+
+
+def _add_counts(into: dict, counts: dict) -> None:
+    for key, n in counts.items():
+        into[key] = into.get(key, 0) + n
+
+
+def _pooled(bonus_ranks: list[dict]) -> dict:
+    """Several decodes' `ssd_stats["bonus_ranks"]` ({k: {rank: rounds}}) added up."""
+    pooled = {}
+    for ranks in bonus_ranks:
+        for k, counts in ranks.items():
+            _add_counts(pooled.setdefault(k, {}), counts)
+    return pooled
+
+
+def _measured_plans(budget: int, gamma: int, prompt_ranks: list[dict]) -> list[list[int]]:
+    """For each prompt, the fan-out `measured_fan_out` plans from the other prompts' rounds (never its own)."""
+    return [measured_fan_out(budget, gamma, _pooled(prompt_ranks[:i] + prompt_ranks[i + 1:]))[:-1]
+            for i in range(len(prompt_ranks))]
+
+
+def _miss_curves(t: dict, gamma: int, tops=(1, 2, 4, 8, 16)) -> dict:
+    """Per outcome k: its share of the rounds, and the share of its rounds whose bonus the top F candidates held."""
+    rounds = max(sum(t["outcomes"].values()), 1)
+    curves = {}
+    for k in range(gamma + 1):
+        n, ranks = t["outcomes"].get(k, 0), t["bonus_ranks"].get(k, {})
+        curves[str(k)] = {"share": n / rounds, "rounds": n, "held_by_top": None if k == gamma or not n else {
+            str(F): sum(c for j, c in ranks.items() if j < F) / n for F in tops}}
+    return curves
 
 
 def _alpha(accepted: int, rejections: int) -> float:
@@ -77,6 +117,17 @@ def bench_ssd(target, tokenizer, draft, prompts: list[dict], cache_sizes=(2, 4, 
         geometric[B] = _decode_all(target, tokenizer, draft, prompts, SSDConfig(
             B, "geometric", power_law_r=r, acceptance=alpha, fallback="draft", overlap=False),
             max_new_tokens, 0.0)
+        tick()
+    # planned from rounds the decode did not see: each prompt's cache from the other prompts' rounds
+    by_plan, plans = {}, {}
+    for B in cache_sizes if len(prompts) > 1 else ():
+        try:
+            plans[B] = _measured_plans(B, gamma, uniform[B]["prompt_ranks"])
+        except ValueError:  # the other prompts ended before any round the cache could hold: nothing to plan from
+            plans, by_plan = {}, {}
+            break
+        by_plan[B] = _decode_all(target, tokenizer, draft, prompts, [SSDConfig(
+            B, F, fallback="draft", overlap=False) for F in plans[B]], max_new_tokens, 0.0)
         tick()
 
     # 2. Saguaro's C, sampled, at the speed run's cache size
@@ -128,7 +179,14 @@ def bench_ssd(target, tokenizer, draft, prompts: list[dict], cache_sizes=(2, 4, 
         "temperature": temperature, "block_size": gamma, "power_law_r": r, "acceptance": alpha,
         "machine": machine_info(target, draft),
         "fan_out": {shape: {str(B): {**_rates(t), "rounds": t["rounds"]} for B, t in runs.items()}
-                    for shape, runs in (("uniform", uniform), ("geometric", geometric))},
+                    for shape, runs in (("uniform", uniform), ("geometric", geometric), ("measured", by_plan))
+                    if runs},
+        # the fan-outs the measured shape decoded each prompt with (planned from the other prompts), and the one all
+        # the prompts' uniform rounds together give (what a user would take from this run)
+        "measured_plans": {str(B): {"per_prompt": plans[B], "all_prompts": measured_fan_out(
+            B, gamma, uniform[B]["bonus_ranks"])[:-1]} for B in plans},
+        # each outcome's share of the rounds and miss curve, from the uniform run at the largest cache size
+        "outcome_miss_curves": _miss_curves(uniform[max(cache_sizes)], gamma),
         "saguaro": {str(C): {**_rates(t), "rounds": t["rounds"]} for C, t in by_c.items()},
         "speed": {str(b): {"ssd": ssd.to_dict(), **{m: {k: v[k] for k in ("tokens_per_s", "ratio_to_plain",
                                                                              "paired_ratio_to_plain",
@@ -147,12 +205,28 @@ def bench_ssd(target, tokenizer, draft, prompts: list[dict], cache_sizes=(2, 4, 
 
 
 def format_ssd_tables(report: dict) -> str:
-    sizes = list(report["fan_out"]["uniform"])
+    sizes, shapes = list(report["fan_out"]["uniform"]), list(report["fan_out"])
     lines = [f"Cache hit rate by fan-out shape (greedy; geometric with r = {report['power_law_r']:.2f}, alpha = "
-             f"{report['acceptance']:.2f})", "", "| cache size | uniform | geometric |", "|---:|---:|---:|"]
+             f"{report['acceptance']:.2f}; measured: planned for each prompt from the others' uniform rounds)", "",
+             "| cache size | " + " | ".join(shapes) + " | measured plan F_0.. (all prompts) |",
+             "|---:|" + "---:|" * len(shapes) + "---|"]
     for B in sizes:
-        lines.append(f"| {B} | {report['fan_out']['uniform'][B]['hit_rate']:.1%} | "
-                     f"{report['fan_out']['geometric'][B]['hit_rate']:.1%} |")
+        plan = report["measured_plans"].get(B, {}).get("all_prompts")
+        lines.append(f"| {B} | " + " | ".join(f"{report['fan_out'][shape][B]['hit_rate']:.1%}" for shape in shapes)
+                     + f" | {'' if plan is None else ' '.join(map(str, plan))} |")
+    if "measured" not in shapes:
+        lines += ["", "(measured shape not run: it plans each prompt's cache from the other prompts' rounds, and needs "
+                  "two prompts with rounds a cache can hold)"]
+    curves = report["outcome_miss_curves"]
+    tops = next((list(c["held_by_top"]) for c in curves.values() if c["held_by_top"]), [])
+    lines += ["", "Each outcome's miss curve (uniform run, largest cache): share of rounds ending with k accepted, "
+              "and of those, how often the top F candidates held the bonus", "",
+              "| k | share | rounds | " + " | ".join(f"top {F}" for F in tops) + " |",
+              "|---:|---:|---:|" + "---:|" * len(tops)]
+    for k, c in curves.items():
+        held = c["held_by_top"] or {}
+        lines.append(f"| {k} | {c['share']:.1%} | {c['rounds']} | "
+                     + " | ".join(f"{held[F]:.1%}" if F in held else "" for F in tops) + " |")
     lines += ["", f"Saguaro sampling (temperature {report['temperature']})", "",
               "| C | hit rate | acceptance |", "|---:|---:|---:|"]
     for C, v in report["saguaro"].items():
@@ -180,7 +254,7 @@ def format_ssd_tables(report: dict) -> str:
 
 
 def plot_ssd(report: dict, out_dir) -> list:
-    """Hit rate by cache size for both fan-out shapes, and hit rate / acceptance by C."""
+    """Hit rate by cache size for each fan-out shape, each outcome's miss curve, and hit rate / acceptance by C."""
     from pathlib import Path
 
     from .plots import pyplot
@@ -188,7 +262,7 @@ def plot_ssd(report: dict, out_dir) -> list:
     plt = pyplot()
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.4))
+    fig, (left, middle, right) = plt.subplots(1, 3, figsize=(13.5, 3.4))
     for shape, runs in report["fan_out"].items():
         sizes = [int(B) for B in runs]
         left.plot(sizes, [runs[str(B)]["hit_rate"] for B in sizes], marker="o", label=shape)
@@ -198,6 +272,17 @@ def plot_ssd(report: dict, out_dir) -> list:
     left.set_title("Fan-out shape (greedy)")
     left.legend()
     left.grid(alpha=0.3)
+    for k, curve in report["outcome_miss_curves"].items():
+        if curve["held_by_top"]:
+            tops = [int(F) for F in curve["held_by_top"]]
+            middle.plot(tops, list(curve["held_by_top"].values()), marker="o",
+                        label=f"k = {k} ({curve['share']:.0%} of rounds)")
+    middle.set_xscale("log", base=2)
+    middle.set_xlabel("top F candidates for the outcome")
+    middle.set_ylabel("share of its rounds held")
+    middle.set_title("Each outcome's miss curve (uniform)")
+    middle.legend(fontsize=7)
+    middle.grid(alpha=0.3)
     Cs = [float(C) for C in report["saguaro"]]
     right.plot(Cs, [v["hit_rate"] for v in report["saguaro"].values()], marker="o", label="cache hit rate")
     right.plot(Cs, [v["acceptance"] for v in report["saguaro"].values()], marker="s", label="acceptance rate")
