@@ -92,4 +92,3 @@ def bonus_rank(probs: torch.Tensor, tokens: torch.Tensor, verify_len: torch.Tens
     p[rows[rejected], tokens[rows, k][rejected]] = -1.0
     rank = (p > p[rows, bonus][:, None]).sum(1)
     return torch.where(accepted < gamma, rank, -1)
-
