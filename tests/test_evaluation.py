@@ -444,7 +444,7 @@ def test_dspark_bench_ssd_compares_fan_out_shapes_saguaro_and_speed(tiny_models,
     for B, plans in report["measured_plans"].items():  # one plan per prompt, from the other prompt's rounds
         assert len(plans["per_prompt"]) == 2 and all(sum(F) == int(B) for F in plans["per_prompt"])
         assert sum(plans["all_prompts"]) == int(B) and len(plans["all_prompts"]) == report["block_size"]
-    curves = report["outcome_miss_curves"]
+    curves = report["outcome_hit_curves"]
     assert sum(c["share"] for c in curves.values()) == pytest.approx(1.0)
     assert curves[str(report["block_size"])]["held_by_top"] is None, "no candidates after a whole block"
     for c in curves.values():
@@ -460,12 +460,30 @@ def test_dspark_bench_ssd_compares_fan_out_shapes_saguaro_and_speed(tiny_models,
     assert report["equation"]["hit_rate"] > 0.5 and len(report["acceptance_by_lag"]) > 1
     assert (tmp_path / "plots" / "ssd.png").stat().st_size > 1000
     printed = capsys.readouterr().out
-    assert "Cache hit rate by fan-out shape" in printed and "Each outcome's miss curve" in printed
+    assert "Cache hit rate by fan-out shape" in printed and "Each outcome's hit curve" in printed
     from dspark_hf.evaluation.bench_ssd import format_ssd_tables
 
     one_prompt = {**report, "fan_out": {shape: report["fan_out"][shape] for shape in ("uniform", "geometric")},
                   "measured_plans": {}}
     assert "measured shape not run" in format_ssd_tables(one_prompt), "a missing column is said, not left out"
+    older = {k: v for k, v in report.items() if k not in ("measured_plans", "outcome_hit_curves")}
+    older["fan_out"] = one_prompt["fan_out"]
+    assert "Cache hit rate" in format_ssd_tables(older), "reports from before the measured shape still print"
+
+
+def test_bench_ssd_plans_each_prompts_cache_from_the_other_prompts_rounds_only():
+    from dspark_hf.evaluation.bench_ssd import _hit_curves, _measured_plans
+
+    # prompt 0's rounds all ended at k = 0 with the 2nd candidate, the others' at k = 1 with the 1st. With its own
+    # 9 rounds prompt 0 would get [2, 0, 0]; from the others' alone one block goes to k = 1 (the spare one to k = 0)
+    ranks = [{0: {1: 9}}, {1: {0: 4}}, {1: {0: 3}}]
+    assert _measured_plans(2, 3, ranks) == [[1, 1, 0], [2, 0, 0], [2, 0, 0]]
+    # 4 rounds at k = 0 (ranks 0, 1, 1, 5), 1 at k = 1 (rank 2), 1 with the whole block of 2 accepted
+    t = {"outcomes": {0: 4, 1: 1, 2: 1}, "bonus_ranks": {0: {0: 1, 1: 2, 5: 1}, 1: {2: 1}}}
+    curves = _hit_curves(t, gamma=2, tops=(1, 2, 4, 8))
+    assert curves["0"] == {"share": 4 / 6, "rounds": 4, "held_by_top": {"1": 0.25, "2": 0.75, "4": 0.75, "8": 1.0}}
+    assert curves["1"]["held_by_top"] == {"1": 0.0, "2": 0.0, "4": 1.0, "8": 1.0}
+    assert curves["2"] == {"share": 1 / 6, "rounds": 1, "held_by_top": None}
 
 
 def test_result_paths_that_cannot_be_written_are_refused_before_any_work(tiny_models, tmp_path, capsys):

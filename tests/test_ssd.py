@@ -128,6 +128,8 @@ def test_bad_fan_out_arguments_say_what_is_wrong():
         geometric_fan_out(8, 3, 1.5, r=1.0)
     with pytest.raises(ValueError, match="needs the bonus ranks of some round"):
         measured_fan_out(8, 3, {3: {0: 5}})
+    assert measured_fan_out(0, 3, {}) == [0, 0, 0, 0], "no blocks to plan: no data needed"
+    assert measured_fan_out(2, 2, {"1": {"1": 3}, "0": {"0": 2}}) == [0, 2, 0], "keys as JSON gives them back"
     with pytest.raises(ValueError, match="budget must be >= 0"):
         measured_fan_out(-1, 3, {0: {0: 5}})
 
@@ -153,10 +155,15 @@ def test_the_cache_prepares_the_top_candidates_without_the_rejected_drafted_toke
         assert hit.tolist() == [False]
 
 
-def test_a_bonus_at_rank_j_is_held_exactly_by_caches_of_more_than_j_candidates_for_its_k():
+@pytest.mark.parametrize("ties", [False, True], ids=["distinct", "tied"])
+def test_a_bonus_at_rank_j_is_held_exactly_by_caches_of_more_than_j_candidates_for_its_k(ties):
+    """Also where tokens tie (a draft vocabulary's widened zeros, top-k sampling, bfloat16 logits): the cache takes
+    the lower ids among equals, and the rank counts in that order."""
     generator = torch.Generator().manual_seed(0)
     N, gamma, V = 6, 3, 9
     probs = torch.rand(N, gamma, V, generator=generator).softmax(-1)
+    if ties:  # a few distinct values, and zeros
+        probs = (probs * 30).round().clamp_min(2) - 2
     tokens = torch.randint(V, (N, gamma), generator=generator)
     verify_len = torch.tensor([0, 1, 2, 3, 3, 2])
     for _ in range(30):
@@ -462,13 +469,27 @@ def test_ssd_decodes_record_where_each_bonus_stood_and_a_fan_out_planned_from_th
     held = sum(n for k, ranks in stats["bonus_ranks"].items() for j, n in ranks.items() if j < uniform[k])
     assert held == stats["hits"] > 0, "the ranks say which rounds the cache held"
 
-    planned = measured_fan_out(2 * gamma, gamma, stats["bonus_ranks"])[:-1]
+    planned = measured_fan_out(2 * gamma, gamma, stats["bonus_ranks"])  # F_0..F_gamma, the last 0
     fan_outs, predict = [], ssd_module.predict_outcomes
     monkeypatch.setattr(ssd_module, "predict_outcomes", lambda *a: fan_outs.append(list(a[3])) or predict(*a))
     again = ssd_generate(target, tiny_draft(target), ids, mask, max_new_tokens=30, eos_token_id=eos,
                          ssd=SSDConfig(cache_size=2 * gamma, fan_out=planned, fallback="draft"))
     assert torch.equal(again.sequences, reference) and torch.equal(out.sequences, reference)
-    assert fan_outs and all(F == planned + [0] for F in fan_outs)
+    assert fan_outs and all(F == planned for F in fan_outs)
+
+
+@pytest.mark.parametrize("fan_out", [[0, 8, 0, 0], "geometric"], ids=["nothing-for-k-0", "geometric"])
+def test_every_drafted_round_after_the_first_counts_as_a_hit_or_a_miss(fan_out):
+    """Also a round after one whose rows could reach no outcome the fan-out holds (F_0 = 0, nothing verified):
+    nothing was cached, so it misses."""
+    target = tiny_target("llama")
+    ids, mask = left_padded_prompts(1)
+    out = ssd_generate(target, tiny_draft(target), ids, mask, max_new_tokens=30,
+                       ssd=SSDConfig(cache_size=8, fan_out=fan_out, fallback="ngram"))
+    drafted = [r for r in out.rounds[0] if r.cache_hit is not None]
+    assert out.ssd_stats["rounds"] == len(drafted) - 1 == sum(out.ssd_stats["outcomes"].values())
+    assert out.ssd_stats["hits"] == sum(r.cache_hit for r in drafted)
+    assert sum(out.ssd_stats["fallbacks"].values()) == out.ssd_stats["rounds"] - out.ssd_stats["hits"]
 
 
 @pytest.mark.parametrize("fallback", ["ngram", "random"])
@@ -552,6 +573,11 @@ def test_bad_ssd_settings_and_processors_that_read_ids_are_refused():
     for bad in ([2, -1], [True, 1], "21", 3):
         with pytest.raises((TypeError, ValueError), match="fan_out must be"):
             SSDConfig(cache_size=2, fan_out=bad)
+    import json
+
+    import numpy as np
+
+    assert json.loads(json.dumps(SSDConfig(cache_size=3, fan_out=(np.int64(2), 1)).to_dict()))["fan_out"] == [2, 1]
     with pytest.raises(ValueError, match=r"saguaro_c must be in \[0, 1\]"):
         SSDConfig(saguaro_c=2.0)
     for bad, message in ((dict(cache_size=2.5), "cache_size must be an int"), (dict(saguaro_c=None), "a number"),
@@ -568,6 +594,9 @@ def test_bad_ssd_settings_and_processors_that_read_ids_are_refused():
     with pytest.raises(ValueError, match=r"fan_out has 2 counts, but this draft's block of 4 needs one per number "
                                          r"of accepted tokens 0..3 \(4 counts\)"):
         ssd_generate(target, tiny_draft(target), ids, mask, max_new_tokens=4, ssd=SSDConfig(3, fan_out=[2, 1]))
+    with pytest.raises(ValueError, match="gives 1 blocks to all 4 tokens accepted, an outcome no cache can hold"):
+        ssd_generate(target, tiny_draft(target), ids, mask, max_new_tokens=4,
+                     ssd=SSDConfig(3, fan_out=[1, 1, 0, 0, 1]))
 
 
 # -- lagged context ---------------------------------------------------------------------------------------------

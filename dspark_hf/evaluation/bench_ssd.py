@@ -4,8 +4,8 @@
    B blocks spread uniformly over the outcomes, then geometrically (Theorem 12) with the power law fitted to the
    uniform runs' miss rates and the acceptance rate they saw, then as measured (`measured_fan_out`: planned for
    each prompt from where the bonus stood in the other prompts' uniform rounds): the shapes at the same cache size.
-   Beside them, each outcome's own miss curve (the share of rounds ending with k accepted, and how often the top F
-   candidates for k held the bonus), which Theorem 12 models as one power law under a geometric P(k).
+   Beside them, each outcome's own hit curve (the share of rounds ending with k accepted, and how often the top F
+   candidates for k held the bonus), which Theorem 12 models as one power law F^-r of misses under a geometric P(k).
 2. **Hit rate and acceptance by Saguaro's C** (Fig. 5), sampled.
 3. **Speed**: plain `generate()`, DSpark and DSpark + SSD at each batch size, interleaved in one run, paired;
    and the acceptance of blocks by lag (prepared for k accepted tokens: lag k + 1; drafted in time: lag 0).
@@ -71,7 +71,14 @@ def _measured_plans(budget: int, gamma: int, prompt_ranks: list[dict]) -> list[l
             for i in range(len(prompt_ranks))]
 
 
-def _miss_curves(t: dict, gamma: int, tops=(1, 2, 4, 8, 16)) -> dict:
+def _plan_or_none(budget: int, gamma: int, bonus_ranks: dict) -> list[int] | None:
+    try:
+        return measured_fan_out(budget, gamma, bonus_ranks)[:-1]
+    except ValueError:  # no round a cache could hold
+        return None
+
+
+def _hit_curves(t: dict, gamma: int, tops=(1, 2, 4, 8, 16)) -> dict:
     """Per outcome k: its share of the rounds, and the share of its rounds whose bonus the top F candidates held."""
     rounds = max(sum(t["outcomes"].values()), 1)
     curves = {}
@@ -120,11 +127,13 @@ def bench_ssd(target, tokenizer, draft, prompts: list[dict], cache_sizes=(2, 4, 
         tick()
     # planned from rounds the decode did not see: each prompt's cache from the other prompts' rounds
     by_plan, plans = {}, {}
-    for B in cache_sizes if len(prompts) > 1 else ():
+    for i, B in enumerate(cache_sizes if len(prompts) > 1 else ()):
         try:
             plans[B] = _measured_plans(B, gamma, uniform[B]["prompt_ranks"])
         except ValueError:  # the other prompts ended before any round the cache could hold: nothing to plan from
             plans, by_plan = {}, {}
+            for _ in cache_sizes[i:]:  # the steps skipped
+                tick()
             break
         by_plan[B] = _decode_all(target, tokenizer, draft, prompts, [SSDConfig(
             B, F, fallback="draft", overlap=False) for F in plans[B]], max_new_tokens, 0.0)
@@ -154,19 +163,19 @@ def bench_ssd(target, tokenizer, draft, prompts: list[dict], cache_sizes=(2, 4, 
     overlapped = _decode_all(target, tokenizer, draft, prompts, SSDConfig(
         speed_cache_size, "geometric", power_law_r=r, fallback="draft", overlap=True), max_new_tokens, 0.0)
     tick()
-    rounds = max(measured["drafted_rounds"], 1)
-    t_verify = measured["target"] / rounds
+    rounds = measured["drafted_rounds"]
+    t_verify = measured["target"] / max(rounds, 1)
     t_fallback = measured["draft"] / max(measured["missed_rounds"], 1)
     plain_rate = speed[1]["methods"]["plain"]["tokens_per_s"] if 1 in speed else None  # the equation is at batch 1
     rates = _rates(measured)
     equation = None
-    if plain_rate:
+    if plain_rate and rounds:  # no drafted round (one new token per prompt): nothing to put in the equation
         equation = {
             "hit_rate": rates["hit_rate"],
             "tokens_after_hit": measured["tokens_hit"] / max(measured["rounds_hit"], 1),
             "tokens_after_miss": measured["tokens_miss"] / max(measured["rounds_miss"], 1),
             "t_verify": t_verify, "t_fallback": t_fallback, "t_plain": 1.0 / plain_rate,
-            "speculate_seconds_per_round": measured["speculate"] / rounds,
+            "speculate_seconds_per_round": measured["speculate"] / max(rounds, 1),
         }
         equation["speedup_speculator_apart"] = ssd_speedup(
             equation["hit_rate"], equation["tokens_after_hit"], equation["tokens_after_miss"], t_verify, t_fallback,
@@ -183,10 +192,12 @@ def bench_ssd(target, tokenizer, draft, prompts: list[dict], cache_sizes=(2, 4, 
                     if runs},
         # the fan-outs the measured shape decoded each prompt with (planned from the other prompts), and the one all
         # the prompts' uniform rounds together give (what a user would take from this run)
-        "measured_plans": {str(B): {"per_prompt": plans[B], "all_prompts": measured_fan_out(
-            B, gamma, uniform[B]["bonus_ranks"])[:-1]} for B in plans},
-        # each outcome's share of the rounds and miss curve, from the uniform run at the largest cache size
-        "outcome_miss_curves": _miss_curves(uniform[max(cache_sizes)], gamma),
+        "measured_plans": {str(B): {"per_prompt": plans.get(B), "all_prompts": _plan_or_none(
+            B, gamma, uniform[B]["bonus_ranks"])} for B in cache_sizes},
+        # where each bonus stood, prompt by prompt, in the uniform runs ({k: {rank: rounds}}): to plan from again
+        "uniform_bonus_ranks": {str(B): t["prompt_ranks"] for B, t in uniform.items()},
+        # each outcome's share of the rounds and hit curve, from the uniform run at the largest cache size
+        "outcome_hit_curves": _hit_curves(uniform[max(cache_sizes)], gamma),
         "saguaro": {str(C): {**_rates(t), "rounds": t["rounds"]} for C, t in by_c.items()},
         "speed": {str(b): {"ssd": ssd.to_dict(), **{m: {k: v[k] for k in ("tokens_per_s", "ratio_to_plain",
                                                                              "paired_ratio_to_plain",
@@ -204,6 +215,21 @@ def bench_ssd(target, tokenizer, draft, prompts: list[dict], cache_sizes=(2, 4, 
     }
 
 
+def _hit_curve_table(curves: dict) -> list[str]:
+    if not curves:
+        return []
+    tops = next((list(c["held_by_top"]) for c in curves.values() if c["held_by_top"]), [])
+    lines = ["", "Each outcome's hit curve (uniform run, largest cache): share of rounds ending with k accepted, "
+             "and of those, how often the top F candidates held the bonus", "",
+             "| k | share | rounds | " + " | ".join(f"top {F}" for F in tops) + " |",
+             "|---:|---:|---:|" + "---:|" * len(tops)]
+    for k, c in curves.items():
+        held = c["held_by_top"] or {}
+        lines.append(f"| {k} | {c['share']:.1%} | {c['rounds']} | "
+                     + " | ".join(f"{held[F]:.1%}" if F in held else "" for F in tops) + " |")
+    return lines
+
+
 def format_ssd_tables(report: dict) -> str:
     sizes, shapes = list(report["fan_out"]["uniform"]), list(report["fan_out"])
     lines = [f"Cache hit rate by fan-out shape (greedy; geometric with r = {report['power_law_r']:.2f}, alpha = "
@@ -211,22 +237,13 @@ def format_ssd_tables(report: dict) -> str:
              "| cache size | " + " | ".join(shapes) + " | measured plan F_0.. (all prompts) |",
              "|---:|" + "---:|" * len(shapes) + "---|"]
     for B in sizes:
-        plan = report["measured_plans"].get(B, {}).get("all_prompts")
+        plan = report.get("measured_plans", {}).get(B, {}).get("all_prompts")
         lines.append(f"| {B} | " + " | ".join(f"{report['fan_out'][shape][B]['hit_rate']:.1%}" for shape in shapes)
                      + f" | {'' if plan is None else ' '.join(map(str, plan))} |")
-    if "measured" not in shapes:
+    if "measured" not in shapes and "measured_plans" in report:  # (older reports predate the measured shape)
         lines += ["", "(measured shape not run: it plans each prompt's cache from the other prompts' rounds, and needs "
                   "two prompts with rounds a cache can hold)"]
-    curves = report["outcome_miss_curves"]
-    tops = next((list(c["held_by_top"]) for c in curves.values() if c["held_by_top"]), [])
-    lines += ["", "Each outcome's miss curve (uniform run, largest cache): share of rounds ending with k accepted, "
-              "and of those, how often the top F candidates held the bonus", "",
-              "| k | share | rounds | " + " | ".join(f"top {F}" for F in tops) + " |",
-              "|---:|---:|---:|" + "---:|" * len(tops)]
-    for k, c in curves.items():
-        held = c["held_by_top"] or {}
-        lines.append(f"| {k} | {c['share']:.1%} | {c['rounds']} | "
-                     + " | ".join(f"{held[F]:.1%}" if F in held else "" for F in tops) + " |")
+    lines += _hit_curve_table(report.get("outcome_hit_curves", {}))  # older reports have none
     lines += ["", f"Saguaro sampling (temperature {report['temperature']})", "",
               "| C | hit rate | acceptance |", "|---:|---:|---:|"]
     for C, v in report["saguaro"].items():
@@ -254,7 +271,7 @@ def format_ssd_tables(report: dict) -> str:
 
 
 def plot_ssd(report: dict, out_dir) -> list:
-    """Hit rate by cache size for each fan-out shape, each outcome's miss curve, and hit rate / acceptance by C."""
+    """Hit rate by cache size for each fan-out shape, each outcome's hit curve, and hit rate / acceptance by C."""
     from pathlib import Path
 
     from .plots import pyplot
@@ -272,7 +289,7 @@ def plot_ssd(report: dict, out_dir) -> list:
     left.set_title("Fan-out shape (greedy)")
     left.legend()
     left.grid(alpha=0.3)
-    for k, curve in report["outcome_miss_curves"].items():
+    for k, curve in report.get("outcome_hit_curves", {}).items():
         if curve["held_by_top"]:
             tops = [int(F) for F in curve["held_by_top"]]
             middle.plot(tops, list(curve["held_by_top"].values()), marker="o",
@@ -280,7 +297,7 @@ def plot_ssd(report: dict, out_dir) -> list:
     middle.set_xscale("log", base=2)
     middle.set_xlabel("top F candidates for the outcome")
     middle.set_ylabel("share of its rounds held")
-    middle.set_title("Each outcome's miss curve (uniform)")
+    middle.set_title("Each outcome's hit curve (uniform)")
     middle.legend(fontsize=7)
     middle.grid(alpha=0.3)
     Cs = [float(C) for C in report["saguaro"]]

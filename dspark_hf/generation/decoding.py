@@ -85,9 +85,14 @@ def _check_ssd(ssd, processors, gamma: int) -> None:
     if not isinstance(ssd, SSDConfig):
         raise TypeError(f"ssd must be a dspark_hf.SSDConfig, got {type(ssd).__name__}.")
     ssd.validate()
-    if not isinstance(ssd.fan_out, str) and len(ssd.fan_out) != gamma:
-        raise ValueError(f"SSDConfig.fan_out has {len(ssd.fan_out)} counts, but this draft's block of {gamma} "
-                         f"needs one per number of accepted tokens 0..{gamma - 1} ({gamma} counts).")
+    if not isinstance(ssd.fan_out, str):
+        if len(ssd.fan_out) not in (gamma, gamma + 1):
+            raise ValueError(f"SSDConfig.fan_out has {len(ssd.fan_out)} counts, but this draft's block of {gamma} "
+                             f"needs one per number of accepted tokens 0..{gamma - 1} ({gamma} counts).")
+        if len(ssd.fan_out) == gamma + 1 and ssd.fan_out[gamma]:
+            raise ValueError(f"SSDConfig.fan_out gives {ssd.fan_out[gamma]} blocks to all {gamma} tokens accepted, "
+                             "an outcome no cache can hold (the draft has no distribution for the token after its "
+                             "block): move them to k < block size.")
     reading_ids = [type(p).__name__ for p in processors if not isinstance(p, _IDS_FREE_PROCESSORS)]
     if reading_ids:
         raise ValueError(f"SSD drafts blocks for tokens not yet committed, which logits processors that read the "

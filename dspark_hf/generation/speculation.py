@@ -28,6 +28,8 @@ class PredictedOutcomes:
     def lookup(self, accepted: torch.Tensor, bonus: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The real outcomes (N,) -> (hit (N,) bool, slot (N,) of the hit, 0 on a miss)."""
         match = self.valid & (self.accepted == accepted[:, None]) & (self.bonus == bonus[:, None])
+        if match.shape[1] == 0:  # nothing prepared: every outcome misses
+            return match.any(1), torch.zeros_like(accepted)
         return match.any(1), match.float().argmax(1)
 
     def worth_drafting(self) -> "PredictedOutcomes":
@@ -36,6 +38,23 @@ class PredictedOutcomes:
         if bool(keep.all()):
             return self
         return PredictedOutcomes(self.accepted[:, keep], self.bonus[:, keep], self.valid[:, keep])
+
+
+def top_candidates(p: torch.Tensor, F: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The F most likely tokens of each row of p (N, V), as (values, indices) (N, F) in no particular order, ties
+    going to the lower token id: the order [`bonus_rank`] counts in. (`topk` alone picks among ties arbitrarily,
+    and ties are common: a draft vocabulary's widened blocks, top-k / top-p sampling, bfloat16 logits.)"""
+    if F == 0:
+        return p[:, :0], torch.zeros(p.shape[0], 0, dtype=torch.long, device=p.device)
+    top = p.topk(F, dim=-1)
+    last = top.values[:, -1:]  # the F-th value: every token above it is in, and the first of its ties
+    above = p > last
+    tied = p == last
+    if bool(((above | tied).sum(-1) == F).all()):  # no tie across the edge: topk's choice is the only one
+        return top.values, top.indices
+    taken = above | (tied & (tied.cumsum(-1) <= F - above.sum(-1, keepdim=True)))
+    indices = taken.to(p.dtype).topk(F, dim=-1).indices  # exactly F tokens are taken
+    return p.gather(-1, indices), indices
 
 
 def predict_outcomes(probs: torch.Tensor, tokens: torch.Tensor, verify_len: torch.Tensor,
@@ -66,10 +85,10 @@ def predict_outcomes(probs: torch.Tensor, tokens: torch.Tensor, verify_len: torc
         p = probs[:, k].clone()
         rejected = k < verify_len  # outcome k means tokens[:, k] was verified and rejected
         p[rejected, tokens[rejected, k]] = -1.0  # below every probability: never a candidate
-        top = p.topk(min(F, V), dim=-1)
-        accepted.append(torch.full((N, top.indices.shape[1]), k, device=probs.device))
-        bonus.append(top.indices)
-        valid.append(reachable[:, None] & (top.values >= 0))
+        values, indices = top_candidates(p, min(F, V))
+        accepted.append(torch.full((N, indices.shape[1]), k, device=probs.device))
+        bonus.append(indices)
+        valid.append(reachable[:, None] & (values >= 0))
     if not accepted:
         empty = torch.zeros(N, 0, dtype=torch.long, device=probs.device)
         return PredictedOutcomes(empty, empty, empty.bool())
@@ -82,7 +101,7 @@ def bonus_rank(probs: torch.Tensor, tokens: torch.Tensor, verify_len: torch.Tens
     (0: the first candidate), so a cache with F_k > j blocks for k held it; -1 where k = gamma (no candidates).
 
     probs (N, gamma, V), tokens (N, gamma), verify_len (N,) as given to `predict_outcomes`; accepted (N,) and bonus
-    (N,) the outcome. Ties with the bonus are counted in its favour (top-F may hold another of the tied tokens).
+    (N,) the outcome. Among tokens of equal probability the lower id ranks first, as in [`top_candidates`].
     """
     N, gamma, _ = probs.shape
     rows = torch.arange(N, device=probs.device)
@@ -90,5 +109,7 @@ def bonus_rank(probs: torch.Tensor, tokens: torch.Tensor, verify_len: torch.Tens
     p = probs[rows, k].clone()
     rejected = accepted < verify_len
     p[rows[rejected], tokens[rows, k][rejected]] = -1.0
-    rank = (p > p[rows, bonus][:, None]).sum(1)
+    p_bonus = p[rows, bonus][:, None]
+    before = torch.arange(p.shape[1], device=p.device) < bonus[:, None]
+    rank = ((p > p_bonus) | ((p == p_bonus) & before)).sum(1)
     return torch.where(accepted < gamma, rank, -1)

@@ -40,8 +40,9 @@ class SSDConfig:
                             "(sum over k of the fan-out F_k)."})
     fan_out: str | Sequence[int] = field(default="geometric", metadata={"help": "How the cache is spread over the "
                                          "number k of accepted tokens: geometric (Theorem 12), uniform, or the "
-                                         "blocks F_0..F_(block_size - 1) for each k, summing to cache_size (e.g. "
-                                         "from `scheduling.ssd.measured_fan_out`)."})
+                                         "blocks F_0..F_(block_size - 1) for each k, summing to cache_size (a "
+                                         "trailing F_block_size = 0 is allowed, as `scheduling.ssd.measured_fan_out` "
+                                         "returns it)."})
     power_law_r: float = field(default=1.0, metadata={"help": "Exponent r of the draft's power-law miss rate F^-r "
                                "that shapes the geometric fan-out (`dspark bench ssd` fits it)."})
     acceptance: float | None = field(default=None, metadata={"help": "Acceptance rate alpha for the geometric "
@@ -94,15 +95,16 @@ class SSDConfig:
 
     def to_dict(self) -> dict:
         return {f.name: getattr(self, f.name) if f.name != "fan_out" or isinstance(self.fan_out, str)
-                else list(self.fan_out) for f in fields(self)}
+                else [int(F) for F in self.fan_out] for f in fields(self)}
 
 
 @dataclass
 class _Speculation:
-    """The cache of one round: the outcomes prepared for (N, S) and a block for each (tensors (N, S, ...))."""
+    """The cache of one round: the outcomes prepared for (N, S) and a block for each (tensors (N, S, ...)); None
+    when no row can reach an outcome the fan-out holds (S = 0: the round after it misses)."""
 
     outcomes: PredictedOutcomes
-    blocks: DraftBlock
+    blocks: DraftBlock | None
     ranked: tuple  # (probs, tokens, verify_len): what the outcomes' candidates were ranked by, for `bonus_rank`
 
 
@@ -113,13 +115,14 @@ class _Ready:
     (k accepted, and the bonus's rank among the candidates for k: `bonus_rank`)."""
 
     hit: torch.Tensor
-    block: DraftBlock
+    block: DraftBlock | None  # None when nothing was cached
     lag: torch.Tensor
     accepted: torch.Tensor
     rank: torch.Tensor
 
     def select(self, idx: torch.Tensor) -> "_Ready":
-        return _Ready(self.hit[idx], self.block.index(idx), self.lag[idx], self.accepted[idx], self.rank[idx])
+        block = None if self.block is None else self.block.index(idx)
+        return _Ready(self.hit[idx], block, self.lag[idx], self.accepted[idx], self.rank[idx])
 
 
 def ngram_proposal(history: list[int], length: int, max_n: int = 3) -> list[int]:
@@ -277,7 +280,7 @@ class SSDMixin:
             with torch.cuda.stream(self._stream):
                 return job()
 
-    def _speculate(self, block, verify_len, anchor, anchor_pos, context) -> _Speculation | None:
+    def _speculate(self, block, verify_len, anchor, anchor_pos, context) -> _Speculation:
         """Predict the outcomes of verifying `block` and draft the next block for each, in one draft pass."""
         start = self._speculator_clock()
         speculation = self._speculate_now(block, verify_len, anchor, anchor_pos, context)
@@ -293,7 +296,7 @@ class SSDMixin:
         """The speculator's clock: its own CUDA stream's work only, for the same reason."""
         return clock(self.prompt.device, self._stream)
 
-    def _speculate_now(self, block, verify_len, anchor, anchor_pos, context) -> _Speculation | None:
+    def _speculate_now(self, block, verify_len, anchor, anchor_pos, context) -> _Speculation:
         fan_out = self._fan_out()
         process = (lambda prefix, logits: self.processors(prefix, logits.float())) if len(self.processors) else None
         probs = _own(block)
@@ -304,8 +307,8 @@ class SSDMixin:
             probs = torch.where(self._looked_up[:, None, None], scored.probs, probs)
         outcomes = predict_outcomes(probs, block.tokens, verify_len, fan_out).worth_drafting()
         N, S = outcomes.bonus.shape
-        if S == 0:
-            return None
+        if S == 0:  # still a round with a cache, all of whose outcomes miss
+            return _Speculation(outcomes, None, (probs, block.tokens, verify_len))
         # the tokens a block for outcome k starts after, without target features yet: the anchor and k accepted
         lag = int(outcomes.accepted.max()) + 1
         seq = torch.cat([anchor[:, None], block.tokens], 1)  # (N, gamma + 1)
@@ -323,9 +326,12 @@ class SSDMixin:
             self._next = None
             return
         hit, slot = spec.outcomes.lookup(accepted, next_token)
+        rank = bonus_rank(*spec.ranked, accepted, next_token)
+        if spec.blocks is None:
+            self._next = _Ready(hit, None, torch.zeros_like(accepted), accepted, rank)
+            return
         rows = torch.arange(hit.shape[0], device=hit.device)
         block = spec.blocks.index(rows, slot).in_target_vocab(self.draft.config.target_vocab_size)
-        rank = bonus_rank(*spec.ranked, accepted, next_token)
         self._next = _Ready(hit, block, spec.outcomes.accepted[rows, slot] + 1, accepted, rank)
 
     def _record_outcomes(self, accepted, rank):
@@ -370,8 +376,8 @@ class SSDMixin:
 
     def _fan_out(self) -> list[int]:
         gamma, budget = self.draft.config.block_size, self.ssd.cache_size
-        if not isinstance(self.ssd.fan_out, str):
-            return list(self.ssd.fan_out) + [0]
+        if not isinstance(self.ssd.fan_out, str):  # F_0..F_(gamma - 1), or with F_gamma = 0 as the planners give it
+            return [int(F) for F in self.ssd.fan_out[:gamma]] + [0]
         if self.ssd.fan_out == "uniform":
             return uniform_fan_out(budget, gamma, cache_last=False)
         return geometric_fan_out(budget, gamma, self._alpha(), self.ssd.power_law_r, cache_last=False)

@@ -66,7 +66,7 @@ def uniform_fan_out(budget: int, verified: int, cache_last: bool = True) -> list
 def measured_fan_out(budget: int, verified: int, bonus_ranks: Mapping[int, Mapping[int, int]]) -> list[int]:
     """F_0..F_verified (F_verified = 0, as `cache_last=False`) summing to `budget` that would have held the most of
     the outcomes seen: bonus_ranks {k: {rank j: rounds}} counts rounds that ended with k accepted and a bonus at
-    candidate rank j (`ssd_stats["bonus_ranks"]` of a decode), and F_k blocks hold those with j < F_k.
+    candidate rank j (`ssd_stats["bonus_ranks"]` of a decode, or its JSON), and F_k blocks hold those with j < F_k.
 
     Theorem 12 without its model: each outcome gets its own measured miss curve instead of a shared power law and
     a geometric P(k). Solved exactly (a knapsack over k, as a measured curve need not be concave); among equal
@@ -74,6 +74,10 @@ def measured_fan_out(budget: int, verified: int, bonus_ranks: Mapping[int, Mappi
     """
     if budget < 0:
         raise ValueError(f"the cache budget must be >= 0 blocks, got {budget}.")
+    # keys may be ints or, after a trip through JSON, their strings
+    bonus_ranks = {int(k): {int(j): n for j, n in ranks.items()} for k, ranks in bonus_ranks.items()}
+    if budget == 0:
+        return [0] * (verified + 1)
     if not any(n for k, ranks in bonus_ranks.items() if 0 <= k < verified for n in ranks.values()):
         raise ValueError("measured_fan_out needs the bonus ranks of some round that accepted fewer than all "
                          f"{verified} tokens (`ssd_stats['bonus_ranks']` of a decode with ssd=).")
