@@ -198,17 +198,25 @@ class TokenTexts:
         return self.tokenizer.decode(ids, skip_special_tokens=False)
 
     def pieces(self, ids: list[int]) -> list[str]:
-        """Texts of `ids` read one after another right after the committed tokens."""
-        out, before = [], self.text
+        """Texts of `ids` read one after another right after the committed tokens. A character split across
+        tokens (an emoji, CJK, "À" in byte-level BPE) is the text of the token that completes it; the tokens
+        before it add nothing."""
+        out, before = [], _whole_characters(self.text)
         for i in range(len(ids)):
-            after = self._decode(self.ids + ids[: i + 1])
+            after = _whole_characters(self._decode(self.ids + ids[: i + 1]))
             out.append(after[len(before):] if after.startswith(before) else self._decode([ids[i]]))
             before = after
         return out
 
     def commit(self, ids: list[int]) -> None:
+        """Add `ids` to the committed tokens, which later pieces are read after."""
         self.ids += ids
         self.text = self._decode(self.ids)
+
+
+def _whole_characters(text: str) -> str:
+    # text decoded up to the middle of a multi-byte character ends in U+FFFD until a later token completes it
+    return text.rstrip("\ufffd")
 
 
 def _span(cls: str, text: str, title: str, kept: bool) -> str:

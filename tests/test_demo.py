@@ -362,3 +362,25 @@ def test_a_failed_generation_leaves_the_panel_saying_so_and_threshold_runs_recor
             pages.append(page)
     assert re.search(r'id="ds-status">failed: Generation failed: ThresholdPolicy', pages[-1][1])
     assert pages[-1][3]["threshold"] == 0.5
+
+
+def byte_tokenizer():
+    """A byte-level BPE without merges: every byte is a token, so "À" takes 2 tokens, "日" 3 and "🌊" 4."""
+    from tokenizers import decoders, models
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tok)
+
+
+def test_a_character_split_across_tokens_shows_whole_on_the_token_that_completes_it():
+    tokenizer, text = byte_tokenizer(), "À bientôt 🌊 日本"
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    texts, shown = app.TokenTexts(tokenizer), []
+    for i in range(0, len(ids), 3):  # rounds of 3 tokens: characters straddle rounds as well as tokens
+        shown += texts.pieces(ids[i: i + 3])
+        texts.commit(ids[i: i + 3])
+    assert "".join(shown) == text and "\ufffd" not in "".join(shown)
+    assert shown[-11:] == ["", "", "", "🌊", " ", "", "", "日", "", "", "本"]
