@@ -22,6 +22,7 @@ from pathlib import Path
 
 import gradio as gr
 import pytest
+import yaml
 from gradio_client import Client
 from gradio_client.exceptions import AppError
 from tokenizers import Tokenizer, pre_tokenizers
@@ -217,8 +218,9 @@ def test_the_space_requirements_are_the_packages_dependencies():
     lines = (ROOT / "demo" / "requirements.txt").read_text().splitlines()
     listed = [line.strip() for line in lines if line.strip() and not line.startswith("#")]
     assert sorted(listed) == sorted(d for d in declared if not d.startswith("gradio"))
-    front_matter = (ROOT / "demo" / "README.md").read_text().split("---")[1]
-    assert "sdk: gradio" in front_matter and "app_file: app.py" in front_matter
+    front_matter = yaml.safe_load((ROOT / "demo" / "README.md").read_text().split("---")[1])
+    assert front_matter["sdk"] == "gradio" and front_matter["app_file"] == "app.py"
+    assert len(front_matter["short_description"]) <= 60, "the Hub refuses a Space whose short_description is longer"
 
 
 # -- the page in a browser ---------------------------------------------------------------------------------------------
