@@ -122,10 +122,12 @@ class Generation:
     """One `generate()` call streaming into a [`DSparkRoundStreamer`] from a background thread.
 
     Iterate over it for the steps ([`DSparkStep`]); afterwards `seconds` is the wall time of the call. An exception
-    in the thread ends the stream and reaches the consumer as a `gr.Error` that says what failed.
+    in the thread ends the stream and reaches the consumer as a `gr.Error` that says what failed: "`what`
+    failed: ...".
     """
 
-    def __init__(self, target, inputs: dict, **kwargs):
+    def __init__(self, what: str, target, inputs: dict, **kwargs):
+        self.what = what
         self.streamer = DSparkRoundStreamer()
         self.seconds, self._error = None, None
         self._thread = threading.Thread(target=self._work, args=(target, inputs, kwargs), daemon=True)
@@ -144,7 +146,7 @@ class Generation:
         yield from self.streamer
         self._thread.join()
         if self._error is not None:
-            raise gr.Error(f"Generation failed: {self._error}") from self._error
+            raise gr.Error(f"{self.what} failed: {self._error}") from self._error
 
 
 # -- rendering ---------------------------------------------------------------------------------------------------------
@@ -404,7 +406,7 @@ class DSparkDemo:
                     render_plain(plain_text, comparison), numbers)
 
         start, last = time.perf_counter(), 0.0
-        dspark = Generation(self.models.target, inputs, assistant_model=self.models.draft,
+        dspark = Generation("DSpark generate()", self.models.target, inputs, assistant_model=self.models.draft,
                             verification_policy=verification, stopping_criteria=criteria, **kwargs)
         yield update(0.0)
         try:
@@ -417,7 +419,7 @@ class DSparkDemo:
                     last = time.perf_counter()
                     yield update(last - start)
         except gr.Error as error:  # the panel says so too, not only the message box
-            status = f"failed: {error.message}"
+            status = error.message
             yield update(time.perf_counter() - start)
             raise
         numbers.update(self._summary("dspark", rounds, tokens, dspark.seconds))
@@ -428,13 +430,18 @@ class DSparkDemo:
             return
 
         status = "DSpark done; plain generate() running…"
-        plain = Generation(self.models.target, inputs, stopping_criteria=criteria, **kwargs)
+        plain = Generation("plain generate()", self.models.target, inputs, stopping_criteria=criteria, **kwargs)
         plain_tokens, last = [], 0.0
-        for step in plain:
-            plain_tokens += step.tokens
-            if time.perf_counter() - last >= UPDATE_EVERY_S:
-                last = time.perf_counter()
-                yield update(dspark.seconds, self.models.tokenizer.decode(plain_tokens, skip_special_tokens=True))
+        try:
+            for step in plain:
+                plain_tokens += step.tokens
+                if time.perf_counter() - last >= UPDATE_EVERY_S:
+                    last = time.perf_counter()
+                    yield update(dspark.seconds, self.models.tokenizer.decode(plain_tokens, skip_special_tokens=True))
+        except gr.Error as error:  # as for the DSpark run: the panel must not keep saying "running"
+            status = error.message
+            yield update(dspark.seconds, self.models.tokenizer.decode(plain_tokens, skip_special_tokens=True))
+            raise
         plain_text = self.models.tokenizer.decode(plain_tokens, skip_special_tokens=True)
         if stop.is_set():
             status = "stopped during plain generate(): no comparison"

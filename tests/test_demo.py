@@ -160,7 +160,7 @@ def test_a_failure_inside_generate_reaches_the_user_as_a_message(tiny_demo):
     handlers = tiny_demo[0]
     target, tokenizer = handlers.models.target, handlers.models.tokenizer
     no_confidence = app.Models(target, tokenizer, tiny_draft(target, confidence_head=False), "tiny", "no-confidence")
-    with pytest.raises(gr.Error, match="Generation failed: ThresholdPolicy needs a draft with a confidence head"):
+    with pytest.raises(gr.Error, match=r"DSpark generate\(\) failed: ThresholdPolicy needs a draft with a confidence"):
         list(app.DSparkDemo(no_confidence, handlers.profile).run(PROMPT, 0.0, 8, "threshold", 0.5, request=None))
 
 
@@ -362,8 +362,27 @@ def test_a_failed_generation_leaves_the_panel_saying_so_and_threshold_runs_recor
     with pytest.raises(gr.Error, match="ThresholdPolicy needs a draft with a confidence head"):
         for page in headless.run(PROMPT, 0.0, 8, "threshold", 0.5, Request()):
             pages.append(page)
-    assert re.search(r'id="ds-status">failed: Generation failed: ThresholdPolicy', pages[-1][1])
+    assert re.search(r'id="ds-status">DSpark generate\(\) failed: ThresholdPolicy', pages[-1][1])
     assert pages[-1][3]["threshold"] == 0.5
+
+
+def test_a_failed_plain_generate_says_which_run_failed_in_the_message_and_the_panel(tiny_demo, monkeypatch):
+    handlers = tiny_demo[0]
+    target = handlers.models.target
+    generate = type(target).generate
+
+    def plain_runs_out_of_memory(*args, **kwargs):
+        if "assistant_model" not in kwargs:
+            raise RuntimeError("CUDA out of memory (simulated)")
+        return generate(target, *args, **kwargs)
+
+    monkeypatch.setattr(target, "generate", plain_runs_out_of_memory, raising=False)
+    pages = []
+    with pytest.raises(gr.Error, match=r"plain generate\(\) failed: CUDA out of memory"):
+        for page in app.DSparkDemo(handlers.models, handlers.profile).run(PROMPT, 0.0, 8, "full block", 0.5, None):
+            pages.append(page)
+    assert re.search(r'id="ds-status">plain generate\(\) failed: CUDA out of memory', pages[-1][1])
+    assert pages[-1][3]["new_tokens"] == 8, "the DSpark run's figures stay on the page"
 
 
 def byte_tokenizer():
