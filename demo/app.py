@@ -273,7 +273,11 @@ def render_step(step, number: int, texts: TokenTexts) -> str:
             parts.append(_span("ds-trimmed ds-tail", drafted[k], _draft_title(
                 "never verified", number, k, r, " · not sent to the target"), False))
         own = texts.pieces(r.drafted[: r.accepted] + [r.next_token])[-1]
-        if r.bonus:
+        if r.verified == 0:  # nothing was verified, so nothing was accepted: no bonus
+            parts.append(_span("ds-first", own, f"round {number}: the verification policy sent none of the "
+                                                f"{len(r.drafted)} drafts to the target, which decoded this token "
+                                                "alone", True))
+        elif r.bonus:
             parts.append(_span("ds-bonus", own, f"bonus token from the target · round {number}: every one of the "
                                                 f"{r.verified} verified drafts was accepted", True))
         else:
@@ -485,8 +489,8 @@ def build_demo(app: DSparkDemo) -> gr.Blocks:
             f"## DSpark speculative decoding, live\n"
             f"Target **{models.target_name}**, draft **{models.draft_name}** (block of {app.gamma} tokens). "
             "Each round the draft proposes a block, a verification policy decides how much of it the target "
-            "checks, and the target keeps the prefix it agrees with and adds its own next token: the output is "
-            "exactly what plain `generate()` returns.")
+            "checks, and the target keeps the prefix it agrees with and adds its own next token. Against plain "
+            "`generate()`: greedy output is identical; sampled output follows the same distribution.")
         with gr.Row():
             with gr.Column(scale=3):
                 gr.HTML(legend_html())
@@ -500,8 +504,12 @@ def build_demo(app: DSparkDemo) -> gr.Blocks:
                     max_new = gr.Slider(1, MAX_NEW_TOKENS, value=96, step=1, label="max new tokens",
                                         elem_id="ds-max-new")
                 with gr.Row():
+                    # opens on "full block", not on generate()'s default "auto": with the shipped draft on a CPU, auto
+                    # hardly drafts (1.01 tokens per round, experiments/default-policy/results/bench_speed_b1.json),
+                    # and the page is here to show the rounds
                     policy = gr.Radio(list(POLICIES), value="full block", label="verification policy",
-                                      info="how much of each drafted block the target verifies", elem_id="ds-policy")
+                                      info="how much of each drafted block the target verifies; auto is "
+                                           "generate()'s default", elem_id="ds-policy")
                     threshold = gr.Slider(0.0, 1.0, value=0.5, step=0.05, label="confidence threshold",
                                           info="threshold policy: verify up to the first lower confidence")
                 stats = gr.HTML(render_stats([], 0, 0.0, app.gamma, "idle"), label="live stats",

@@ -122,6 +122,8 @@ def test_the_threshold_decides_what_the_target_never_sees(tiny_demo):
     client = Client(tiny_demo[1], verbose=False)
     chat, _, _, none_sent = generate(client, policy="threshold", threshold=1.0)  # no confidence reaches 1
     assert none_sent["verified"] == 0 and none_sent["drafted"] > 0 and "ds-trimmed" in chat
+    # with nothing verified nothing was accepted: the target's token is no bonus
+    assert "ds-bonus" not in chat and "the verification policy sent none of the 4 drafts" in chat
     gamma = tiny_demo[0].gamma
     for policy, threshold in (("threshold", 0.0), ("full block", 0.5)):
         everything = generate(client, policy=policy, threshold=threshold, max_new_tokens=80)[3]
@@ -221,6 +223,14 @@ def test_the_space_requirements_are_the_packages_dependencies():
     front_matter = yaml.safe_load((ROOT / "demo" / "README.md").read_text().split("---")[1])
     assert front_matter["sdk"] == "gradio" and front_matter["app_file"] == "app.py"
     assert len(front_matter["short_description"]) <= 60, "the Hub refuses a Space whose short_description is longer"
+
+
+def test_the_page_and_the_space_readme_promise_what_decoding_keeps_and_name_every_policy(tiny_demo):
+    page = app.build_demo(tiny_demo[0])
+    header = next(b.value for b in page.blocks.values() if isinstance(b, gr.Markdown))
+    assert "greedy output is identical; sampled output follows the same distribution" in header
+    readme = (ROOT / "demo" / "README.md").read_text()
+    assert all(f"`{name}`" in readme for name in app.POLICIES), "the Space's README names every policy on the page"
 
 
 # -- the page in a browser ---------------------------------------------------------------------------------------------
