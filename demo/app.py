@@ -205,6 +205,7 @@ CSS = """
 
 
 def legend_html() -> str:
+    """The colour key above the conversation: one chip per kind of token, its meaning on hover."""
     chips = "".join(f'<span class="ds-tok {cls}" title="{html.escape(what)}">{html.escape(name)}</span>'
                     for cls, name, what in LEGEND)
     return f'<div class="ds-legend" id="ds-legend">{chips}<span class="ds-note">hover a token for its draft ' \
@@ -334,6 +335,7 @@ def render_stats(rounds: list, new_tokens: int, seconds: float, gamma: int, stat
 
 
 def render_plain(text: str | None, comparison: str) -> str:
+    """The plain generate() panel: the speedup line (`comparison`, HTML) over `text` (None: not run yet)."""
     body = html.escape(text) if text is not None else \
         '<span class="ds-hint">runs after DSpark, on the same prompt and settings, so the two never share the ' \
         'machine</span>'
@@ -547,6 +549,7 @@ def launch(demo: gr.Blocks, **kwargs):
 
 
 def parse_args(argv=None) -> argparse.Namespace:
+    """The command line (`argv`, default sys.argv), each setting defaulting to its DSPARK_DEMO_* variable."""
     env = os.environ.get
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", default=env("DSPARK_DEMO_TARGET"),
