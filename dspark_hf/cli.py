@@ -359,6 +359,7 @@ def _output_folder(path: str, flag: str = "--output", what: str = "export") -> N
 def cmd_export(args) -> int:
     """Save a trained draft for sharing: chosen dtype, code for trust_remote_code, and a generated model card."""
     from .cards import render_model_card
+    from .defaults import SHIPPED_DRAFT_DIR
     from .hub import folder_calibration, read_json
     from .loading import _check_name, refuse_adapter
     from .model import DSparkDraftModel
@@ -389,9 +390,10 @@ def cmd_export(args) -> int:
     eval_results = read_json(args.eval)
     recipe = Path(args.recipe).read_text() if args.recipe else None
     calibration = folder_calibration(args.draft, args.calibration)
+    shipped = Path(args.output).resolve() == SHIPPED_DRAFT_DIR.resolve()  # the card of the draft the package ships
     # the card checks the result files against the draft: render it before anything is written
     card = render_model_card(draft.config, args.base_model, args.repo_id, eval_results, recipe,
-                             calibration=calibration)
+                             calibration=calibration, shipped=shipped)
     draft.save_pretrained(args.output)
     (Path(args.output) / "README.md").write_text(card)
     size = sum(f.stat().st_size for f in Path(args.output).glob("*.safetensors")) / 1e6

@@ -5,15 +5,22 @@
 Examples already in CACHE_DIR are not recomputed, so the cache of a dataset extends to a larger one that contains it.
 """
 
+import argparse
 import sys
 
 from dspark_hf import default_target
 from dspark_hf.training.data import load_dataset
 from dspark_hf.training.features import CachedFeatures
 
-if len(sys.argv) < 4:
-    sys.exit(__doc__)
-dataset, cache_dir, layer_ids = sys.argv[1], sys.argv[2], [int(i) for i in sys.argv[3:]]
+parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+parser.add_argument("dataset", help="a dataset written by `dspark prepare-data`")
+parser.add_argument("cache_dir", help="the cache folder (`dspark train --feature-cache`)")
+parser.add_argument("layer_ids", type=int, nargs="+", metavar="LAYER_ID", help="target layers to cache")
+args = parser.parse_args()
+
 target, _ = default_target()
-examples = load_dataset(dataset, target.get_output_embeddings().weight.shape[0])
-CachedFeatures(cache_dir, target, layer_ids, examples)
+try:
+    examples = load_dataset(args.dataset, target.get_output_embeddings().weight.shape[0])
+    CachedFeatures(args.cache_dir, target, args.layer_ids, examples)
+except ValueError as error:  # bad layer ids, a bad dataset, a cache built for other layers
+    sys.exit(f"cache_features.py: error: {error}")

@@ -12,6 +12,7 @@ domain where the dataset names them; --feature-cache reads the target's features
 
 import argparse
 import json
+import sys
 
 import torch
 
@@ -33,12 +34,23 @@ parser.add_argument("--lag", type=int, default=0, help="context tokens before ea
 parser.add_argument("--output", help="write the report here as JSON")
 args = parser.parse_args()
 
+try:  # the held-out split is known before any model loads: an empty one is refused at once
+    examples = load_dataset(args.dataset)
+except ValueError as error:
+    sys.exit(f"heldout_acceptance.py: error: {error}")
+if not args.all:
+    everything, examples = examples, split_heldout(examples, args.heldout_fraction)[1]
+    if not examples:
+        sys.exit(f"heldout_acceptance.py: error: the held-out split of {args.dataset} ({args.heldout_fraction:g} of "
+                 f"its {len(everything)} sequences, by hashed prompt id) is empty: pass --all to measure every "
+                 "sequence, or a larger --heldout-fraction.")
 target, _ = default_target()
+vocab = target.get_output_embeddings().weight.shape[0]
+if any(not 0 <= t < vocab for e in examples for t in e.input_ids):
+    sys.exit(f"heldout_acceptance.py: error: {args.dataset} holds token ids outside the target vocabulary (size "
+             f"{vocab}): the dataset was made with another tokenizer.")
 draft = DSparkDraftModel.from_pretrained(args.draft, dtype=torch.float32).eval()
 draft.bind_target(target)
-examples = load_dataset(args.dataset, target.get_output_embeddings().weight.shape[0])
-if not args.all:
-    examples = split_heldout(examples, args.heldout_fraction)[1]
 layers = draft.config.target_layer_ids
 features = (CachedFeatures(args.feature_cache, target, layers, examples) if args.feature_cache
             else OnlineFeatures(target, layers))

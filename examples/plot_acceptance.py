@@ -18,12 +18,19 @@ if len(sys.argv) < 3 or not all("=" in a for a in sys.argv[2:]):
 out_dir = sys.argv[1]
 evals, heldout = [], []
 for label, path in (a.split("=", 1) for a in sys.argv[2:]):
-    result = json.loads(Path(path).read_text())
-    if "overall" in result:
+    try:
+        result = json.loads(Path(path).read_text())
+    except OSError as error:
+        sys.exit(f"plot_acceptance.py: error: cannot read {path} ({error.strerror}).")
+    except ValueError as error:
+        sys.exit(f"plot_acceptance.py: error: {path} is not JSON ({error}).")
+    keys = set(result) if isinstance(result, dict) else set()
+    if "overall" in keys:
         evals.append((label, result))
-    elif "acceptance_per_position" in result:
+    elif "acceptance_per_position" in keys:
         heldout.append((label, result))
     else:
-        sys.exit(f"{path}: neither a `dspark eval` result nor a heldout.json from `dspark train`")
+        sys.exit(f"plot_acceptance.py: error: {path}: neither a `dspark eval` result nor a heldout.json from "
+                 "`dspark train`.")
 paths = (plot_eval(evals, out_dir) if evals else []) + ([plot_heldout_acceptance(heldout, out_dir)] if heldout else [])
 print("plots: " + ", ".join(map(str, paths)))

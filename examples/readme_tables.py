@@ -15,10 +15,29 @@ from dspark_hf.evaluation.evaluate import format_speed_table
 from dspark_hf.evaluation.machine import describe
 from dspark_hf.evaluation.serve import format_serve_table
 
+KNOWN = ("`dspark eval` results, `dspark bench speed|oracle|serve|ssd` reports, calibration.json of `dspark "
+         "calibrate`, heldout.json of `dspark train`")
+
+
+def read(path: str):
+    """The JSON in `path`, or a string saying why it cannot be read."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except OSError as error:
+        return f"cannot read it ({error.strerror})"
+    except ValueError as error:
+        return f"not JSON ({error})"
+
+
 for path in sys.argv[1:]:
-    data = json.load(open(path))
+    data = read(path)
     print(f"\n### {path}\n")
-    if data.get("benchmark") == "oracle":
+    if isinstance(data, str):
+        print(f"no table: {data}")
+    elif not isinstance(data, dict):
+        print(f"no table: a JSON {type(data).__name__}, not a result file; tables come from {KNOWN}")
+    elif data.get("benchmark") == "oracle":
         print(f"{describe(data['machine'])}\n\n{format_oracle_table(data)}")
     elif data.get("benchmark") == "ssd":
         print(f"{describe(data['machine'])}\n\n{format_ssd_tables(data)}")
@@ -43,3 +62,9 @@ for path in sys.argv[1:]:
         print(f"{data['sequences']} held-out sequences: acceptance (1 - TV) by position "
               f"{' '.join(f'{a:.2f}' for a in data['acceptance_per_position'])}, "
               f"expected tau {data['expected_tau_from_acceptance']:.2f}")
+    elif "benchmark" in data:
+        print(f"no table: a `dspark bench {data['benchmark']}` report, which has no table here; tables come from "
+              f"{KNOWN}")
+    else:
+        print(f"no table: not a result file this script knows (its keys: {', '.join(list(data)[:8])}"
+              f"{', ...' if len(data) > 8 else ''}); tables come from {KNOWN}")

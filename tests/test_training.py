@@ -390,6 +390,16 @@ def test_cached_features_equal_online_features(tmp_path):
         CachedFeatures(tmp_path / "cache", target, [0], examples, progress=False)
 
 
+def test_a_feature_cache_for_layers_the_target_lacks_is_refused_before_anything_is_written(tmp_path):
+    target = tiny_target("llama")  # 4 layers: features come from layers 0 to 2
+    examples = load_dataset(tiny_dataset(tmp_path, target, n=2))
+    with pytest.raises(ValueError, match=r"target layer ids \[3, 99\] are out of range for a target with 4 layers: "
+                                         r"use ids in \[0, 2\]"):
+        CachedFeatures(tmp_path / "cache", target, [1, 3, 99], examples, progress=False)
+    assert not (tmp_path / "cache").exists()
+    CachedFeatures(tmp_path / "cache", target, [1, 2], examples, progress=False)  # so the corrected run goes ahead
+
+
 def test_a_cache_never_serves_features_of_another_answer_to_the_same_prompt(tmp_path):
     target = tiny_target("llama")
     examples = load_dataset(tiny_dataset(tmp_path, target, n=4))
@@ -687,12 +697,12 @@ def test_fine_tuning_a_bf16_checkpoint_trains_fp32_weights(tmp_path):
 def test_a_feature_cache_serves_any_subset_of_its_layers_and_refuses_others(tmp_path):
     target = tiny_target("llama")
     examples = load_dataset(tiny_dataset(tmp_path, target, n=4))
-    CachedFeatures(tmp_path / "cache", target, [0, 1, 2], examples, progress=False)
-    subset = CachedFeatures(tmp_path / "cache", target, [2, 0], examples, progress=False)
-    for x, y in zip(subset(examples[:2]), OnlineFeatures(target, [2, 0])(examples[:2])):
+    CachedFeatures(tmp_path / "cache", target, [0, 1], examples, progress=False)
+    subset = CachedFeatures(tmp_path / "cache", target, [1, 0], examples, progress=False)
+    for x, y in zip(subset(examples[:2]), OnlineFeatures(target, [1, 0])(examples[:2])):
         torch.testing.assert_close(x, y, atol=2e-2, rtol=1e-2)
-    with pytest.raises(ValueError, match="not for layers \\[3\\]"):
-        CachedFeatures(tmp_path / "cache", target, [3], examples, progress=False)
+    with pytest.raises(ValueError, match="not for layers \\[2\\]"):
+        CachedFeatures(tmp_path / "cache", target, [2], examples, progress=False)
     with pytest.raises(ValueError, match="in torch.bfloat16"):
         CachedFeatures(tmp_path / "cache", target.to(torch.bfloat16), [0], examples, progress=False)
     retrained = tiny_target("llama", seed=1)  # the same name, shape and dtype; other weights

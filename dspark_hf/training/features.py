@@ -55,6 +55,16 @@ def feature_probe(target, tokens: int = 16) -> list[float]:
     return [round(x, 4) for x in (last.mean(0) @ direction).tolist()]
 
 
+def check_layer_ids(target, layer_ids: list[int]) -> None:
+    """Raise a ValueError unless every id names a layer of `target` that a draft can read features from: 0 to the
+    second-to-last (HF returns the last one after the final norm), as DSparkConfig requires."""
+    n = target.config.get_text_config().num_hidden_layers
+    bad = [i for i in layer_ids if not 0 <= i < n - 1]
+    if bad:
+        raise ValueError(f"target layer ids {bad} are out of range for a target with {n} layers: use ids in "
+                         f"[0, {n - 2}].")
+
+
 class CachedFeatures:
     """Features written once to `directory` (fp16 safetensors per example), then read back every epoch.
 
@@ -66,6 +76,7 @@ class CachedFeatures:
                  cache_layer_ids: list[int] | None = None):
         from tqdm.auto import tqdm
 
+        check_layer_ids(target, [*target_layer_ids, *(cache_layer_ids or [])])  # before anything is written
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         index = self.directory / "index.json"
