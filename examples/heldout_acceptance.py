@@ -45,10 +45,10 @@ if not args.all:
                  f"its {len(everything)} sequences, by hashed prompt id) is empty: pass --all to measure every "
                  "sequence, or a larger --heldout-fraction.")
 target, _ = default_target()
-vocab = target.get_output_embeddings().weight.shape[0]
-if any(not 0 <= t < vocab for e in examples for t in e.input_ids):
-    sys.exit(f"heldout_acceptance.py: error: {args.dataset} holds token ids outside the target vocabulary (size "
-             f"{vocab}): the dataset was made with another tokenizer.")
+try:  # read again now that the target's vocabulary is known: load_dataset checks every token id against it
+    load_dataset(args.dataset, target.get_output_embeddings().weight.shape[0])
+except ValueError as error:
+    sys.exit(f"heldout_acceptance.py: error: {error}")
 draft = DSparkDraftModel.from_pretrained(args.draft, dtype=torch.float32).eval()
 draft.bind_target(target)
 layers = draft.config.target_layer_ids

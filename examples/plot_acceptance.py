@@ -7,11 +7,10 @@ conditional_acceptance.png, acceptance_length.png) or a held-out report from tra
 1 - TV per position, heldout_acceptance.png).
 """
 
-import json
 import sys
-from pathlib import Path
 
 from dspark_hf.evaluation.plots import plot_eval, plot_heldout_acceptance
+from dspark_hf.hub import read_json
 
 if len(sys.argv) < 3 or not all("=" in a for a in sys.argv[2:]):
     sys.exit(__doc__)
@@ -19,11 +18,11 @@ out_dir = sys.argv[1]
 evals, heldout = [], []
 for label, path in (a.split("=", 1) for a in sys.argv[2:]):
     try:
-        result = json.loads(Path(path).read_text())
+        result = read_json(path)
     except OSError as error:
         sys.exit(f"plot_acceptance.py: error: cannot read {path} ({error.strerror}).")
     except ValueError as error:
-        sys.exit(f"plot_acceptance.py: error: {path} is not JSON ({error}).")
+        sys.exit(f"plot_acceptance.py: error: {error}")
     keys = set(result) if isinstance(result, dict) else set()
     if "overall" in keys:
         evals.append((label, result))

@@ -5,7 +5,6 @@ Figures quoted from other files (profiles, loop costs) name their file where the
     python examples/readme_tables.py runs/eval_dspark.json runs/eval_dflash.json experiments/*/results/*.json
 """
 
-import json
 import sys
 
 from dspark_hf.evaluation.evaluate import summary_table
@@ -14,6 +13,7 @@ from dspark_hf.evaluation.bench_ssd import format_ssd_tables
 from dspark_hf.evaluation.evaluate import format_speed_table
 from dspark_hf.evaluation.machine import describe
 from dspark_hf.evaluation.serve import format_serve_table
+from dspark_hf.hub import read_json
 
 KNOWN = ("`dspark eval` results, `dspark bench speed|oracle|serve|ssd` reports, calibration.json of `dspark "
          "calibrate`, heldout.json of `dspark train`")
@@ -22,12 +22,11 @@ KNOWN = ("`dspark eval` results, `dspark bench speed|oracle|serve|ssd` reports, 
 def read(path: str):
     """The JSON in `path`, or a string saying why it cannot be read."""
     try:
-        with open(path) as f:
-            return json.load(f)
+        return read_json(path)
     except OSError as error:
         return f"cannot read it ({error.strerror})"
     except ValueError as error:
-        return f"not JSON ({error})"
+        return str(error)
 
 
 for path in sys.argv[1:]:

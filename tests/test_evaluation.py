@@ -479,7 +479,7 @@ def test_bench_ssd_plans_each_prompts_cache_from_the_other_prompts_rounds_only()
     ranks = [{0: {1: 9}}, {1: {0: 4}}, {1: {0: 3}}]
     assert _measured_plans(2, 3, ranks) == [[1, 1, 0], [2, 0, 0], [2, 0, 0]]
     # 4 rounds at k = 0 (ranks 0, 1, 1, 5), 1 at k = 1 (rank 2), 1 with the whole block of 2 accepted
-    t = {"outcomes": {0: 4, 1: 1, 2: 1}, "bonus_ranks": {0: {0: 1, 1: 2, 5: 1}, 1: {2: 1}}}
+    t = {"outcomes": {0: 4, 1: 1, 2: 1}, "prompt_ranks": [{0: {0: 1, 1: 1}}, {0: {1: 1, 5: 1}, 1: {2: 1}}]}
     curves = _hit_curves(t, gamma=2, tops=(1, 2, 4, 8))
     assert curves["0"] == {"share": 4 / 6, "rounds": 4, "held_by_top": {"1": 0.25, "2": 0.75, "4": 0.75, "8": 1.0}}
     assert curves["1"]["held_by_top"] == {"1": 0.0, "2": 0.0, "4": 1.0, "8": 1.0}

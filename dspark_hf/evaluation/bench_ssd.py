@@ -15,6 +15,8 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 from ..generation.ssd import SSDConfig
 from ..scheduling.policies import FullBlock
 from ..scheduling.ssd import fit_power_law, measured_fan_out, ssd_speedup
@@ -28,8 +30,7 @@ def _decode_all(target, tokenizer, draft, prompts, ssd: SSDConfig | list[SSDConf
     timings, and each prompt's bonus ranks (`prompt_ranks`)."""
     totals = {"rounds": 0, "hits": 0, "accepted": 0, "verified": 0, "rejections": 0, "tokens_hit": 0, "rounds_hit": 0,
               "tokens_miss": 0, "rounds_miss": 0, "target": 0.0, "draft": 0.0, "speculate": 0.0, "wait": 0.0,
-              "drafted_rounds": 0, "missed_rounds": 0, "by_lag": {}, "outcomes": {}, "bonus_ranks": {},
-              "prompt_ranks": []}
+              "drafted_rounds": 0, "missed_rounds": 0, "by_lag": {}, "outcomes": Counter(), "prompt_ranks": []}
     for prompt, config in zip(prompts, ssd if isinstance(ssd, list) else [ssd] * len(prompts)):
         inputs = chat_batch(tokenizer, [prompt], target.device)
         out = target.generate(**inputs, max_new_tokens=max_new_tokens, **_sampling(temperature), assistant_model=draft,
@@ -42,8 +43,7 @@ def _decode_all(target, tokenizer, draft, prompts, ssd: SSDConfig | list[SSDConf
         for lag, seen in out.ssd_stats["by_lag"].items():
             counts = totals["by_lag"].setdefault(lag, [0, 0, 0])
             totals["by_lag"][lag] = [c + s for c, s in zip(counts, seen)]
-        _add_counts(totals["outcomes"], out.ssd_stats["outcomes"])
-        totals["bonus_ranks"] = _pooled([totals["bonus_ranks"], out.ssd_stats["bonus_ranks"]])
+        totals["outcomes"].update(out.ssd_stats["outcomes"])
         totals["prompt_ranks"].append(out.ssd_stats["bonus_ranks"])
         records = [r for r in out.rounds[0] if r.cache_hit is not None]
         totals["drafted_rounds"] += len(records)
@@ -51,22 +51,18 @@ def _decode_all(target, tokenizer, draft, prompts, ssd: SSDConfig | list[SSDConf
     return totals
 
 
-def _add_counts(into: dict, counts: dict) -> None:
-    for key, n in counts.items():
-        into[key] = into.get(key, 0) + n
-
-
 def _pooled(bonus_ranks: list[dict]) -> dict:
     """Several decodes' `ssd_stats["bonus_ranks"]` ({k: {rank: rounds}}) added up."""
     pooled = {}
     for ranks in bonus_ranks:
         for k, counts in ranks.items():
-            _add_counts(pooled.setdefault(k, {}), counts)
+            pooled.setdefault(k, Counter()).update(counts)
     return pooled
 
 
 def _measured_plans(budget: int, gamma: int, prompt_ranks: list[dict]) -> list[list[int]]:
-    """For each prompt, the fan-out `measured_fan_out` plans from the other prompts' rounds (never its own)."""
+    """For each prompt, the fan-out F_0..F_(gamma-1) `measured_fan_out` plans from the other prompts' rounds (never
+    its own)."""
     return [measured_fan_out(budget, gamma, _pooled(prompt_ranks[:i] + prompt_ranks[i + 1:]))[:-1]
             for i in range(len(prompt_ranks))]
 
@@ -80,10 +76,10 @@ def _plan_or_none(budget: int, gamma: int, bonus_ranks: dict) -> list[int] | Non
 
 def _hit_curves(t: dict, gamma: int, tops=(1, 2, 4, 8, 16)) -> dict:
     """Per outcome k: its share of the rounds, and the share of its rounds whose bonus the top F candidates held."""
-    rounds = max(sum(t["outcomes"].values()), 1)
+    rounds, pooled = max(sum(t["outcomes"].values()), 1), _pooled(t["prompt_ranks"])
     curves = {}
     for k in range(gamma + 1):
-        n, ranks = t["outcomes"].get(k, 0), t["bonus_ranks"].get(k, {})
+        n, ranks = t["outcomes"].get(k, 0), pooled.get(k, {})
         curves[str(k)] = {"share": n / rounds, "rounds": n, "held_by_top": None if k == gamma or not n else {
             str(F): sum(c for j, c in ranks.items() if j < F) / n for F in tops}}
     return curves
@@ -126,17 +122,16 @@ def bench_ssd(target, tokenizer, draft, prompts: list[dict], cache_sizes=(2, 4, 
             max_new_tokens, 0.0)
         tick()
     # planned from rounds the decode did not see: each prompt's cache from the other prompts' rounds
-    by_plan, plans = {}, {}
-    for i, B in enumerate(cache_sizes if len(prompts) > 1 else ()):
-        try:
-            plans[B] = _measured_plans(B, gamma, uniform[B]["prompt_ranks"])
-        except ValueError:  # the other prompts ended before any round the cache could hold: nothing to plan from
-            plans, by_plan = {}, {}
-            for _ in cache_sizes[i:]:  # the steps skipped
-                tick()
-            break
-        by_plan[B] = _decode_all(target, tokenizer, draft, prompts, [SSDConfig(
-            B, F, fallback="draft", overlap=False) for F in plans[B]], max_new_tokens, 0.0)
+    try:
+        plans = {B: _measured_plans(B, gamma, uniform[B]["prompt_ranks"]) for B in cache_sizes} \
+            if len(prompts) > 1 else {}
+    except ValueError:  # the other prompts ended before any round a cache could hold: nothing to plan from
+        plans = {}
+    by_plan = {}
+    for B in cache_sizes:
+        if B in plans:
+            by_plan[B] = _decode_all(target, tokenizer, draft, prompts, [SSDConfig(
+                B, F, fallback="draft", overlap=False) for F in plans[B]], max_new_tokens, 0.0)
         tick()
 
     # 2. Saguaro's C, sampled, at the speed run's cache size
@@ -193,7 +188,7 @@ def bench_ssd(target, tokenizer, draft, prompts: list[dict], cache_sizes=(2, 4, 
         # the fan-outs the measured shape decoded each prompt with (planned from the other prompts), and the one all
         # the prompts' uniform rounds together give (what a user would take from this run)
         "measured_plans": {str(B): {"per_prompt": plans.get(B), "all_prompts": _plan_or_none(
-            B, gamma, uniform[B]["bonus_ranks"])} for B in cache_sizes},
+            B, gamma, _pooled(uniform[B]["prompt_ranks"]))} for B in cache_sizes},
         # where each bonus stood, prompt by prompt, in the uniform runs ({k: {rank: rounds}}): to plan from again
         "uniform_bonus_ranks": {str(B): t["prompt_ranks"] for B, t in uniform.items()},
         # each outcome's share of the rounds and hit curve, from the uniform run at the largest cache size

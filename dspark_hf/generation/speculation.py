@@ -106,7 +106,7 @@ def bonus_rank(probs: torch.Tensor, tokens: torch.Tensor, verify_len: torch.Tens
     N, gamma, _ = probs.shape
     rows = torch.arange(N, device=probs.device)
     k = accepted.clamp(max=gamma - 1)
-    p = probs[rows, k].clone()
+    p = probs[rows, k]  # advanced indexing: a copy already
     rejected = accepted < verify_len
     p[rows[rejected], tokens[rows, k][rejected]] = -1.0
     p_bonus = p[rows, bonus][:, None]

@@ -94,8 +94,10 @@ class SSDConfig:
             raise ValueError(f"SSDConfig.acceptance must be in [0, 1] or None, got {self.acceptance}.")
 
     def to_dict(self) -> dict:
-        return {f.name: getattr(self, f.name) if f.name != "fan_out" or isinstance(self.fan_out, str)
-                else [int(F) for F in self.fan_out] for f in fields(self)}
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        if not isinstance(self.fan_out, str):  # JSON-ready, whatever ints the list held
+            out["fan_out"] = [int(F) for F in self.fan_out]
+        return out
 
 
 @dataclass

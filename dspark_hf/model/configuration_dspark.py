@@ -12,6 +12,12 @@ _SIZES = ("block_size", "hidden_size", "intermediate_size", "num_hidden_layers",
           "num_key_value_heads", "max_position_embeddings")
 
 
+def unreadable_layers(layer_ids, num_target_layers: int) -> list[int]:
+    """The ids in `layer_ids` a draft cannot read features from: a target layer is readable from 0 to the
+    second-to-last (HF returns the last layer's output after the final norm)."""
+    return [i for i in layer_ids if not 0 <= i < num_target_layers - 1]
+
+
 class DSparkConfig(PreTrainedConfig):
     r"""
     Configuration of a [`DSparkDraftModel`]: a parallel draft backbone that reads a target model's hidden states
@@ -163,7 +169,7 @@ class DSparkConfig(PreTrainedConfig):
             if len(self.target_layer_ids) == 0:
                 raise ValueError("target_layer_ids must name at least one target layer.")
             if self.target_num_hidden_layers is not None:
-                bad = [i for i in self.target_layer_ids if not 0 <= i < self.target_num_hidden_layers - 1]
+                bad = unreadable_layers(self.target_layer_ids, self.target_num_hidden_layers)
                 if bad:
                     raise ValueError(
                         f"target_layer_ids {bad} are out of range for a target with {self.target_num_hidden_layers} "

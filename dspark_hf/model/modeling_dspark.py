@@ -31,7 +31,7 @@ from transformers import PreTrainedModel
 from transformers.activations import ACT2FN
 from transformers.utils import ModelOutput
 
-from .configuration_dspark import DSparkConfig
+from .configuration_dspark import DSparkConfig, unreadable_layers
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -343,7 +343,7 @@ class DSparkDraftModel(DSparkPreTrainedModel):
             problems.append(f"vocabulary size {out.weight.shape[0]} != {c.target_vocab_size} the draft was built for")
         if t.hidden_size != c.hidden_size:
             problems.append(f"hidden size {t.hidden_size} != {c.hidden_size}")
-        bad = [i for i in c.target_layer_ids if not 0 <= i < t.num_hidden_layers - 1]
+        bad = unreadable_layers(c.target_layer_ids, t.num_hidden_layers)
         if bad:
             problems.append(f"target_layer_ids {bad} do not exist below the last of its {t.num_hidden_layers} "
                             "layers")

@@ -16,6 +16,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from ..model.configuration_dspark import unreadable_layers
+
 
 def pad_batch(sequences: list[list[int]], pad_id: int = 0):
     """Right-pad token lists: ids (B, L), attention mask (B, L), lengths (B,), on the CPU (one copy to a device)."""
@@ -59,7 +61,7 @@ def check_layer_ids(target, layer_ids: list[int]) -> None:
     """Raise a ValueError unless every id names a layer of `target` that a draft can read features from: 0 to the
     second-to-last (HF returns the last one after the final norm), as DSparkConfig requires."""
     n = target.config.get_text_config().num_hidden_layers
-    bad = [i for i in layer_ids if not 0 <= i < n - 1]
+    bad = unreadable_layers(layer_ids, n)
     if bad:
         raise ValueError(f"target layer ids {bad} are out of range for a target with {n} layers: use ids in "
                          f"[0, {n - 2}].")
