@@ -8,25 +8,26 @@ import argparse
 import json
 import sys
 
+from dspark_hf.files import write_atomic
+from dspark_hf.hub import read_json
+
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 parser.add_argument("source", help="the results.json `dspark eval` wrote")
 parser.add_argument("destination", help="where to write the copy")
 args = parser.parse_args()
 
 try:
-    with open(args.source) as f:
-        data = json.load(f)
+    data = read_json(args.source)
 except OSError as error:
     sys.exit(f"strip_rounds.py: error: cannot read {args.source} ({error.strerror}).")
 except ValueError as error:
-    sys.exit(f"strip_rounds.py: error: {args.source} is not JSON ({error}).")
+    sys.exit(f"strip_rounds.py: error: {error}")
 if not isinstance(data, dict) or not isinstance(data.get("prompts"), list):
     sys.exit(f"strip_rounds.py: error: {args.source} has no per-prompt list: give the results.json `dspark eval` "
              "wrote.")
 for prompt in data["prompts"]:
     prompt.pop("rounds_detail", None)
 try:
-    with open(args.destination, "w") as f:
-        json.dump(data, f, indent=2)
+    write_atomic(args.destination, json.dumps(data, indent=2))
 except OSError as error:
     sys.exit(f"strip_rounds.py: error: cannot write {args.destination} ({error.strerror}).")
