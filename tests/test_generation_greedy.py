@@ -408,6 +408,14 @@ def test_a_draft_for_another_target_is_refused():
         target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, assistant_model=draft)
 
 
+def test_a_draft_on_another_device_than_its_target_is_refused_with_how_to_move_it():
+    target = tiny_target("llama")
+    draft = tiny_draft(target).to("meta")  # no second device here: "meta" stands for one
+    ids, mask = left_padded_prompts(1)
+    with pytest.raises(ValueError, match=r"draft's weights are on meta but the target runs on cpu.*draft\.to\(target"):
+        target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, assistant_model=draft)
+
+
 @pytest.mark.parametrize("dtype, do_sample, warns", [
     (torch.bfloat16, False, True), (torch.float16, False, True),
     (torch.float32, False, False), (torch.bfloat16, True, False),

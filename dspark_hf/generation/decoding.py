@@ -131,6 +131,10 @@ def _check_request(model, draft, cfg, synced_gpus, model_kwargs, input_ids, stre
         raise TypeError(f"dspark_generate needs draft_model=<DSparkDraftModel>, got {type(draft).__name__}.")
     if model.config.is_encoder_decoder:
         raise ValueError("DSpark decoding supports decoder-only targets.")
+    elsewhere = sorted({str(p.device) for p in draft.parameters()} - {str(model.device)})
+    if elsewhere:  # the draft reads the target's features and hands its blocks to the target: one device for both
+        raise ValueError(f"The draft's weights are on {', '.join(elsewhere)} but the target runs on {model.device}: "
+                         "a DSpark draft runs on its target's device. Move it with draft.to(target.device).")
     mode = cfg.get_generation_mode()
     if mode not in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE):
         chosen_by = ", ".join(f"{name}={getattr(cfg, name)!r}" for name in _MODE_OPTIONS
