@@ -46,7 +46,9 @@ class DSparkRound:
 
     @property
     def bonus(self) -> bool:
-        """True when every verified draft survived, so next_token is a bonus rather than a correction."""
+        """True when every verified draft survived, so next_token is a bonus rather than a correction: drawn from
+        the target's own distribution, not the residual one. That includes a round that verified nothing
+        (verified == 0), whose token is plain decoding's; check `verified` to tell the two apart."""
         return self.accepted == self.verified
 
 
