@@ -416,6 +416,17 @@ def test_a_draft_on_another_device_than_its_target_is_refused_with_how_to_move_i
         target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, assistant_model=draft)
 
 
+def test_a_target_spread_over_several_devices_is_refused_with_how_to_load_it_on_one():
+    target = tiny_target("llama")
+    # what accelerate records for device_map="auto" over a GPU and the CPU (no second device is needed to refuse)
+    target.hf_device_map = {"model.embed_tokens": 0, "model.layers": 0, "model.norm": "cpu", "lm_head": "cpu"}
+    ids, mask = left_padded_prompts(1)
+    with pytest.raises(ValueError, match=r"spread over several devices \(0, cpu, from device_map\).*on one device"):
+        target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, assistant_model=tiny_draft(target))
+    target.hf_device_map = {"": "cpu"}  # device_map="cpu": one device, decoded as any other target
+    target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, assistant_model=tiny_draft(target))
+
+
 @pytest.mark.parametrize("dtype, do_sample, warns", [
     (torch.bfloat16, False, True), (torch.float16, False, True),
     (torch.float32, False, False), (torch.bfloat16, True, False),

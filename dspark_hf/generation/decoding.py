@@ -131,6 +131,11 @@ def _check_request(model, draft, cfg, synced_gpus, model_kwargs, input_ids, stre
         raise TypeError(f"dspark_generate needs draft_model=<DSparkDraftModel>, got {type(draft).__name__}.")
     if model.config.is_encoder_decoder:
         raise ValueError("DSpark decoding supports decoder-only targets.")
+    placed = sorted({str(d) for d in (getattr(model, "hf_device_map", None) or {}).values()})
+    if len(placed) > 1:  # the draft reads features of several target layers at once, and computes beside them
+        raise ValueError(f"The target is spread over several devices ({', '.join(placed)}, from device_map): DSpark "
+                         "decoding needs the target on one device. Load it with device_map=None and .to(device), "
+                         "or with a single device in device_map.")
     elsewhere = sorted({str(p.device) for p in draft.parameters()} - {str(model.device)})
     if elsewhere:  # the draft reads the target's features and hands its blocks to the target: one device for both
         raise ValueError(f"The draft's weights are on {', '.join(elsewhere)} but the target runs on {model.device}: "
