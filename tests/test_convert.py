@@ -387,22 +387,41 @@ def test_convert_and_export_write_only_into_new_folders_or_their_own_earlier_out
               "--dtype", "float32", "--output"]
     downloaded = write_checkpoint(tmp_path / "downloaded", deepspec_config(original, target),
                                   public_state_dict(original, target), shards=2)  # a public DeepSpec checkpoint
-    assert "not an earlier export" in cli_error(capsys, export + [str(downloaded)])
+    assert "not an earlier DeepSpec export" in cli_error(capsys, export + [str(downloaded)])
     assert main(export + [str(tmp_path / "deepspec")]) == 0
     (tmp_path / "deepspec" / "model-00001-of-00002.safetensors").write_bytes(b"stale")  # as if sharded before
     assert main(export + [str(tmp_path / "deepspec")]) == 0
     assert sorted(p.name for p in (tmp_path / "deepspec").iterdir()) == ["config.json", "model.safetensors"]
 
 
-def test_export_deepspec_in_python_removes_only_its_own_earlier_shards(tmp_path, target):
+def test_convert_checkpoint_in_python_refuses_its_source_and_a_downloaded_checkpoint_as_the_cli_does(
+        tmp_path, target, capsys):
+    from conftest import cli_error
+
+    original = tiny_draft(target)
+    src = write_checkpoint(tmp_path / "src", deepspec_config(original, target), public_state_dict(original, target))
+    other = write_checkpoint(tmp_path / "other", specforge_config(original), public_state_dict(original))
+    files = {p: p.read_bytes() for folder in (src, other) for p in folder.iterdir()}
+    for dst, message in ((src, "is the checkpoint being converted"), (other, "not an earlier conversion")):
+        with pytest.raises(ValueError, match=message) as error:
+            convert_checkpoint(src, dst, "deepspec", target=target)
+        assert cli_error(capsys, ["convert", "--from", "deepspec", str(src), str(dst)]).startswith(f"dspark convert: error: {error.value} ")
+    assert {p: p.read_bytes() for p in files} == files and set(files) == {*src.iterdir(), *other.iterdir()}
+
+
+def test_export_deepspec_in_python_writes_only_into_a_new_folder_or_its_own_earlier_export(tmp_path, target):
     from dspark_hf.model.convert import export_deepspec
 
     original = tiny_draft(target)
-    foreign = write_checkpoint(tmp_path / "foreign", deepspec_config(original, target),
-                               public_state_dict(original, target), shards=2)
-    export_deepspec(original, target, foreign)  # the CLI refuses this folder; a Python caller is not stopped
-    assert len(list(foreign.glob("model-0000*-of-00002.safetensors"))) == 2, "someone else's weights are kept"
+    downloaded = write_checkpoint(tmp_path / "downloaded", deepspec_config(original, target),
+                                  public_state_dict(original, target), shards=2)
+    original.save_pretrained(tmp_path / "draft")  # the draft being exported: a dspark-hf draft, not a DeepSpec export
+    for folder in (downloaded, tmp_path / "draft"):
+        files = {p: p.read_bytes() for p in folder.iterdir()}
+        with pytest.raises(ValueError, match="not an earlier DeepSpec export"):
+            export_deepspec(original, target, folder)
+        assert {p: p.read_bytes() for p in folder.iterdir()} == files
     ours = export_deepspec(original, target, tmp_path / "ours")
-    (ours / "model-00001-of-00002.safetensors").write_bytes(b"stale")
+    (ours / "model-00001-of-00002.safetensors").write_bytes(b"stale")  # as if sharded before
     export_deepspec(original, target, ours)
     assert sorted(p.name for p in ours.iterdir()) == ["config.json", "model.safetensors"]

@@ -32,6 +32,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import PreTrainedModel
 
+from ..files import check_output_folder, written_by_dspark
 from .configuration_dspark import DSparkConfig
 from .modeling_dspark import DSparkDraftModel
 
@@ -253,6 +254,14 @@ def map_state_dict(tensors: dict[str, torch.Tensor], draft: DSparkDraftModel, so
 
 
 # ---------------------------------------------------------------------------------------------------------------
+def check_conversion_folder(src: str | Path, dst: str | Path) -> None:
+    """Refuse a `dst` that is `src`, or that holds anything but an earlier conversion (a dspark-hf draft): saving
+    there would replace the checkpoint being converted, or a downloaded one."""
+    if Path(dst).resolve() == Path(src).resolve():
+        raise ValueError(f"{dst} is the checkpoint being converted: write the conversion to another folder.")
+    check_output_folder(dst, "conversion", ours=("draft",))
+
+
 def convert_checkpoint(src: str | Path, dst: str | Path, source: str,
                        target: PreTrainedModel | None = None) -> DSparkDraftModel:
     """Convert the checkpoint folder `src` (config.json + safetensors) of layout `source` ("deepspec", "specforge"
@@ -264,6 +273,7 @@ def convert_checkpoint(src: str | Path, dst: str | Path, source: str,
     """
     if source not in SOURCES:
         raise ValueError(f"source must be one of {SOURCES}, got {source!r}.")
+    check_conversion_folder(src, dst)
     src = Path(src)
     raw = json.loads((src / "config.json").read_text())
     if target is not None:
@@ -324,11 +334,18 @@ def deepspec_blockers(draft: DSparkDraftModel, target: PreTrainedModel | None = 
 EXPORTED_ANCHORS = 512
 
 
+def check_export_folder(dst: str | Path) -> None:
+    """Refuse a `dst` that holds anything but an earlier DeepSpec-layout export: a downloaded DeepSpec checkpoint
+    looks the same but for our marker, and a dspark-hf draft (perhaps the one being exported) would be replaced."""
+    check_output_folder(dst, "DeepSpec export", ours=("deepspec",))
+
+
 def export_deepspec(draft: DSparkDraftModel, target: PreTrainedModel, dst: str | Path) -> Path:
     """Write `draft` in DeepSpec's ``Qwen3DSparkModel`` layout at `dst`: its config (a copy of the target's with the
     draft's fields, as DeepSpec's build_draft_config writes it) and weights under DeepSpec's names, with the copies
     of the target's embedding and LM head it stores. [`convert_checkpoint`] with ``source="deepspec"`` reads it back
-    to the same weights."""
+    to the same weights. `dst` must be a new or empty folder, or an earlier export (see [`check_export_folder`])."""
+    check_export_folder(dst)
     blockers = deepspec_blockers(draft, target)
     if blockers:
         raise ValueError("This draft cannot be written in DeepSpec's layout: " + "; ".join(blockers) + ". Train a "
@@ -355,7 +372,7 @@ def export_deepspec(draft: DSparkDraftModel, target: PreTrainedModel, dst: str |
     for key, of_target in _TARGET_COPIES.items():
         tensors[key] = of_target(target).to(draft.dtype)  # one dtype per checkpoint, as DeepSpec saves
     dst.mkdir(parents=True, exist_ok=True)
-    if _earlier_export(dst):  # its shards, which a reader would prefer to the new file
+    if written_by_dspark(dst) == "deepspec":  # its shards, which a reader would prefer to the new file
         for stale in [*dst.glob("*.safetensors"), *dst.glob("*.safetensors.index.json")]:
             stale.unlink()
     (dst / "config.json").write_text(json.dumps(raw, indent=2, default=str))
@@ -363,13 +380,6 @@ def export_deepspec(draft: DSparkDraftModel, target: PreTrainedModel, dst: str |
     return dst
 
 
-def _earlier_export(folder: Path) -> bool:
-    """Whether `folder` holds an export of ours (never a downloaded checkpoint)."""
-    try:
-        return "dspark_hf_export" in json.loads((folder / "config.json").read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, TypeError):
-        return False
-
-
-__all__ = ["convert_checkpoint", "export_deepspec", "deepspec_blockers", "SOURCES", "deepspec_config", "specforge_config", "dflash_config",
+__all__ = ["convert_checkpoint", "export_deepspec", "check_conversion_folder", "check_export_folder",
+           "deepspec_blockers", "SOURCES", "deepspec_config", "specforge_config", "dflash_config",
            "load_safetensors", "map_state_dict", "drop_target_copies"]
