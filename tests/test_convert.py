@@ -425,3 +425,34 @@ def test_export_deepspec_in_python_writes_only_into_a_new_folder_or_its_own_earl
     (ours / "model-00001-of-00002.safetensors").write_bytes(b"stale")  # as if sharded before
     export_deepspec(original, target, ours)
     assert sorted(p.name for p in ours.iterdir()) == ["config.json", "model.safetensors"]
+
+
+@pytest.mark.parametrize("where", ["dflash_config", "top level"])
+def test_a_dflash_soft_cap_is_carried_over_and_drafts_the_same(tmp_path, target, where):
+    # z-lab's newer DFlash code caps the LM-head logits, reading the cap from dflash_config or else the top level
+    original = tiny_draft(target, head_type="none", confidence_head=False, anchor_predicts=False,
+                          final_logit_softcapping=0.5)  # small enough to change every distribution
+    config = dflash_config(original)
+    (config["dflash_config"] if where == "dflash_config" else config)["final_logit_softcapping"] = 0.5
+    src = write_checkpoint(tmp_path / "src", config, public_state_dict(original))
+    assert check_conversion(src, tmp_path / "dst", "dflash", original, target).config.final_logit_softcapping == 0.5
+
+
+@pytest.mark.parametrize("setting, value", [("input_embedding_scale", 8.0), ("output_multiplier", 0.5),
+                                            ("is_causal", True)])
+@pytest.mark.parametrize("where", ["dflash_config", "top level"])
+def test_dflash_settings_that_change_the_draft_are_refused_by_name_and_neutral_values_pass(
+        tmp_path, target, setting, value, where):
+    original = tiny_draft(target, head_type="none", confidence_head=False, anchor_predicts=False)
+    neutral = {"input_embedding_scale": 1.0, "output_multiplier": 1.0, "is_causal": False}[setting]
+    for v in (neutral, value):
+        config = dflash_config(original)
+        (config["dflash_config"] if where == "dflash_config" else config)[setting] = v
+        config["unrelated_key_real_checkpoints_carry"] = 3  # unknown harmless keys are not refused
+        src = write_checkpoint(tmp_path / f"src-{v}", config, public_state_dict(original))
+        if v == neutral:
+            convert_checkpoint(src, tmp_path / "dst", "dflash", target=target)
+            continue
+        with pytest.raises(NotImplementedError, match=rf"^{setting}={value!r} .*dspark-hf does not reproduce it"):
+            convert_checkpoint(src, tmp_path / "refused", "dflash", target=target)
+        assert not (tmp_path / "refused").exists()

@@ -17,7 +17,9 @@ concatenated target features, layers whose k/v projections (+ k_norm, RoPE) also
 - ``dflash``: ``DFlashDraftModel`` of z-lab/dflash (dflash/model.py at commit 44947fb; SpecForge's DFlash is the
   same layout). Backbone only, ``dflash_config`` with ``mask_token_id`` and ``target_layer_ids``. A block of
   ``block_size`` rows drafts ``block_size - 1`` tokens, each mask row predicting its own position, so it becomes
-  ``head_type="none"`` with ``anchor_predicts=False`` and our ``block_size`` one less.
+  ``head_type="none"`` with ``anchor_predicts=False`` and our ``block_size`` one less. Newer z-lab code (dflash/model.py
+  after 44947fb) also reads ``final_logit_softcapping`` (carried over), ``input_embedding_scale``,
+  ``output_multiplier`` and ``is_causal`` (refused unless they leave the computation unchanged).
 
 The target's embedding and LM head are never stored in our checkpoint: source copies are dropped only after they
 are checked equal to the target's.
@@ -165,16 +167,34 @@ def specforge_config(raw: dict) -> dict:
                               bool(dc.get("confidence_head_with_markov", False))))
 
 
+# Settings that z-lab's newer dflash/model.py (after 44947fb) reads from dflash_config or else the top level, and
+# that change what the draft computes: name -> (the value that changes nothing, what it does). Soft-capping, the one
+# more, is mapped onto our final_logit_softcapping.
+_DFLASH_UNSUPPORTED = {
+    "input_embedding_scale": (1.0, "scales the block's input embeddings"),
+    "output_multiplier": (1.0, "scales the draft's logits"),
+    "is_causal": (False, "makes attention causal within the block"),
+}
+
+
 def dflash_config(raw: dict) -> dict:
     """z-lab DFlash ``DFlashDraftModel`` config.json -> DSparkConfig fields (a head-less draft)."""
     fields, dc = backbone_fields(raw, "dflash"), raw.get("dflash_config") or {}
     sizes = {raw.get("block_size"), dc.get("block_size")} - {None}  # top level in older drafts, dflash_config later
     if len(sizes) != 1:
         raise ValueError(f"config.json needs one block_size (top level or in dflash_config), found {sorted(sizes)}.")
+    for name, (neutral, effect) in _DFLASH_UNSUPPORTED.items():
+        value = dc.get(name, raw.get(name))
+        if value is not None and value != neutral:
+            raise NotImplementedError(f"{name}={value!r} {effect} in this DFlash draft; dspark-hf does not reproduce "
+                                      "it, so the checkpoint cannot be converted faithfully.")
+    cap = dc.get("final_logit_softcapping", raw.get("final_logit_softcapping"))
     return dict(fields, block_size=sizes.pop() - 1, anchor_predicts=False, mask_token_id=dc.get("mask_token_id"),
                 target_layer_ids=_layer_ids(dc.get("target_layer_ids") or _default_layer_ids(
                     raw["num_target_layers"], raw["num_hidden_layers"])),
-                head_type="none", markov_rank=0, confidence_head=False)
+                head_type="none", markov_rank=0, confidence_head=False,
+                # z-lab caps the draft's LM-head logits as our base_logits does; a cap of 0 or less means none
+                final_logit_softcapping=float(cap) if cap is not None and float(cap) > 0 else None)
 
 
 CONFIG_READERS = {"deepspec": deepspec_config, "specforge": specforge_config, "dflash": dflash_config}
@@ -288,7 +308,7 @@ def convert_checkpoint(src: str | Path, dst: str | Path, source: str,
     if target is not None:
         fields.update(target_model_type=t.model_type,
                       target_name_or_path=getattr(target.config, "_name_or_path", None) or None)
-    # final_logit_softcapping stays None: these sources take draft logits straight from the LM head
+    # only DFlash configs set a soft cap: DeepSpec and SpecForge take draft logits straight from the LM head
     config = DSparkConfig(**fields)
     tensors = _one_dtype(drop_target_copies(load_safetensors(src), target))
     with torch.device("meta"):  # no random init: every parameter is assigned from the checkpoint
