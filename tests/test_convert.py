@@ -181,6 +181,31 @@ def test_early_specforge_checkpoints_with_heads_under_logit_head_convert_the_sam
     assert_same_weights(convert_checkpoint(src, tmp_path / "dst", "specforge", target=target), original)
 
 
+@pytest.mark.parametrize("model_type", ["qwen3", "dspark"])
+def test_checkpoints_of_specforge_s_first_dspark_trainer_with_head_settings_at_the_top_level_convert_the_same(
+        tmp_path, target, model_type):
+    # commit 9facb330: a Qwen3Config carrying the head settings at the top level (DSparkConfig, model_type "dspark",
+    # when saved through that class), mask_token_id and target_layer_ids alone in dflash_config
+    from dspark_hf.model.convert import check_conversion_folder
+
+    original = tiny_draft(target, head_type="markov", confidence_head=True)
+    config = specforge_config(original)
+    c = config["dflash_config"]
+    config["dflash_config"] = dict(mask_token_id=c["mask_token_id"], target_layer_ids=c["target_layer_ids"])
+    config.update(model_type=model_type, markov_rank=c["markov_rank"], markov_head_type="vanilla",
+                  enable_confidence_head=True, confidence_head_with_markov=True)
+    src = write_checkpoint(tmp_path / "src", config, public_state_dict(original))
+    check_conversion(src, tmp_path / "dst", "specforge", original, target)
+    with pytest.raises(ValueError, match="not an earlier conversion"):  # not taken for a dspark-hf draft
+        check_conversion_folder(tmp_path / "dst", src)
+
+
+def test_a_dspark_hf_draft_is_not_converted_but_loaded(tmp_path, target):
+    tiny_draft(target).save_pretrained(tmp_path / "draft")
+    with pytest.raises(ValueError, match="is a dspark-hf draft already: load it with DSparkDraftModel.from_pretrained"):
+        convert_checkpoint(tmp_path / "draft", tmp_path / "dst", "specforge", target=target)
+
+
 def test_dflash_checkpoint_becomes_a_headless_draft_reading_the_mask_rows(tmp_path, target):
     original = tiny_draft(target, head_type="none", confidence_head=False, anchor_predicts=False, block_size=4)
     src = write_checkpoint(tmp_path / "src", dflash_config(original), public_state_dict(original))

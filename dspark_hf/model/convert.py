@@ -13,7 +13,9 @@ concatenated target features, layers whose k/v projections (+ k_norm, RoPE) also
   specforge/algorithms/common/dflash_family_model.py at commit a6b6b02). Same heads and key names, settings under
   ``dflash_config`` (``projector_type="dspark"``), no embedding or LM head. Trained with labels anchor + 1 ..
   anchor + block_size (``OnlineDSparkModel``), as ours. (SpecForge's own ``spec_generate`` samples from rows 1..
-  block_size - 1 instead; we follow the training labels the weights were fit to.)
+  block_size - 1 instead; we follow the training labels the weights were fit to.) SpecForge's first DSpark trainer
+  (commit 9facb330, same labels and heads) kept the head settings at the top level, as DeepSpec does, and may save
+  model_type "dspark"; its checkpoints convert the same way.
 - ``dflash``: ``DFlashDraftModel`` of z-lab/dflash (dflash/model.py at commit 44947fb; SpecForge's DFlash is the
   same layout). Backbone only, ``dflash_config`` with ``mask_token_id`` and ``target_layer_ids``. A block of
   ``block_size`` rows drafts ``block_size - 1`` tokens, each mask row predicting its own position, so it becomes
@@ -62,10 +64,12 @@ _ARCHITECTURES = {"deepspec": "Qwen3DSparkModel", "specforge": "DSparkDraftModel
 def backbone_fields(raw: dict, source: str) -> dict:
     """The Qwen3 backbone fields shared by all three layouts -> DSparkConfig fields."""
     architectures = raw.get("architectures") or []
-    if raw.get("model_type") == "dspark":
+    if raw.get("model_type") == "dspark" and "dflash_config" not in raw:
         raise ValueError("this is a dspark-hf draft already: load it with DSparkDraftModel.from_pretrained (or pass it "
                          "as --draft); there is nothing to convert.")
-    if architectures != [_ARCHITECTURES[source]] or raw.get("model_type") != "qwen3":
+    # SpecForge's first DSpark trainer saved a Qwen3Config subclass whose model_type is "dspark"
+    qwen3 = raw.get("model_type") == "qwen3" or (source == "specforge" and raw.get("model_type") == "dspark")
+    if architectures != [_ARCHITECTURES[source]] or not qwen3:
         hint = {"DFlashDraftModel": " (a DFlash draft: use --from dflash)",
                 "DSparkDraftModel": " (a SpecForge DSpark draft: use --from specforge)",
                 "Qwen3DSparkModel": " (a DeepSpec draft: use --from deepspec)"}.get(next(iter(architectures), ""), "")
@@ -150,6 +154,9 @@ def deepspec_config(raw: dict) -> dict:
                               bool(raw.get("confidence_head_with_markov", False))))
 
 
+_HEAD_SETTINGS = {"markov_rank", "markov_head_type", "enable_confidence_head", "confidence_head_with_markov"}
+
+
 def specforge_config(raw: dict) -> dict:
     """SpecForge ``DSparkDraftModel`` config.json (settings under dflash_config) -> DSparkConfig fields."""
     fields, dc = backbone_fields(raw, "specforge"), raw.get("dflash_config") or {}
@@ -157,14 +164,19 @@ def specforge_config(raw: dict) -> dict:
         raise ValueError("config.json lacks block_size, which a SpecForge DSparkDraftModel config carries.")
     if dc.get("projector_type", "dspark") != "dspark" or dc.get("pure_draft_prefix_len", 0):
         raise NotImplementedError(f"dflash_config {dc} asks for a projector or draft prefix other than plain DSpark.")
-    rank = int(dc.get("markov_rank", 0) or 0)
-    # SpecForge's own defaults: vanilla head, confidence head iff confidence_head_alpha > 0, confidence on h only
-    confidence = bool(dc.get("enable_confidence_head", float(dc.get("confidence_head_alpha", 0) or 0) > 0))
+    if not dc.keys() & _HEAD_SETTINGS and raw.keys() & _HEAD_SETTINGS:
+        # SpecForge's first DSpark trainer (commit 9facb330) kept them at the top level, with its own defaults
+        heads = head_fields(int(raw.get("markov_rank", 0) or 0), raw.get("markov_head_type", "vanilla"),
+                            bool(raw.get("enable_confidence_head", False)),
+                            bool(raw.get("confidence_head_with_markov", True)))
+    else:
+        # SpecForge's own defaults: vanilla head, confidence head iff confidence_head_alpha > 0, confidence on h only
+        heads = head_fields(int(dc.get("markov_rank", 0) or 0), dc.get("markov_head_type", "vanilla"),
+                            bool(dc.get("enable_confidence_head", float(dc.get("confidence_head_alpha", 0) or 0) > 0)),
+                            bool(dc.get("confidence_head_with_markov", False)))
     return dict(fields, block_size=raw["block_size"], mask_token_id=dc.get("mask_token_id"),
                 target_layer_ids=_layer_ids(dc.get("target_layer_ids") or _default_layer_ids(
-                    raw["num_target_layers"], raw["num_hidden_layers"])),
-                **head_fields(rank, dc.get("markov_head_type", "vanilla"), confidence,
-                              bool(dc.get("confidence_head_with_markov", False))))
+                    raw["num_target_layers"], raw["num_hidden_layers"])), **heads)
 
 
 # Settings that z-lab's newer dflash/model.py (after 44947fb) reads from dflash_config or else the top level, and
