@@ -367,6 +367,20 @@ def test_a_deepspec_export_carries_what_deepspec_s_constructor_requires_and_mark
     assert config["num_anchors"] == 512 and "dspark_hf_export" in config
 
 
+def test_a_deepspec_export_records_the_dtype_of_its_tensors_not_the_target_s(tmp_path):
+    from safetensors import safe_open
+
+    from dspark_hf.model.convert import export_deepspec
+
+    target = tiny_target("qwen3")
+    target.config.dtype = torch.float32  # as `dspark export --format deepspec` loads it
+    export_deepspec(tiny_draft(target).to(torch.bfloat16), target, tmp_path / "deepspec")
+    config = json.loads((tmp_path / "deepspec" / "config.json").read_text())
+    with safe_open(tmp_path / "deepspec" / "model.safetensors", "pt") as f:
+        assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}
+    assert config["dtype"] == "bfloat16" and config.get("torch_dtype", "bfloat16") == "bfloat16"
+
+
 def test_what_deepspec_cannot_express_includes_calibration_and_a_scaled_embedding(target):
     from dspark_hf.model.convert import deepspec_blockers
 

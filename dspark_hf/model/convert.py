@@ -400,6 +400,10 @@ def export_deepspec(draft: DSparkDraftModel, target: PreTrainedModel, dst: str |
                num_anchors=EXPORTED_ANCHORS, dspark_hf_export=True)
     if c.head_type != "none":
         raw["markov_head_type"] = {"markov": "vanilla", "rnn": "rnn"}[c.head_type]
+    # the tensors' dtype, not the target's (the CLI loads it in float32): engines serve the draft in this dtype
+    raw["dtype"] = str(draft.dtype).removeprefix("torch.")
+    if "torch_dtype" in raw:  # the name older transformers versions write
+        raw["torch_dtype"] = raw["dtype"]
     tensors = {public_name(k): v for k, v in draft.state_dict().items()}
     for key, of_target in _TARGET_COPIES.items():
         tensors[key] = of_target(target).to(draft.dtype)  # one dtype per checkpoint, as DeepSpec saves
