@@ -495,3 +495,20 @@ def test_dflash_settings_that_change_the_draft_are_refused_by_name_and_neutral_v
         with pytest.raises(NotImplementedError, match=rf"^{setting}={value!r} .*dspark-hf does not reproduce it"):
             convert_checkpoint(src, tmp_path / "refused", "dflash", target=target)
         assert not (tmp_path / "refused").exists()
+
+
+def test_a_converted_draft_s_card_says_what_it_was_converted_from_not_that_dspark_hf_trained_it(tmp_path, target):
+    original = tiny_draft(target, head_type="none", confidence_head=False, anchor_predicts=False)
+    snapshot = tmp_path / "hub" / "models--z-lab--Qwen3-8B-DFlash-b16" / "snapshots" / ("0123456789ab" + "c" * 28)
+    local = tmp_path / "my-dflash"
+    for src in (snapshot, local):
+        write_checkpoint(src, dflash_config(original), public_state_dict(original))
+        convert_checkpoint(src, tmp_path / src.name / "dst", "dflash", target=target)
+        card = (tmp_path / src.name / "dst" / "README.md").read_text()
+        assert "trained with\ndspark-hf" not in card and "Not recorded" not in card
+        assert str(tmp_path) not in card  # the card names no path of this machine
+    # z-lab's Hub checkpoint, downloaded into the Hugging Face cache, is named by its Hub id
+    assert "converted by dspark-hf from a DFlash checkpoint (`z-lab/Qwen3-8B-DFlash-b16` at revision 0123456789ab)" \
+        in (tmp_path / snapshot.name / "dst" / "README.md").read_text()
+    assert "converted by dspark-hf from a DFlash checkpoint (a local folder named `my-dflash`)" in card
+    assert "Not trained with dspark-hf: converted by `dspark convert`" in card

@@ -56,6 +56,7 @@ _TARGET_COPIES = {
     "lm_head.weight": lambda target: target.get_output_embeddings().weight,
 }
 _ARCHITECTURES = {"deepspec": "Qwen3DSparkModel", "specforge": "DSparkDraftModel", "dflash": "DFlashDraftModel"}
+_SOURCE_NAMES = {"deepspec": "DeepSpec", "specforge": "SpecForge DSpark", "dflash": "DFlash"}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -328,8 +329,22 @@ def convert_checkpoint(src: str | Path, dst: str | Path, source: str,
     draft.load_state_dict(map_state_dict(tensors, draft, source), strict=True, assign=True)
     if target is not None:
         draft.bind_target(target)  # checks vocabulary, hidden size, layer ids and mask token before anything is written
-    draft.eval().save_pretrained(dst)
+    origin = f"a {_SOURCE_NAMES[source]} checkpoint ({_checkpoint_name(src)})"
+    draft.eval().save_pretrained(dst, card_data={"converted_from": origin, "recipe": (
+        f"Not trained with dspark-hf: converted by `dspark convert` from {origin}, its weights unchanged. How it was "
+        "trained is for the source checkpoint to document.")})
     return draft
+
+
+def _checkpoint_name(src: Path) -> str:
+    """How a card names the checkpoint at `src`: by Hub id and revision when it is a snapshot in the Hugging Face
+    cache, else by folder name (a card names no path of the machine it was written on)."""
+    parts = src.resolve().parts
+    for i in range(len(parts) - 2):
+        if parts[i].startswith("models--") and parts[i + 1] == "snapshots":
+            # the cache's folder name for a repo id: "models--" + the id with "/" written "--" (ids never hold "--")
+            return f"`{parts[i].removeprefix('models--').replace('--', '/')}` at revision {parts[i + 2][:12]}"
+    return f"a local folder named `{src.resolve().name}`"
 
 # ---------------------------------------------------------------------------------------------------------------
 # export: the reverse of --from deepspec
