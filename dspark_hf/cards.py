@@ -33,6 +33,7 @@ class CardData:
     repo_id: where the draft lives, for the usage snippet. eval_results: the JSON `dspark eval` writes.
     calibration: the calibration.json `dspark calibrate` writes. recipe: markdown for the Training section (see
     [`training_recipe`]). tags: added to the default ones.
+    converted_from: for a draft converted from another layout, what it came from ("a DFlash checkpoint (...)").
     """
 
     base_model: str | None = None
@@ -43,6 +44,7 @@ class CardData:
     license: str = "apache-2.0"
     name: str | None = None
     tags: list[str] = field(default_factory=list)
+    converted_from: str | None = None
 
     @classmethod
     def coerce(cls, value: "CardData | dict | None") -> "CardData":
@@ -203,7 +205,7 @@ def check_results_match(config, data: CardData) -> None:
 def render_model_card(config, base_model: str | None, repo_id: str = "<your-repo/draft>",
                       eval_results: dict | None = None, recipe: str | None = None, license: str = "apache-2.0",
                       name: str | None = None, *, calibration: dict | None = None, tags=(),
-                      shipped: bool = False) -> str:
+                      shipped: bool = False, converted_from: str | None = None) -> str:
     """The README.md of a draft checkpoint: YAML front matter, what it is, usage, training recipe, results,
     calibration. `base_model` is the target's hub id (a local path or None gives a card without Hub metadata, and a
     placeholder to replace in its usage). shipped: the card of the draft dspark-hf ships for SmolLM2, whose usage
@@ -234,6 +236,8 @@ def render_model_card(config, base_model: str | None, repo_id: str = "<your-repo
     return _template().format(
         front_matter=front_matter(base_model, license, tags), generated_mark=GENERATED_MARK,
         base_model=target, name=name or f"DSpark draft for {title}", usage_note=usage_note,
+        # a trained draft's wording breaks its line where the shipped card does
+        origin=f"converted by dspark-hf from {converted_from}" if converted_from else "trained with\ndspark-hf",
         draft_import="" if shipped else "from dspark_hf import DSparkDraftModel\n",
         load_draft="draft = dspark_hf.default_draft(target)" if shipped else
         f'draft = DSparkDraftModel.from_pretrained("{repo_id or "<your-repo/draft>"}").bind_target(target)',
@@ -249,4 +253,5 @@ def render_model_card(config, base_model: str | None, repo_id: str = "<your-repo
 def render_card_data(config, data: CardData) -> str:
     """[`render_model_card`] from a [`CardData`]; the base model defaults to the config's target."""
     return render_model_card(config, data.base_model or config.target_name_or_path, data.repo_id, data.eval_results,
-                             data.recipe, data.license, data.name, calibration=data.calibration, tags=data.tags)
+                             data.recipe, data.license, data.name, calibration=data.calibration, tags=data.tags,
+                             converted_from=data.converted_from)

@@ -309,11 +309,9 @@ def _show(args, table: str, plot) -> int:
 
 def cmd_convert(args) -> int:
     """A public DSpark / DFlash checkpoint folder -> a dspark-hf draft (see dspark_hf.model.convert)."""
-    from .model.convert import convert_checkpoint
+    from .model.convert import check_conversion_folder, convert_checkpoint
 
-    if Path(args.dst).resolve() == Path(args.src).resolve():
-        raise ValueError(f"dst {args.dst} is the checkpoint being converted: give another folder.")
-    _output_folder(args.dst, "dst", "conversion")
+    check_conversion_folder(args.src, args.dst)  # before the target loads; convert_checkpoint checks again
     target = _load(args, draft=False)[0] if args.target else None
     draft = convert_checkpoint(args.src, args.dst, args.source, target=target)
     c = draft.config
@@ -334,41 +332,20 @@ def cmd_push(args) -> int:
     return 0
 
 
-def _output_folder(path: str, flag: str = "--output", what: str = "export") -> None:
-    """Refuse an output folder that holds something other than an earlier `what` of ours (a dspark-hf draft, or a
-    DeepSpec-layout export marked as ours): writing replaces its files. A public DSpark checkpoint is not ours."""
-    from .cards import GENERATED_MARK
-
-    folder = Path(path)
-    if folder.is_file():
-        raise ValueError(f"{flag} {path} is a file: give a folder.")
-    if not folder.is_dir() or not any(folder.iterdir()):
-        return
-    config, card = folder / "config.json", folder / "README.md"
-    try:
-        saved = json.loads(config.read_text()) if config.is_file() else {}
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        saved = None  # not a config we wrote
-    ours = isinstance(saved, dict) and (saved.get("model_type") == "dspark" or "dspark_hf_export" in saved)
-    if not ours or (card.is_file() and GENERATED_MARK not in card.read_text()):
-        raise ValueError(f"{flag} {path} already holds files that are not an earlier {what} (another model or "
-                         f"checkpoint, or a README.md you wrote), which writing would replace: give a new or empty "
-                         "folder.")
-
-
 def cmd_export(args) -> int:
     """Save a trained draft for sharing: chosen dtype, code for trust_remote_code, and a generated model card."""
     from .cards import render_model_card
     from .defaults import SHIPPED_DRAFT_DIR
+    from .files import check_output_folder
     from .hub import folder_calibration, read_json
     from .loading import _check_name, refuse_adapter
     from .model import DSparkDraftModel
 
     _check_name(args.draft, "the draft")
-    _output_folder(args.output)
     if args.format == "deepspec":
-        from .model.convert import export_deepspec
+        from .model.convert import check_export_folder, export_deepspec
 
+        check_export_folder(args.output)  # before the models load; export_deepspec checks again
         if not args.target:
             raise ValueError("--format deepspec writes copies of the target's embedding and LM head: pass --target.")
         from transformers import AutoModelForCausalLM
@@ -381,6 +358,7 @@ def cmd_export(args) -> int:
         print(f"exported to {args.output} in DeepSpec's Qwen3DSparkModel layout (dspark convert --from deepspec "
               "reads it back)")
         return 0
+    check_output_folder(args.output, "export", ours=("draft", "deepspec"))
     if not args.base_model:
         raise ValueError("--base-model is needed for the model card: the target's Hub id, e.g. "
                          "HuggingFaceTB/SmolLM2-135M-Instruct.")

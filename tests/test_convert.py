@@ -181,6 +181,31 @@ def test_early_specforge_checkpoints_with_heads_under_logit_head_convert_the_sam
     assert_same_weights(convert_checkpoint(src, tmp_path / "dst", "specforge", target=target), original)
 
 
+@pytest.mark.parametrize("model_type", ["qwen3", "dspark"])
+def test_checkpoints_of_specforge_s_first_dspark_trainer_with_head_settings_at_the_top_level_convert_the_same(
+        tmp_path, target, model_type):
+    # commit 9facb330: a Qwen3Config carrying the head settings at the top level (DSparkConfig, model_type "dspark",
+    # when saved through that class), mask_token_id and target_layer_ids alone in dflash_config
+    from dspark_hf.model.convert import check_conversion_folder
+
+    original = tiny_draft(target, head_type="markov", confidence_head=True)
+    config = specforge_config(original)
+    c = config["dflash_config"]
+    config["dflash_config"] = dict(mask_token_id=c["mask_token_id"], target_layer_ids=c["target_layer_ids"])
+    config.update(model_type=model_type, markov_rank=c["markov_rank"], markov_head_type="vanilla",
+                  enable_confidence_head=True, confidence_head_with_markov=True)
+    src = write_checkpoint(tmp_path / "src", config, public_state_dict(original))
+    check_conversion(src, tmp_path / "dst", "specforge", original, target)
+    with pytest.raises(ValueError, match="not an earlier conversion"):  # not taken for a dspark-hf draft
+        check_conversion_folder(tmp_path / "dst", src)
+
+
+def test_a_dspark_hf_draft_is_not_converted_but_loaded(tmp_path, target):
+    tiny_draft(target).save_pretrained(tmp_path / "draft")
+    with pytest.raises(ValueError, match="is a dspark-hf draft already: load it with DSparkDraftModel.from_pretrained"):
+        convert_checkpoint(tmp_path / "draft", tmp_path / "dst", "specforge", target=target)
+
+
 def test_dflash_checkpoint_becomes_a_headless_draft_reading_the_mask_rows(tmp_path, target):
     original = tiny_draft(target, head_type="none", confidence_head=False, anchor_predicts=False, block_size=4)
     src = write_checkpoint(tmp_path / "src", dflash_config(original), public_state_dict(original))
@@ -342,6 +367,20 @@ def test_a_deepspec_export_carries_what_deepspec_s_constructor_requires_and_mark
     assert config["num_anchors"] == 512 and "dspark_hf_export" in config
 
 
+def test_a_deepspec_export_records_the_dtype_of_its_tensors_not_the_target_s(tmp_path):
+    from safetensors import safe_open
+
+    from dspark_hf.model.convert import export_deepspec
+
+    target = tiny_target("qwen3")
+    target.config.dtype = torch.float32  # as `dspark export --format deepspec` loads it
+    export_deepspec(tiny_draft(target).to(torch.bfloat16), target, tmp_path / "deepspec")
+    config = json.loads((tmp_path / "deepspec" / "config.json").read_text())
+    with safe_open(tmp_path / "deepspec" / "model.safetensors", "pt") as f:
+        assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}
+    assert config["dtype"] == "bfloat16" and config.get("torch_dtype", "bfloat16") == "bfloat16"
+
+
 def test_what_deepspec_cannot_express_includes_calibration_and_a_scaled_embedding(target):
     from dspark_hf.model.convert import deepspec_blockers
 
@@ -387,22 +426,89 @@ def test_convert_and_export_write_only_into_new_folders_or_their_own_earlier_out
               "--dtype", "float32", "--output"]
     downloaded = write_checkpoint(tmp_path / "downloaded", deepspec_config(original, target),
                                   public_state_dict(original, target), shards=2)  # a public DeepSpec checkpoint
-    assert "not an earlier export" in cli_error(capsys, export + [str(downloaded)])
+    assert "not an earlier DeepSpec export" in cli_error(capsys, export + [str(downloaded)])
     assert main(export + [str(tmp_path / "deepspec")]) == 0
     (tmp_path / "deepspec" / "model-00001-of-00002.safetensors").write_bytes(b"stale")  # as if sharded before
     assert main(export + [str(tmp_path / "deepspec")]) == 0
     assert sorted(p.name for p in (tmp_path / "deepspec").iterdir()) == ["config.json", "model.safetensors"]
 
 
-def test_export_deepspec_in_python_removes_only_its_own_earlier_shards(tmp_path, target):
+def test_convert_checkpoint_in_python_refuses_its_source_and_a_downloaded_checkpoint_as_the_cli_does(
+        tmp_path, target, capsys):
+    from conftest import cli_error
+
+    original = tiny_draft(target)
+    src = write_checkpoint(tmp_path / "src", deepspec_config(original, target), public_state_dict(original, target))
+    other = write_checkpoint(tmp_path / "other", specforge_config(original), public_state_dict(original))
+    files = {p: p.read_bytes() for folder in (src, other) for p in folder.iterdir()}
+    for dst, message in ((src, "is the checkpoint being converted"), (other, "not an earlier conversion")):
+        with pytest.raises(ValueError, match=message) as error:
+            convert_checkpoint(src, dst, "deepspec", target=target)
+        assert cli_error(capsys, ["convert", "--from", "deepspec", str(src), str(dst)]).startswith(f"dspark convert: error: {error.value} ")
+    assert {p: p.read_bytes() for p in files} == files and set(files) == {*src.iterdir(), *other.iterdir()}
+
+
+def test_export_deepspec_in_python_writes_only_into_a_new_folder_or_its_own_earlier_export(tmp_path, target):
     from dspark_hf.model.convert import export_deepspec
 
     original = tiny_draft(target)
-    foreign = write_checkpoint(tmp_path / "foreign", deepspec_config(original, target),
-                               public_state_dict(original, target), shards=2)
-    export_deepspec(original, target, foreign)  # the CLI refuses this folder; a Python caller is not stopped
-    assert len(list(foreign.glob("model-0000*-of-00002.safetensors"))) == 2, "someone else's weights are kept"
+    downloaded = write_checkpoint(tmp_path / "downloaded", deepspec_config(original, target),
+                                  public_state_dict(original, target), shards=2)
+    original.save_pretrained(tmp_path / "draft")  # the draft being exported: a dspark-hf draft, not a DeepSpec export
+    for folder in (downloaded, tmp_path / "draft"):
+        files = {p: p.read_bytes() for p in folder.iterdir()}
+        with pytest.raises(ValueError, match="not an earlier DeepSpec export"):
+            export_deepspec(original, target, folder)
+        assert {p: p.read_bytes() for p in folder.iterdir()} == files
     ours = export_deepspec(original, target, tmp_path / "ours")
-    (ours / "model-00001-of-00002.safetensors").write_bytes(b"stale")
+    (ours / "model-00001-of-00002.safetensors").write_bytes(b"stale")  # as if sharded before
     export_deepspec(original, target, ours)
     assert sorted(p.name for p in ours.iterdir()) == ["config.json", "model.safetensors"]
+
+
+@pytest.mark.parametrize("where", ["dflash_config", "top level"])
+def test_a_dflash_soft_cap_is_carried_over_and_drafts_the_same(tmp_path, target, where):
+    # z-lab's newer DFlash code caps the LM-head logits, reading the cap from dflash_config or else the top level
+    original = tiny_draft(target, head_type="none", confidence_head=False, anchor_predicts=False,
+                          final_logit_softcapping=0.5)  # small enough to change every distribution
+    config = dflash_config(original)
+    (config["dflash_config"] if where == "dflash_config" else config)["final_logit_softcapping"] = 0.5
+    src = write_checkpoint(tmp_path / "src", config, public_state_dict(original))
+    assert check_conversion(src, tmp_path / "dst", "dflash", original, target).config.final_logit_softcapping == 0.5
+
+
+@pytest.mark.parametrize("setting, value", [("input_embedding_scale", 8.0), ("output_multiplier", 0.5),
+                                            ("is_causal", True)])
+@pytest.mark.parametrize("where", ["dflash_config", "top level"])
+def test_dflash_settings_that_change_the_draft_are_refused_by_name_and_neutral_values_pass(
+        tmp_path, target, setting, value, where):
+    original = tiny_draft(target, head_type="none", confidence_head=False, anchor_predicts=False)
+    neutral = {"input_embedding_scale": 1.0, "output_multiplier": 1.0, "is_causal": False}[setting]
+    for v in (neutral, value):
+        config = dflash_config(original)
+        (config["dflash_config"] if where == "dflash_config" else config)[setting] = v
+        config["unrelated_key_real_checkpoints_carry"] = 3  # unknown harmless keys are not refused
+        src = write_checkpoint(tmp_path / f"src-{v}", config, public_state_dict(original))
+        if v == neutral:
+            convert_checkpoint(src, tmp_path / "dst", "dflash", target=target)
+            continue
+        with pytest.raises(NotImplementedError, match=rf"^{setting}={value!r} .*dspark-hf does not reproduce it"):
+            convert_checkpoint(src, tmp_path / "refused", "dflash", target=target)
+        assert not (tmp_path / "refused").exists()
+
+
+def test_a_converted_draft_s_card_says_what_it_was_converted_from_not_that_dspark_hf_trained_it(tmp_path, target):
+    original = tiny_draft(target, head_type="none", confidence_head=False, anchor_predicts=False)
+    snapshot = tmp_path / "hub" / "models--z-lab--Qwen3-8B-DFlash-b16" / "snapshots" / ("0123456789ab" + "c" * 28)
+    local = tmp_path / "my-dflash"
+    for src in (snapshot, local):
+        write_checkpoint(src, dflash_config(original), public_state_dict(original))
+        convert_checkpoint(src, tmp_path / src.name / "dst", "dflash", target=target)
+        card = (tmp_path / src.name / "dst" / "README.md").read_text()
+        assert "trained with\ndspark-hf" not in card and "Not recorded" not in card
+        assert str(tmp_path) not in card  # the card names no path of this machine
+    # z-lab's Hub checkpoint, downloaded into the Hugging Face cache, is named by its Hub id
+    assert "converted by dspark-hf from a DFlash checkpoint (`z-lab/Qwen3-8B-DFlash-b16` at revision 0123456789ab)" \
+        in (tmp_path / snapshot.name / "dst" / "README.md").read_text()
+    assert "converted by dspark-hf from a DFlash checkpoint (a local folder named `my-dflash`)" in card
+    assert "Not trained with dspark-hf: converted by `dspark convert`" in card

@@ -13,11 +13,15 @@ concatenated target features, layers whose k/v projections (+ k_norm, RoPE) also
   specforge/algorithms/common/dflash_family_model.py at commit a6b6b02). Same heads and key names, settings under
   ``dflash_config`` (``projector_type="dspark"``), no embedding or LM head. Trained with labels anchor + 1 ..
   anchor + block_size (``OnlineDSparkModel``), as ours. (SpecForge's own ``spec_generate`` samples from rows 1..
-  block_size - 1 instead; we follow the training labels the weights were fit to.)
+  block_size - 1 instead; we follow the training labels the weights were fit to.) SpecForge's first DSpark trainer
+  (commit 9facb330, same labels and heads) kept the head settings at the top level, as DeepSpec does, and may save
+  model_type "dspark"; its checkpoints convert the same way.
 - ``dflash``: ``DFlashDraftModel`` of z-lab/dflash (dflash/model.py at commit 44947fb; SpecForge's DFlash is the
   same layout). Backbone only, ``dflash_config`` with ``mask_token_id`` and ``target_layer_ids``. A block of
   ``block_size`` rows drafts ``block_size - 1`` tokens, each mask row predicting its own position, so it becomes
-  ``head_type="none"`` with ``anchor_predicts=False`` and our ``block_size`` one less.
+  ``head_type="none"`` with ``anchor_predicts=False`` and our ``block_size`` one less. Newer z-lab code (dflash/model.py
+  after 44947fb) also reads ``final_logit_softcapping`` (carried over), ``input_embedding_scale``,
+  ``output_multiplier`` and ``is_causal`` (refused unless they leave the computation unchanged).
 
 The target's embedding and LM head are never stored in our checkpoint: source copies are dropped only after they
 are checked equal to the target's.
@@ -32,6 +36,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import PreTrainedModel
 
+from ..files import check_output_folder, written_by_dspark
 from .configuration_dspark import DSparkConfig
 from .modeling_dspark import DSparkDraftModel
 
@@ -51,6 +56,7 @@ _TARGET_COPIES = {
     "lm_head.weight": lambda target: target.get_output_embeddings().weight,
 }
 _ARCHITECTURES = {"deepspec": "Qwen3DSparkModel", "specforge": "DSparkDraftModel", "dflash": "DFlashDraftModel"}
+_SOURCE_NAMES = {"deepspec": "DeepSpec", "specforge": "SpecForge DSpark", "dflash": "DFlash"}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -59,10 +65,12 @@ _ARCHITECTURES = {"deepspec": "Qwen3DSparkModel", "specforge": "DSparkDraftModel
 def backbone_fields(raw: dict, source: str) -> dict:
     """The Qwen3 backbone fields shared by all three layouts -> DSparkConfig fields."""
     architectures = raw.get("architectures") or []
-    if raw.get("model_type") == "dspark":
+    if raw.get("model_type") == "dspark" and "dflash_config" not in raw:
         raise ValueError("this is a dspark-hf draft already: load it with DSparkDraftModel.from_pretrained (or pass it "
                          "as --draft); there is nothing to convert.")
-    if architectures != [_ARCHITECTURES[source]] or raw.get("model_type") != "qwen3":
+    # SpecForge's first DSpark trainer saved a Qwen3Config subclass whose model_type is "dspark"
+    qwen3 = raw.get("model_type") == "qwen3" or (source == "specforge" and raw.get("model_type") == "dspark")
+    if architectures != [_ARCHITECTURES[source]] or not qwen3:
         hint = {"DFlashDraftModel": " (a DFlash draft: use --from dflash)",
                 "DSparkDraftModel": " (a SpecForge DSpark draft: use --from specforge)",
                 "Qwen3DSparkModel": " (a DeepSpec draft: use --from deepspec)"}.get(next(iter(architectures), ""), "")
@@ -147,6 +155,9 @@ def deepspec_config(raw: dict) -> dict:
                               bool(raw.get("confidence_head_with_markov", False))))
 
 
+_HEAD_SETTINGS = {"markov_rank", "markov_head_type", "enable_confidence_head", "confidence_head_with_markov"}
+
+
 def specforge_config(raw: dict) -> dict:
     """SpecForge ``DSparkDraftModel`` config.json (settings under dflash_config) -> DSparkConfig fields."""
     fields, dc = backbone_fields(raw, "specforge"), raw.get("dflash_config") or {}
@@ -154,14 +165,29 @@ def specforge_config(raw: dict) -> dict:
         raise ValueError("config.json lacks block_size, which a SpecForge DSparkDraftModel config carries.")
     if dc.get("projector_type", "dspark") != "dspark" or dc.get("pure_draft_prefix_len", 0):
         raise NotImplementedError(f"dflash_config {dc} asks for a projector or draft prefix other than plain DSpark.")
-    rank = int(dc.get("markov_rank", 0) or 0)
-    # SpecForge's own defaults: vanilla head, confidence head iff confidence_head_alpha > 0, confidence on h only
-    confidence = bool(dc.get("enable_confidence_head", float(dc.get("confidence_head_alpha", 0) or 0) > 0))
+    if not dc.keys() & _HEAD_SETTINGS and raw.keys() & _HEAD_SETTINGS:
+        # SpecForge's first DSpark trainer (commit 9facb330) kept them at the top level, with its own defaults
+        heads = head_fields(int(raw.get("markov_rank", 0) or 0), raw.get("markov_head_type", "vanilla"),
+                            bool(raw.get("enable_confidence_head", False)),
+                            bool(raw.get("confidence_head_with_markov", True)))
+    else:
+        # SpecForge's own defaults: vanilla head, confidence head iff confidence_head_alpha > 0, confidence on h only
+        heads = head_fields(int(dc.get("markov_rank", 0) or 0), dc.get("markov_head_type", "vanilla"),
+                            bool(dc.get("enable_confidence_head", float(dc.get("confidence_head_alpha", 0) or 0) > 0)),
+                            bool(dc.get("confidence_head_with_markov", False)))
     return dict(fields, block_size=raw["block_size"], mask_token_id=dc.get("mask_token_id"),
                 target_layer_ids=_layer_ids(dc.get("target_layer_ids") or _default_layer_ids(
-                    raw["num_target_layers"], raw["num_hidden_layers"])),
-                **head_fields(rank, dc.get("markov_head_type", "vanilla"), confidence,
-                              bool(dc.get("confidence_head_with_markov", False))))
+                    raw["num_target_layers"], raw["num_hidden_layers"])), **heads)
+
+
+# Settings that z-lab's newer dflash/model.py (after 44947fb) reads from dflash_config or else the top level, and
+# that change what the draft computes: name -> (the value that changes nothing, what it does). Soft-capping, the one
+# more, is mapped onto our final_logit_softcapping.
+_DFLASH_UNSUPPORTED = {
+    "input_embedding_scale": (1.0, "scales the block's input embeddings"),
+    "output_multiplier": (1.0, "scales the draft's logits"),
+    "is_causal": (False, "makes attention causal within the block"),
+}
 
 
 def dflash_config(raw: dict) -> dict:
@@ -170,10 +196,18 @@ def dflash_config(raw: dict) -> dict:
     sizes = {raw.get("block_size"), dc.get("block_size")} - {None}  # top level in older drafts, dflash_config later
     if len(sizes) != 1:
         raise ValueError(f"config.json needs one block_size (top level or in dflash_config), found {sorted(sizes)}.")
+    for name, (neutral, effect) in _DFLASH_UNSUPPORTED.items():
+        value = dc.get(name, raw.get(name))
+        if value is not None and value != neutral:
+            raise NotImplementedError(f"{name}={value!r} {effect} in this DFlash draft; dspark-hf does not reproduce "
+                                      "it, so the checkpoint cannot be converted faithfully.")
+    cap = dc.get("final_logit_softcapping", raw.get("final_logit_softcapping"))
     return dict(fields, block_size=sizes.pop() - 1, anchor_predicts=False, mask_token_id=dc.get("mask_token_id"),
                 target_layer_ids=_layer_ids(dc.get("target_layer_ids") or _default_layer_ids(
                     raw["num_target_layers"], raw["num_hidden_layers"])),
-                head_type="none", markov_rank=0, confidence_head=False)
+                head_type="none", markov_rank=0, confidence_head=False,
+                # z-lab caps the draft's LM-head logits as our base_logits does; a cap of 0 or less means none
+                final_logit_softcapping=float(cap) if cap is not None and float(cap) > 0 else None)
 
 
 CONFIG_READERS = {"deepspec": deepspec_config, "specforge": specforge_config, "dflash": dflash_config}
@@ -253,6 +287,14 @@ def map_state_dict(tensors: dict[str, torch.Tensor], draft: DSparkDraftModel, so
 
 
 # ---------------------------------------------------------------------------------------------------------------
+def check_conversion_folder(src: str | Path, dst: str | Path) -> None:
+    """Refuse a `dst` that is `src`, or that holds anything but an earlier conversion (a dspark-hf draft): saving
+    there would replace the checkpoint being converted, or a downloaded one."""
+    if Path(dst).resolve() == Path(src).resolve():
+        raise ValueError(f"{dst} is the checkpoint being converted: write the conversion to another folder.")
+    check_output_folder(dst, "conversion", ours=("draft",))
+
+
 def convert_checkpoint(src: str | Path, dst: str | Path, source: str,
                        target: PreTrainedModel | None = None) -> DSparkDraftModel:
     """Convert the checkpoint folder `src` (config.json + safetensors) of layout `source` ("deepspec", "specforge"
@@ -264,6 +306,7 @@ def convert_checkpoint(src: str | Path, dst: str | Path, source: str,
     """
     if source not in SOURCES:
         raise ValueError(f"source must be one of {SOURCES}, got {source!r}.")
+    check_conversion_folder(src, dst)
     src = Path(src)
     raw = json.loads((src / "config.json").read_text())
     if target is not None:
@@ -278,7 +321,7 @@ def convert_checkpoint(src: str | Path, dst: str | Path, source: str,
     if target is not None:
         fields.update(target_model_type=t.model_type,
                       target_name_or_path=getattr(target.config, "_name_or_path", None) or None)
-    # final_logit_softcapping stays None: these sources take draft logits straight from the LM head
+    # only DFlash configs set a soft cap: DeepSpec and SpecForge take draft logits straight from the LM head
     config = DSparkConfig(**fields)
     tensors = _one_dtype(drop_target_copies(load_safetensors(src), target))
     with torch.device("meta"):  # no random init: every parameter is assigned from the checkpoint
@@ -286,8 +329,22 @@ def convert_checkpoint(src: str | Path, dst: str | Path, source: str,
     draft.load_state_dict(map_state_dict(tensors, draft, source), strict=True, assign=True)
     if target is not None:
         draft.bind_target(target)  # checks vocabulary, hidden size, layer ids and mask token before anything is written
-    draft.eval().save_pretrained(dst)
+    origin = f"a {_SOURCE_NAMES[source]} checkpoint ({_checkpoint_name(src)})"
+    draft.eval().save_pretrained(dst, card_data={"converted_from": origin, "recipe": (
+        f"Not trained with dspark-hf: converted by `dspark convert` from {origin}, its weights unchanged. How it was "
+        "trained is for the source checkpoint to document.")})
     return draft
+
+
+def _checkpoint_name(src: Path) -> str:
+    """How a card names the checkpoint at `src`: by Hub id and revision when it is a snapshot in the Hugging Face
+    cache, else by folder name (a card names no path of the machine it was written on)."""
+    parts = src.resolve().parts
+    for i in range(len(parts) - 2):
+        if parts[i].startswith("models--") and parts[i + 1] == "snapshots":
+            # the cache's folder name for a repo id: "models--" + the id with "/" written "--" (ids never hold "--")
+            return f"`{parts[i].removeprefix('models--').replace('--', '/')}` at revision {parts[i + 2][:12]}"
+    return f"a local folder named `{src.resolve().name}`"
 
 # ---------------------------------------------------------------------------------------------------------------
 # export: the reverse of --from deepspec
@@ -324,11 +381,18 @@ def deepspec_blockers(draft: DSparkDraftModel, target: PreTrainedModel | None = 
 EXPORTED_ANCHORS = 512
 
 
+def check_export_folder(dst: str | Path) -> None:
+    """Refuse a `dst` that holds anything but an earlier DeepSpec-layout export: a downloaded DeepSpec checkpoint
+    looks the same but for our marker, and a dspark-hf draft (perhaps the one being exported) would be replaced."""
+    check_output_folder(dst, "DeepSpec export", ours=("deepspec",))
+
+
 def export_deepspec(draft: DSparkDraftModel, target: PreTrainedModel, dst: str | Path) -> Path:
     """Write `draft` in DeepSpec's ``Qwen3DSparkModel`` layout at `dst`: its config (a copy of the target's with the
     draft's fields, as DeepSpec's build_draft_config writes it) and weights under DeepSpec's names, with the copies
     of the target's embedding and LM head it stores. [`convert_checkpoint`] with ``source="deepspec"`` reads it back
-    to the same weights."""
+    to the same weights. `dst` must be a new or empty folder, or an earlier export (see [`check_export_folder`])."""
+    check_export_folder(dst)
     blockers = deepspec_blockers(draft, target)
     if blockers:
         raise ValueError("This draft cannot be written in DeepSpec's layout: " + "; ".join(blockers) + ". Train a "
@@ -351,11 +415,15 @@ def export_deepspec(draft: DSparkDraftModel, target: PreTrainedModel, dst: str |
                num_anchors=EXPORTED_ANCHORS, dspark_hf_export=True)
     if c.head_type != "none":
         raw["markov_head_type"] = {"markov": "vanilla", "rnn": "rnn"}[c.head_type]
+    # the tensors' dtype, not the target's (the CLI loads it in float32): engines serve the draft in this dtype
+    raw["dtype"] = str(draft.dtype).removeprefix("torch.")
+    if "torch_dtype" in raw:  # the name older transformers versions write
+        raw["torch_dtype"] = raw["dtype"]
     tensors = {public_name(k): v for k, v in draft.state_dict().items()}
     for key, of_target in _TARGET_COPIES.items():
         tensors[key] = of_target(target).to(draft.dtype)  # one dtype per checkpoint, as DeepSpec saves
     dst.mkdir(parents=True, exist_ok=True)
-    if _earlier_export(dst):  # its shards, which a reader would prefer to the new file
+    if written_by_dspark(dst) == "deepspec":  # its shards, which a reader would prefer to the new file
         for stale in [*dst.glob("*.safetensors"), *dst.glob("*.safetensors.index.json")]:
             stale.unlink()
     (dst / "config.json").write_text(json.dumps(raw, indent=2, default=str))
@@ -363,13 +431,6 @@ def export_deepspec(draft: DSparkDraftModel, target: PreTrainedModel, dst: str |
     return dst
 
 
-def _earlier_export(folder: Path) -> bool:
-    """Whether `folder` holds an export of ours (never a downloaded checkpoint)."""
-    try:
-        return "dspark_hf_export" in json.loads((folder / "config.json").read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, TypeError):
-        return False
-
-
-__all__ = ["convert_checkpoint", "export_deepspec", "deepspec_blockers", "SOURCES", "deepspec_config", "specforge_config", "dflash_config",
+__all__ = ["convert_checkpoint", "export_deepspec", "check_conversion_folder", "check_export_folder",
+           "deepspec_blockers", "SOURCES", "deepspec_config", "specforge_config", "dflash_config",
            "load_safetensors", "map_state_dict", "drop_target_copies"]
