@@ -182,6 +182,26 @@ def _check_kind(results, keys: tuple[str, ...], name: str, kind: str) -> None:
                          "file that command wrote.")
 
 
+# the settings that make one draft's acceptance another's: dtype, calibration or the target's path do not
+_STRUCTURAL_FIELDS = ("head_type", "markov_rank", "num_hidden_layers", "hidden_size", "draft_vocab_size",
+                      "target_layer_ids", "mask_token_id", "anchor_predicts", "block_size")
+
+
+def _structural_differences(measured: dict, config) -> list[str]:
+    """'field theirs, not ours' for each structural field on which the evaluated draft's config (`settings.draft` of
+    `dspark eval`'s results) and `config` differ; a field one of them lacks (older files) is not compared."""
+    differ = []
+    for name in _STRUCTURAL_FIELDS:
+        if name not in measured or not hasattr(config, name):
+            continue
+        theirs, ours = measured[name], getattr(config, name)
+        if isinstance(ours, tuple):  # JSON gives lists
+            ours = list(ours)
+        if theirs != ours:
+            differ.append(f"{name} {theirs}, not {ours}")
+    return differ
+
+
 def check_results_match(config, data: CardData) -> None:
     """Raise a ValueError if the eval or calibration results are not the JSON `dspark eval` / `dspark calibrate`
     write, or cannot belong to a draft with this config."""
@@ -192,6 +212,10 @@ def check_results_match(config, data: CardData) -> None:
     if "block_size" in s and s["block_size"] != config.block_size:
         raise ValueError(f"The eval results were measured with block size {s['block_size']}, this draft drafts "
                          f"{config.block_size}: pass the results.json `dspark eval` wrote for this draft.")
+    differ = _structural_differences(s.get("draft") or {}, config)
+    if differ:
+        raise ValueError(f"The eval results were measured on another draft ({'; '.join(differ)}): pass the "
+                         "results.json `dspark eval` wrote for this draft.")
     if data.calibration is not None:
         ours, theirs = config.confidence_temperatures, data.calibration["temperatures"]
         if ours is None or len(ours) != len(theirs) or any(abs(a - b) > 1e-5 for a, b in zip(ours, theirs)):

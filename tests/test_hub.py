@@ -45,6 +45,12 @@ def make_draft(seed: int = 1, **overrides) -> DSparkDraftModel:
     return tiny_draft(tiny_target("llama"), seed=seed, **{**fields, **overrides})
 
 
+def eval_of(draft: DSparkDraftModel) -> dict:
+    """The shipped draft's eval results as `dspark eval` would record them for `draft` (its settings hold the
+    evaluated draft's config, which the card checks)."""
+    return {**EVAL, "settings": {**EVAL["settings"], "draft": draft.config.to_diff_dict()}}
+
+
 def calibrate(draft: DSparkDraftModel) -> dict:
     """Fit STS on made-up rounds and return the report as `dspark calibrate` writes it (the draft keeps the
     temperatures, as a calibrated draft does)."""
@@ -75,7 +81,7 @@ def test_push_sends_weights_config_code_and_card_to_a_private_repo_with_the_toke
     draft = make_draft()
     calibration = calibrate(draft)
     info = draft.push_to_hub("tiny-draft", token=TOKEN, private=True, commit_message="first draft",
-                             card_data={"eval_results": EVAL, "calibration": calibration})
+                             card_data={"eval_results": eval_of(draft), "calibration": calibration})
 
     repo = hub.repos["alice/tiny-draft"]  # the namespace comes from the token's user, as on the Hub
     assert repo.private and repo.refs["main"] == info.oid
@@ -174,7 +180,7 @@ def test_an_offline_load_says_what_the_cache_lacks_and_which_setting_forbids_dow
 def test_save_pretrained_pushes_its_folder_with_the_card(hub, tmp_path):
     draft = make_draft()
     info = draft.save_pretrained(tmp_path / "tiny-draft", push_to_hub=True, token=TOKEN,
-                                 card_data={"eval_results": EVAL})
+                                 card_data={"eval_results": eval_of(draft)})
     files = hub.repos["alice/tiny-draft"].files(info.oid)
     assert files["README.md"] == (tmp_path / "tiny-draft" / "README.md").read_bytes()
     assert 'from_pretrained("alice/tiny-draft")' in files["README.md"].decode()
@@ -218,13 +224,13 @@ def test_save_pretrained_writes_the_card_and_keeps_a_user_readme(tmp_path):
     assert "No evaluation results were given" in card
 
     # a generated card is regenerated, here with results
-    draft.save_pretrained(tmp_path / "a", card_data={"eval_results": EVAL})
+    draft.save_pretrained(tmp_path / "a", card_data={"eval_results": eval_of(draft)})
     assert f"| macro | {EVAL['macro_acceptance_length']:.2f} |" in (tmp_path / "a" / "README.md").read_text()
 
     # a README.md the user wrote is never touched
     (tmp_path / "a" / "README.md").write_text("# my notes\n")
     with pytest.warns(UserWarning, match="card_data was not used"):
-        draft.save_pretrained(tmp_path / "a", card_data={"eval_results": EVAL})
+        draft.save_pretrained(tmp_path / "a", card_data={"eval_results": eval_of(draft)})
     assert (tmp_path / "a" / "README.md").read_text() == "# my notes\n"
 
     draft.save_pretrained(tmp_path / "b", model_card=False)
@@ -244,11 +250,29 @@ def test_save_pretrained_writes_the_card_and_keeps_a_user_readme(tmp_path):
 def test_a_refused_card_leaves_the_folder_as_it_was(tmp_path):
     """The card checks the results against the draft before anything is written: new weights must not end up beside
     the previous draft's card."""
-    make_draft(seed=1).save_pretrained(tmp_path, card_data={"eval_results": EVAL})
+    make_draft(seed=1).save_pretrained(tmp_path, card_data={"eval_results": eval_of(make_draft())})
     before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
     with pytest.raises(ValueError, match="measured with block size 7, this draft drafts 4"):
         make_draft(seed=2, block_size=4).save_pretrained(tmp_path, card_data={"eval_results": EVAL})
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+
+
+def test_eval_results_of_another_draft_are_refused_naming_what_differs(tmp_path):
+    """`dspark eval` records the evaluated draft's config: a card refuses results of a draft built otherwise, even at
+    the same block size, and still takes results files written before that record existed."""
+    draft = make_draft()
+    for other, differs in [(make_draft(head_type="rnn"), "head_type rnn, not markov"),
+                           (make_draft(num_hidden_layers=1), "num_hidden_layers 1, not 2"),
+                           (make_draft(draft_vocab=list(range(40, 90))), "draft_vocab_size 50, not None")]:
+        with pytest.raises(ValueError, match=rf"^The eval results were measured on another draft \({differs}\): pass "
+                                             r"the results.json `dspark eval` wrote for this draft\.$"):
+            draft.save_pretrained(tmp_path / "a", card_data={"eval_results": eval_of(other)})
+    assert not (tmp_path / "a").exists()
+    with pytest.raises(ValueError, match=r"another draft \(head_type markov, not rnn; markov_rank 128, not 8; "):
+        make_draft(head_type="rnn").save_pretrained(tmp_path / "a", card_data={"eval_results": EVAL})
+    older = {**EVAL, "settings": {k: v for k, v in EVAL["settings"].items() if k != "draft"}}
+    draft.save_pretrained(tmp_path / "a", card_data={"eval_results": older})
+    assert f"| macro | {EVAL['macro_acceptance_length']:.2f} |" in (tmp_path / "a" / "README.md").read_text()
 
 
 def trained_folder(root: Path) -> tuple[Path, DSparkDraftModel, dict]:
@@ -273,7 +297,7 @@ def trained_folder(root: Path) -> tuple[Path, DSparkDraftModel, dict]:
 def test_push_draft_sends_a_trained_folder_with_a_card_from_its_result_files(hub, tmp_path):
     folder, draft, calibration = trained_folder(tmp_path)
     eval_path = tmp_path / "results.json"
-    eval_path.write_text(json.dumps(EVAL))
+    eval_path.write_text(json.dumps(eval_of(draft)))
     info = push_draft(folder, "alice/trained", eval_results=eval_path, token=TOKEN, revision="v1",
                       commit_message="trained on CPU")
 
