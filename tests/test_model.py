@@ -351,6 +351,25 @@ def test_a_checkpoint_missing_any_tensor_is_refused_naming_them(tmp_path, droppe
         AutoModel.from_pretrained(tmp_path)
 
 
+def test_a_checkpoint_that_does_not_match_its_config_is_refused_in_one_line(tmp_path):
+    """Weights the config has no place for (an rnn draft under a config edited to markov) would be dropped, and
+    weights of another shape, with ignore_mismatched_sizes=True, started random: either way the draft would load and
+    draft something else."""
+    tiny_draft(tiny_target("llama"), head_type="rnn").save_pretrained(tmp_path, model_card=False)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**saved, "head_type": "markov"}))
+    with pytest.raises(ValueError, match=rf"^{tmp_path} does not match its config: its weights hold rnn_proj.bias, "
+                                         r"rnn_proj.weight, which a draft with this config does not have and would "
+                                         r"drop\. Load it with the config it was saved with\.$"):
+        DSparkDraftModel.from_pretrained(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({**saved, "intermediate_size": 48}))
+    with pytest.raises(ValueError, match=rf"^{tmp_path} does not match its config: its layers.0.mlp.down_proj.weight "
+                                         r"is \(32, 64\), the config makes it \(32, 48\) \(and 5 more\), which "
+                                         r"ignore_mismatched_sizes would start random\. Load it with the config it was "
+                                         r"saved with\.$"):
+        DSparkDraftModel.from_pretrained(tmp_path, ignore_mismatched_sizes=True)
+
+
 def test_output_loading_info_still_returns_the_report(tmp_path):
     tiny_draft(tiny_target("llama")).save_pretrained(tmp_path)
     draft, info = DSparkDraftModel.from_pretrained(tmp_path, output_loading_info=True)
