@@ -482,6 +482,21 @@ def test_export_into_the_packages_draft_folder_writes_the_shipped_drafts_card(tm
     assert 'draft = DSparkDraftModel.from_pretrained("<your-repo/draft>").bind_target(target)' in elsewhere
 
 
+def test_a_mistyped_folder_beside_an_existing_one_is_not_looked_up_on_the_hub(hub, tmp_path, monkeypatch, capsys):
+    """'runs/nope' has a Hub id's shape; with a folder runs/ here it is a typo, said at once (the Hub would be retried
+    for a minute, then blamed)."""
+    from dspark_hf.loading import load_draft
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs").mkdir()
+    message = ("the draft runs/nope: no such folder (./runs is a local folder, so this is not read as a Hub id). Check "
+               "the path, or run from a folder without ./runs to load the Hub id.")
+    assert message in cli_error(capsys, ["export", "runs/nope", "--output", "out", "--base-model", TARGET])
+    with pytest.raises(ValueError, match=re.escape(message)):
+        load_draft("runs/nope", tiny_target("llama"))
+    assert hub.requests == [] and not (tmp_path / "out").exists()
+
+
 def test_a_sampled_eval_shows_its_temperature_and_dtypes_on_the_card():
     from dspark_hf.cards import results_table
 
