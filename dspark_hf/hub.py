@@ -150,13 +150,19 @@ def offline_load_error(name_or_path, kwargs: dict) -> OSError | None:
         return None
     cache, revision = kwargs.get("cache_dir") or constants.HF_HUB_CACHE, kwargs.get("revision")
 
+    # the files transformers asks for: under `subfolder`, and weights named after `variant` (model.v.safetensors)
+    folder = f"{kwargs['subfolder']}/" if kwargs.get("subfolder") else ""
+    variant = f".{kwargs['variant']}" if kwargs.get("variant") else ""
+    config, weights, index = (f"{folder}config.json", f"{folder}model{variant}.safetensors",
+                              f"{folder}model.safetensors.index{variant}.json")
+
     def cached(filename: str) -> bool:
         return isinstance(try_to_load_from_cache(str(name_or_path), filename, cache, revision), str)
 
-    if not cached("config.json"):
+    if not cached(config):
         state = "is not in"
-    elif not (cached("model.safetensors") or cached("model.safetensors.index.json")):
-        state = "has its config.json but not its weights (model.safetensors) in"
+    elif not (cached(weights) or cached(index)):
+        state = f"has its {config} but not its weights ({weights}) in"
     else:
         return None  # the draft is cached: transformers' error is about something else
     fixes = {"HF_HUB_OFFLINE=1": "unset HF_HUB_OFFLINE", "local_files_only=True": "drop local_files_only=True"}

@@ -177,6 +177,27 @@ def test_an_offline_load_says_what_the_cache_lacks_and_which_setting_forbids_dow
         DSparkDraftModel.from_pretrained("alice/tiny-draft", cache_dir=cache)
 
 
+def test_an_offline_load_looks_in_the_cache_for_the_files_of_its_subfolder_and_variant(hub, tmp_path,
+                                                                                        monkeypatch):
+    from huggingface_hub import HfApi, hf_hub_download
+
+    draft = make_draft()
+    draft.save_pretrained(tmp_path / "saved", variant="v", model_card=False)
+    api = HfApi()
+    api.create_repo("alice/drafts", token=TOKEN)
+    api.upload_folder(repo_id="alice/drafts", folder_path=tmp_path / "saved", path_in_repo="tiny", token=TOKEN)
+    cut_short, complete = tmp_path / "cut-short", tmp_path / "complete"
+    for cache, files in ((cut_short, ["config.json"]), (complete, ["config.json", "model.v.safetensors"])):
+        for name in files:
+            hf_hub_download("alice/drafts", f"tiny/{name}", cache_dir=cache)
+    go_offline(monkeypatch)
+    with pytest.raises(OSError, match=r"^alice/drafts \(revision main\) has its tiny/config.json but not its weights "
+                                      r"\(tiny/model.v.safetensors\) in the Hugging Face cache"):
+        DSparkDraftModel.from_pretrained("alice/drafts", subfolder="tiny", variant="v", cache_dir=cut_short)
+    assert_same_weights(DSparkDraftModel.from_pretrained("alice/drafts", subfolder="tiny", variant="v",
+                                                         cache_dir=complete), draft)
+
+
 def test_save_pretrained_pushes_its_folder_with_the_card(hub, tmp_path):
     draft = make_draft()
     info = draft.save_pretrained(tmp_path / "tiny-draft", push_to_hub=True, token=TOKEN,
