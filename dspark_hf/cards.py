@@ -238,7 +238,9 @@ def render_model_card(config, base_model: str | None, repo_id: str = "<your-repo
     check_results_match(config, data)
     if shipped and base_model != DEFAULT_TARGET_HUB_ID:
         raise ValueError(f"The shipped draft's card names its target {DEFAULT_TARGET_HUB_ID}, not {base_model}.")
-    vocab = (f"{config.draft_vocab_size} most frequent answer tokens of {config.target_vocab_size}"
+    # the config does not record how the vocabulary was chosen (dspark train takes the most frequent answer tokens,
+    # a draft built by hand any): the recipe says it where it is known
+    vocab = (f"{config.draft_vocab_size} of the target's {config.target_vocab_size} tokens"
              if config.draft_vocab_size else f"all {config.target_vocab_size} target tokens")
     hub_id = base_model if is_hub_model_id(base_model) else None
     target = hub_id or _UNKNOWN_TARGET

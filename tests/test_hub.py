@@ -295,6 +295,15 @@ def test_save_pretrained_writes_the_card_and_keeps_a_user_readme(tmp_path):
             f"named `{tmp_path.name}`)") in card
 
 
+def test_a_reduced_vocabulary_is_described_by_its_size_not_by_how_it_may_have_been_chosen(tmp_path):
+    """Only `dspark train` picks the most frequent answer tokens, and the config does not record the choice."""
+    draft = make_draft(draft_vocab=list(range(40, 90)))  # picked by hand
+    draft.save_pretrained(tmp_path)
+    card = (tmp_path / "README.md").read_text()
+    assert f"| draft vocabulary | 50 of the target's {draft.config.target_vocab_size} tokens |" in card
+    assert "most frequent" not in card
+
+
 def test_a_refused_card_leaves_the_folder_as_it_was(tmp_path):
     """The card checks the results against the draft before anything is written: new weights must not end up beside
     the previous draft's card."""
