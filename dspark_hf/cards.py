@@ -32,7 +32,9 @@ class CardData:
     base_model: hub id (or local path) of the target; None: the draft config's ``target_name_or_path``.
     repo_id: where the draft lives, for the usage snippet. eval_results: the JSON `dspark eval` writes.
     calibration: the calibration.json `dspark calibrate` writes. recipe: markdown for the Training section (see
-    [`training_recipe`]). tags: added to the default ones.
+    [`training_recipe`]). license: a Hub licence id for the metadata, left out when None (a draft learns from its
+    target's outputs, so its terms are the target's or its trainer's call, not ours). tags: added to the default
+    ones.
     """
 
     base_model: str | None = None
@@ -40,7 +42,7 @@ class CardData:
     eval_results: dict | None = None
     calibration: dict | None = None
     recipe: str | None = None
-    license: str = "apache-2.0"
+    license: str | None = None
     name: str | None = None
     tags: list[str] = field(default_factory=list)
 
@@ -70,11 +72,12 @@ def is_hub_model_id(name: str | None) -> bool:
     return True
 
 
-def front_matter(base_model: str | None, license: str, tags=()) -> str:
-    """The card's YAML metadata. `base_model` is left out unless it is a Hub id (the Hub links it to the target)."""
+def front_matter(base_model: str | None, license: str | None, tags=()) -> str:
+    """The card's YAML metadata. `base_model` is left out unless it is a Hub id (the Hub links it to the target),
+    `license` unless given."""
     meta = {"base_model": base_model} if is_hub_model_id(base_model) else {}
     # no pipeline_tag: pipeline() cannot run a draft, which works only as assistant_model= of its target
-    meta.update(library_name="transformers", license=license,
+    meta.update(library_name="transformers", **({"license": license} if license else {}),
                 tags=list(dict.fromkeys([*DEFAULT_TAGS, *tags])))
     return yaml.safe_dump(meta, sort_keys=False).strip()
 
@@ -225,13 +228,13 @@ def check_results_match(config, data: CardData) -> None:
 
 
 def render_model_card(config, base_model: str | None, repo_id: str = "<your-repo/draft>",
-                      eval_results: dict | None = None, recipe: str | None = None, license: str = "apache-2.0",
+                      eval_results: dict | None = None, recipe: str | None = None, license: str | None = None,
                       name: str | None = None, *, calibration: dict | None = None, tags=(),
                       shipped: bool = False) -> str:
     """The README.md of a draft checkpoint: YAML front matter, what it is, usage, training recipe, results,
     calibration. `base_model` is the target's hub id (a local path or None gives a card without Hub metadata, and a
-    placeholder to replace in its usage). shipped: the card of the draft dspark-hf ships for SmolLM2, whose usage
-    loads it with `dspark_hf.default_draft`."""
+    placeholder to replace in its usage). license: the Hub licence id for the metadata (none unless given).
+    shipped: the card of the draft dspark-hf ships for SmolLM2, whose usage loads it with `dspark_hf.default_draft`."""
     from .defaults import DEFAULT_TARGET_HUB_ID
 
     data = CardData(base_model, repo_id, eval_results, calibration, recipe, license, name, list(tags))

