@@ -326,8 +326,8 @@ def cmd_push(args) -> int:
     from .hub import push_draft
 
     info = push_draft(args.draft, args.repo_id, base_model=args.base_model, eval_results=args.eval,
-                      calibration=args.calibration, recipe=args.recipe, private=args.private, token=args.token,
-                      revision=args.revision, commit_message=args.commit_message, dtype=args.dtype)
+                      calibration=args.calibration, recipe=args.recipe, license=args.license, private=args.private,
+                      token=args.token, revision=args.revision, commit_message=args.commit_message, dtype=args.dtype)
     print(f"pushed {info.commit_url} (load it with revision={info.oid!r})")
     return 0
 
@@ -370,7 +370,7 @@ def cmd_export(args) -> int:
     calibration = folder_calibration(args.draft, args.calibration)
     shipped = Path(args.output).resolve() == SHIPPED_DRAFT_DIR.resolve()  # the card of the draft the package ships
     # the card checks the result files against the draft: render it before anything is written
-    card = render_model_card(draft.config, args.base_model, args.repo_id, eval_results, recipe,
+    card = render_model_card(draft.config, args.base_model, args.repo_id, eval_results, recipe, args.license,
                              calibration=calibration, shipped=shipped)
     draft.save_pretrained(args.output)
     (Path(args.output) / "README.md").write_text(card)
@@ -672,6 +672,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--calibration", help="calibration.json from `dspark calibrate`, for the card "
                                          "(default: DRAFT/calibration.json if present)")
     p.add_argument("--recipe", help="a markdown file describing the training recipe, for the card")
+    p.add_argument("--license", help="the card's Hub licence id, e.g. apache-2.0 (default: none; a draft learns from "
+                                     "its target's outputs, so check the target's terms)")
     p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("push", help="push a trained draft to the Hub with a generated model card")
@@ -684,6 +686,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval", help="results.json from `dspark eval`, for the card's results")
     p.add_argument("--calibration", help="calibration.json from `dspark calibrate` (default: DRAFT/calibration.json)")
     p.add_argument("--recipe", help="markdown file with the training recipe (default: from DRAFT/train_config.json)")
+    p.add_argument("--license", help="the card's Hub licence id, e.g. apache-2.0 (default: none; a draft learns from "
+                                     "its target's outputs, so check the target's terms)")
     p.add_argument("--private", action="store_true", help="create the repository as private")
     p.add_argument("--token", help="Hub token (default: the stored login or HF_TOKEN)")
     p.add_argument("--revision", help="branch to push to (created if missing)")

@@ -92,7 +92,8 @@ def push_to_hub(draft, repo_id: str, *, commit_message: str | None = None, commi
 
     Arguments are transformers' `push_to_hub` ones: the repo is created if missing (`private` applies then),
     `revision` is a branch (created from main if missing), `token` as in huggingface_hub. With
-    ``model_card=False`` no README.md is sent, so a card already on the Hub stays. Returns the
+    ``model_card=False`` no README.md is sent, so a card already on the Hub stays; so does, with a warning, a README.md
+    at `revision` that dspark-hf did not generate (one without the generated-card line). Returns the
     `huggingface_hub.CommitInfo` (``.oid`` is the new commit's hash, usable as ``revision=`` to load it).
     """
     data = card_data_for(draft, card_data)
@@ -113,14 +114,15 @@ def push_draft(folder: str | Path, repo_id: str, base_model: str | None = None,
                eval_results: str | Path | dict | None = None, calibration: str | Path | dict | None = None,
                recipe: str | Path | None = None, private: bool = False, token: str | None = None,
                revision: str | None = None, commit_message: str | None = None,
-               dtype: torch.dtype | str = torch.bfloat16):
+               dtype: torch.dtype | str = torch.bfloat16, license: str | None = None):
     """Push a draft folder written by `dspark train` (its --output-dir) or `dspark calibrate` (its --output), with
     a card rendered from its results, in `dtype` (default bfloat16, as `dspark export` writes it).
 
     base_model: the target's hub id (default: the draft config's ``target_name_or_path``, which must then be one).
     eval_results: the results.json of `dspark eval` (path or dict). calibration: the calibration.json of
     `dspark calibrate`; default ``folder/calibration.json`` if present. recipe: markdown text or a .md file; default
-    rendered from ``folder/train_config.json`` (and ``heldout.json``) if present. The rest as in [`push_to_hub`].
+    rendered from ``folder/train_config.json`` (and ``heldout.json``) if present. license: the card's Hub licence id
+    (none by default). The rest as in [`push_to_hub`].
     Only the draft's own files are sent (not checkpoints, training state or result files).
     """
     from .loading import refuse_adapter
@@ -133,7 +135,7 @@ def push_draft(folder: str | Path, repo_id: str, base_model: str | None = None,
     draft = DSparkDraftModel.from_pretrained(folder).to(getattr(torch, dtype) if isinstance(dtype, str) else dtype)
     data = CardData(base_model=base_model, eval_results=read_json(eval_results),
                     calibration=folder_calibration(folder, calibration),
-                    recipe=_recipe(recipe, folder))
+                    recipe=_recipe(recipe, folder), license=license)
     return push_to_hub(draft, repo_id, commit_message=commit_message, private=private, token=token,
                        revision=revision, card_data=data)
 
@@ -150,13 +152,19 @@ def offline_load_error(name_or_path, kwargs: dict) -> OSError | None:
         return None
     cache, revision = kwargs.get("cache_dir") or constants.HF_HUB_CACHE, kwargs.get("revision")
 
+    # the files transformers asks for: under `subfolder`, and weights named after `variant` (model.v.safetensors)
+    folder = f"{kwargs['subfolder']}/" if kwargs.get("subfolder") else ""
+    variant = f".{kwargs['variant']}" if kwargs.get("variant") else ""
+    config, weights, index = (f"{folder}config.json", f"{folder}model{variant}.safetensors",
+                              f"{folder}model.safetensors.index{variant}.json")
+
     def cached(filename: str) -> bool:
         return isinstance(try_to_load_from_cache(str(name_or_path), filename, cache, revision), str)
 
-    if not cached("config.json"):
+    if not cached(config):
         state = "is not in"
-    elif not (cached("model.safetensors") or cached("model.safetensors.index.json")):
-        state = "has its config.json but not its weights (model.safetensors) in"
+    elif not (cached(weights) or cached(index)):
+        state = f"has its {config} but not its weights ({weights}) in"
     else:
         return None  # the draft is cached: transformers' error is about something else
     fixes = {"HF_HUB_OFFLINE=1": "unset HF_HUB_OFFLINE", "local_files_only=True": "drop local_files_only=True"}
@@ -206,11 +214,33 @@ def _commit(api, folder: Path, files: list[Path], repo_id: str, *, token=None, r
 
     if revision is not None and not revision.startswith("refs/pr/"):
         api.create_branch(repo_id, branch=revision, token=token, exist_ok=True)
+    card = folder / README
+    # the card tells its author to delete the generated-card line to keep their edits: a card edited on the Hub is
+    # kept as save_pretrained keeps one edited in the folder
+    if card in files and GENERATED_MARK in card.read_text(errors="replace"):
+        on_hub = _hub_readme(api, repo_id, revision, token)
+        if on_hub is not None and GENERATED_MARK not in on_hub:
+            files = [p for p in files if p != card]
+            warnings.warn(f"README.md of {repo_id} (revision {revision or 'main'}) on the Hub was not generated by "
+                          "dspark-hf and is kept: the generated card was not pushed. Delete it on the Hub to get a "
+                          "generated card.", stacklevel=4)
     operations = [CommitOperationAdd(path_in_repo=p.relative_to(folder).as_posix(), path_or_fileobj=str(p))
                   for p in files]
     return api.create_commit(repo_id, operations, commit_message=commit_message or DEFAULT_COMMIT_MESSAGE,
                              commit_description=commit_description, token=token, revision=revision,
                              create_pr=create_pr)
+
+
+def _hub_readme(api, repo_id: str, revision: str | None, token) -> str | None:
+    """The README.md of `repo_id` at `revision` on the Hub, or None when there is none."""
+    from huggingface_hub.errors import RemoteEntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError
+
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            path = api.hf_hub_download(repo_id, README, revision=revision, token=token, cache_dir=tmp)
+        except (RemoteEntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError):
+            return None
+        return Path(path).read_text(errors="replace")
 
 
 def _timestamps(folder: Path) -> dict[Path, int]:

@@ -19,6 +19,12 @@ def _check_name(name_or_path: str, what: str) -> None:
     looks_local = name_or_path.startswith(("/", ".", "~")) or name_or_path.count("/") > 1 or "\\" in name_or_path
     if looks_local and not path.exists():
         raise ValueError(f"{what} {name_or_path}: no such folder.")
+    # 'runs/nope' has a Hub id's shape, but beside a folder runs/ it is a mistyped path: asking the Hub would retry
+    # for a minute and then speak of the network, not of the missing folder
+    first = path.parts[0]
+    if len(path.parts) > 1 and Path(first).is_dir() and not path.exists():
+        raise ValueError(f"{what} {name_or_path}: no such folder (./{first} is a local folder, so this is not read as "
+                         f"a Hub id). Check the path, or run from a folder without ./{first} to load the Hub id.")
 
 
 def load_target(name_or_path: str | None = None, dtype: torch.dtype = torch.float32,

