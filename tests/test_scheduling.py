@@ -24,6 +24,21 @@ def test_sps_as_a_callable_or_a_table_agree():
     assert prefix_schedule(conf, table) == prefix_schedule(conf, lambda b: 8000 / (96 + b))
 
 
+def test_sps_as_a_dict_of_measured_points_is_interpolated_like_a_profile_not_read_as_its_keys():
+    conf = torch.full((2, 4), 0.5)
+    falling = {b: 100.0 / b for b in range(1, 41)}  # steeply falling: verifying anything loses
+    assert prefix_schedule(conf, falling) == [0, 0]
+    assert prefix_schedule(conf, {str(b): v for b, v in falling.items()}) == [0, 0]  # JSON's keys
+    sparse = {1: 10.0, 16: 8.0}  # linear between the measured points, where verifying pays
+    assert prefix_schedule(conf, sparse) == prefix_schedule(conf, lambda b: 10.0 - 2 * (b - 1) / 15) != [0, 0]
+
+
+@pytest.mark.parametrize("sps", [{1, 2, 3}, "123", 5.0])
+def test_sps_that_is_not_a_table_dict_or_callable_is_refused_in_one_line(sps):
+    with pytest.raises(TypeError, match=r"^sps must be a list indexed by B, a \{B: sps\} dict or a callable"):
+        prefix_schedule([[0.5]], sps)
+
+
 @pytest.mark.parametrize("requests, mean_budget", [(4, 5.00), (32, 3.00), (256, 1.00)])
 def test_budgets_shrink_with_load(requests, mean_budget):
     """SPS(B) = 8000 / (96 + B), every request with confidences [0.9, 0.85, 0.8, 0.7, 0.6, 0.5]."""

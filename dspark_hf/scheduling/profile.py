@@ -182,9 +182,15 @@ def measured_grid(value, what: str) -> dict[int, dict[int, float]]:
 
 
 def load_profile(path: str | Path) -> Callable[[int], float]:
-    """A callable B -> SPS(B): measured values, linear between them; beyond the largest measured B, throughput
-    in tokens is held constant (SPS falls as 1/B), a conservative extrapolation."""
-    return _interpolate(measured_table(read_profile(path)["sps"], "sps"), lambda b, v, x: v * b / x)
+    """A callable B -> SPS(B) from a `dspark profile` file, as by [`sps_curve`]."""
+    return sps_curve(read_profile(path)["sps"])
+
+
+def sps_curve(table) -> Callable[[int], float]:
+    """A {B: SPS(B)} table (keys may be JSON's strings) as a callable B -> SPS(B): measured values, linear between
+    them; beyond the largest measured B, throughput in tokens is held constant (SPS falls as 1/B), a conservative
+    extrapolation."""
+    return _interpolate(measured_table(table, "sps"), lambda b, v, x: v * b / x)
 
 
 def load_draft_cost(path: str | Path) -> Callable[[int], float] | None:

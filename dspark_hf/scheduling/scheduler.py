@@ -25,18 +25,25 @@ depend on the drafted token x_{r,k} (Appendix A). c_{r,k+1} depends on x_{r,k} t
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Mapping
 from typing import Callable, Sequence
 
 import torch
 
 from .policies import Policy, real, whole
+from .profile import sps_curve
 
-SPS = Sequence[float] | Callable[[int], float]
+SPS = Sequence[float] | Mapping[int, float] | Callable[[int], float]
 
 
 def _sps_fn(sps: SPS) -> Callable[[int], float]:
     if callable(sps):
         return sps
+    if isinstance(sps, Mapping):  # {B: sps}, the shape `dspark profile` writes: measured points, not every B
+        return sps_curve(sps)
+    if isinstance(sps, (str, bytes)) or not (hasattr(sps, "__getitem__") and hasattr(sps, "__len__")):
+        raise TypeError(f"sps must be a list indexed by B, a {{B: sps}} dict or a callable B -> sps, got "
+                        f"{type(sps).__name__}.")
     table = list(sps)
 
     def lookup(b: int) -> float:
@@ -67,7 +74,8 @@ def prefix_schedule(confidences, sps: SPS, early_stop: bool = True, padded: bool
     """Algorithm 1: per-request verification lengths in [0, gamma] maximising tau * SPS(B).
 
     confidences: R rows of conditional confidences (nested lists or an (R, gamma) tensor); sps: steps per second
-    by verification batch size in tokens, sps[B] or a callable. Keep early_stop=True for lossless decoding.
+    by verification batch size in tokens: a list indexed by B, a {B: sps} dict of measured points (interpolated,
+    as a `dspark profile` file's "sps") or a callable. Keep early_stop=True for lossless decoding.
     padded: the engine verifies a rectangle, every request padded to the longest length, B = R * (1 + max l_r)
     (this library's batched `generate()`); default: a packed engine, B = sum(1 + l_r) (the paper's setting).
     """
