@@ -94,13 +94,31 @@ def test_threshold_policy_cuts_at_the_first_low_confidence():
     assert lengths.tolist() == [1, 3, 0]
 
 
-def test_async_scheduler_uses_the_capacity_of_two_rounds_earlier():
-    policy = AsyncScheduled(lambda b: 8000 / (96 + b))
+@pytest.mark.parametrize("padded", [True, False])
+def test_async_scheduler_uses_the_capacity_of_two_rounds_earlier(padded):
+    policy = AsyncScheduled(lambda b: 8000 / (96 + b), padded=padded)
     high, low = torch.full((4, 6), 0.95), torch.full((4, 6), 0.3)
     first = policy(high, 6, 4)
     policy(low, 6, 4)
     third = policy(low, 6, 4)  # capacity from round 1 (high confidence): many tokens admitted
-    assert first.sum() == third.sum() == sum(prefix_schedule(high, lambda b: 8000 / (96 + b), early_stop=False))
+    searched = prefix_schedule(high, lambda b: 8000 / (96 + b), early_stop=False, padded=padded)
+    assert first.sum() == third.sum() == sum(searched) > sum(prefix_schedule(low, lambda b: 8000 / (96 + b)))
+
+
+def test_async_scheduler_prices_the_padded_batch_generate_verifies_by_default():
+    """One confident row among 8: verifying its 4 tokens pads all 8 rows to 5, which this cost curve punishes."""
+    sps = lambda b: 1.0 / (10 + b)  # noqa: E731
+    c = torch.tensor([[0.99] * 4] + [[0.05] * 4] * 7)
+    policy, packed = AsyncScheduled(sps), AsyncScheduled(sps, padded=False)
+    rounds = [(policy(c, 4, 8).tolist(), packed(c, 4, 8).tolist()) for _ in range(3)]  # round 3: top-K admission
+    assert all(lengths == Scheduled(sps)(c, 4, 8).tolist() == [0] * 8 for lengths, _ in rounds)
+    assert all(lengths == [4] + [0] * 7 for _, lengths in rounds)  # what a packed engine would verify
+
+
+def test_padded_top_k_admission_verifies_every_row_up_to_the_capacity_length():
+    conf = [[0.9, 0.9, 0.1], [0.5, 1.0, 1.0], [0.0, 1.0, 1.0]]
+    assert topk_schedule(conf, 2, padded=True) == [2, 2, 0]  # the rectangle is paid for: fill it (a > 0 only)
+    assert topk_schedule(conf, 0, padded=True) == [0, 0, 0]
 
 
 # -- lossless decoding with scheduling on ---------------------------------------------------------------------------

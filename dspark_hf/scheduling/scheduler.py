@@ -16,7 +16,8 @@ depend on the drafted token x_{r,k} (Appendix A). c_{r,k+1} depends on x_{r,k} t
   candidates (ties broken by position), so whether it makes the cut never depends on x_{r,k}. `AsyncScheduled`
   takes K from a global search without early stop over the confidences of two steps earlier (sec. 5.2), which
   cannot depend on the current tokens either, and which sees past jagged SPS cliffs. Use it when SPS(B) is not
-  smooth (real engines: steps at kernel tile sizes) and when the batch size of a step must be known early.
+  smooth (real engines: steps at kernel tile sizes) and when the batch size of a step must be known early. On a
+  padded engine the capacity is a length, and every request verifies up to it (a > 0): the rectangle is paid for.
 - A global search over the *current* confidences without early stop is the retrospective scheduler of Appendix
   A: it leaks x_{r,k} into the admission of position k and biases the output. It exists here only as
   ``prefix_schedule(..., early_stop=False)`` for capacity estimates on past data and for the counterexample test.
@@ -100,11 +101,16 @@ def verified_tokens(lengths: Sequence[int], padded: bool = False) -> int:
     return len(lengths) * (1 + max(lengths, default=0)) if padded else len(lengths) + sum(lengths)
 
 
-def topk_schedule(confidences, capacity: int) -> list[int]:
-    """Admit the `capacity` draft tokens with the highest survival probabilities (prefixes by construction)."""
+def topk_schedule(confidences, capacity: int, padded: bool = False) -> list[int]:
+    """Admit the `capacity` draft tokens with the highest survival probabilities (prefixes by construction).
+
+    padded: capacity is the longest length instead, and every request verifies its candidates (a > 0) up to it:
+    the padded engine verifies R x (1 + capacity) tokens whatever the rows are given below that, so they cost
+    nothing more. Whether position k is admitted reads a_{r,k} only, never x_{r,k}."""
     a = survival(confidences)
     lengths = [0] * a.shape[0]
-    for _, r, j in _candidates(a)[: max(capacity, 0)]:
+    chosen = [c for c in _candidates(a) if c[2] <= capacity] if padded else _candidates(a)[: max(capacity, 0)]
+    for _, r, j in chosen:
         lengths[r] = j
     return lengths
 
@@ -180,19 +186,24 @@ class Scheduled(Policy):
 
 class AsyncScheduled(Policy):
     """Sec. 5.2: capacity K from a global search over the confidences of `lag` rounds earlier, then top-K
-    admission over the current survival probabilities. Until `lag` rounds have passed, Algorithm 1 decides."""
+    admission over the current survival probabilities. Until `lag` rounds have passed, Algorithm 1 decides.
 
-    def __init__(self, sps: SPS, lag: int = 2):
-        self.sps, self.lag = sps, whole("AsyncScheduled", "lag", lag, 1)  # capacities come from past rounds
-        self.capacities: deque[int] = deque(maxlen=lag)
+    padded (default, as batched `generate()` verifies): B = R * (1 + max l_r), and the capacity is the longest
+    length the search chose, up to which every request verifies (`topk_schedule(padded=True)`); padded=False: the
+    paper's packed engine, K draft tokens in all."""
+
+    def __init__(self, sps: SPS, lag: int = 2, padded: bool = True):
+        self.sps, self.lag, self.padded = sps, whole("AsyncScheduled", "lag", lag, 1), padded
+        self.capacities: deque[int] = deque(maxlen=lag)  # capacities come from past rounds
 
     def __call__(self, confidences, gamma: int, num_rows: int) -> torch.Tensor:
         c = _require(confidences, "AsyncScheduled").cpu()
         if len(self.capacities) == self.lag:
-            lengths = topk_schedule(c, self.capacities[0])
+            lengths = topk_schedule(c, self.capacities[0], padded=self.padded)
         else:
-            lengths = prefix_schedule(c, self.sps)
-        self.capacities.append(sum(prefix_schedule(c, self.sps, early_stop=False)))
+            lengths = prefix_schedule(c, self.sps, padded=self.padded)
+        searched = prefix_schedule(c, self.sps, early_stop=False, padded=self.padded)
+        self.capacities.append(max(searched, default=0) if self.padded else sum(searched))
         return torch.tensor(lengths, dtype=torch.long, device="cpu")
 
 
