@@ -750,6 +750,18 @@ def test_costs_are_kept_apart_by_attention_implementation_and_device_kind():
     assert {"attention", "transformers"} <= set(key) and key["device"].startswith("cpu: ")
 
 
+def test_costs_measured_under_a_caller_s_autocast_are_kept_apart_from_those_without():
+    from dspark_hf.scheduling.profile import _target_key
+
+    target = tiny_target("llama")
+    plain = _target_key(target)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        bf16 = _target_key(target)
+    with torch.autocast("cpu", dtype=torch.float16):
+        fp16 = _target_key(target)
+    assert len({str(plain), str(bf16), str(fp16)}) == 3 and _target_key(target) == plain
+
+
 @pytest.mark.parametrize("profile, error", [
     ({"sps": {"1": "fast"}}, "sps holds '1': 'fast', not a count and a number"),
     ({"sps": [1, 2]}, "sps must be a non-empty table"),

@@ -263,7 +263,9 @@ def _machine_key(target) -> dict:
         name = torch.cuda.get_device_name(device)
     else:  # mps, xpu, ...: never the CPU's costs under the CPU's name
         name = f"cpu: {cpu_model()}" if device.type == "cpu" else device.type
-    return {"device": name, "threads": torch.get_num_threads(), "dtype": str(target.dtype),
+    # generate() runs inside a caller's autocast, which changes the kernels measured as much as the dtype does
+    autocast = str(torch.get_autocast_dtype(device.type)) if torch.is_autocast_enabled(device.type) else None
+    return {"device": name, "threads": torch.get_num_threads(), "dtype": str(target.dtype), "autocast": autocast,
             "attention": target.config._attn_implementation, "torch": torch.__version__,
             "transformers": transformers.__version__, "dspark_hf": __version__, "method": AUTO_METHOD}
 
@@ -282,8 +284,9 @@ def _draft_key(draft) -> str:
 
 
 def cached_costs(target, draft, rows: Sequence[int], progress: bool = True) -> EngineCosts:
-    """The costs of `target` on its device, dtype and thread count (and of `draft`'s pass) for `rows`: read from the
-    profile cache, and what is missing measured now (a few seconds per row count, shown as a bar) and added to it.
+    """The costs of `target` on its device, dtype (under the caller's autocast, if any) and thread count (and of
+    `draft`'s pass) for `rows`: read from the profile cache, and what is missing measured now (a few seconds per row
+    count, shown as a bar) and added to it.
 
     Measured after AUTO_CONTEXT cached tokens, up to block_size + 1 verified tokens per row, at AUTO_MAX_ROWS rows at
     most."""
