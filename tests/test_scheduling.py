@@ -750,6 +750,14 @@ def test_costs_are_kept_apart_by_attention_implementation_and_device_kind():
     assert {"attention", "transformers"} <= set(key) and key["device"].startswith("cpu: ")
 
 
+def test_a_draft_subclass_that_proposes_its_own_blocks_does_not_share_the_draft_s_cached_cost():
+    from dspark_hf.evaluation.oracle import OracleDraft
+    from dspark_hf.scheduling.profile import _draft_key
+
+    draft = tiny_draft(tiny_target("llama"))
+    assert _draft_key(OracleDraft.from_draft(draft)) != _draft_key(draft) == _draft_key(tiny_draft(tiny_target("llama")))
+
+
 def test_costs_measured_under_a_caller_s_autocast_are_kept_apart_from_those_without():
     from dspark_hf.scheduling.profile import _target_key
 
