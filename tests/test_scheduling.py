@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from conftest import left_padded_prompts, tiny_draft, tiny_target
-from dspark_hf import Policy
+from dspark_hf import AutoScheduled, Policy
 from dspark_hf.generation.drafting import sample_block
 from dspark_hf.scheduling.scheduler import AsyncScheduled, Scheduled, ThresholdPolicy, prefix_schedule, \
     topk_schedule, verified_tokens
@@ -530,6 +530,80 @@ def test_the_default_policy_can_plan_against_a_dspark_profile_file(tmp_path):
         save_profile(profile_sps(target, rows=[1], max_tokens_per_row=2, context=8, repeats=1, warmup=0,
                                  progress=False), tmp_path / "no_draft.json")
         AutoScheduled(profile=tmp_path / "no_draft.json").prepare(target, draft, 1)
+
+
+def saved_profile(path, target, draft, max_tokens=5):
+    from dspark_hf.scheduling.profile import profile_sps, save_profile
+
+    save_profile(profile_sps(target, rows=[1], max_tokens_per_row=max_tokens, context=8, repeats=1, warmup=0,
+                             draft=draft, progress=False), path)
+    return path
+
+
+def profile_warnings(path, target, draft) -> list[str]:
+    import warnings
+
+    from dspark_hf.scheduling.profile import ProfileMismatchWarning, check_profile
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        check_profile(path, target, draft)
+    assert all(w.category is ProfileMismatchWarning for w in caught)
+    return [str(w.message) for w in caught]
+
+
+def test_a_profile_used_for_other_models_or_another_machine_is_warned_about_once_saying_what_differs(tmp_path,
+                                                                                                    monkeypatch):
+    target = tiny_target("llama")
+    draft = tiny_draft(target)
+    path = saved_profile(tmp_path / "p.json", target, draft)
+    assert profile_warnings(path, target, draft) == []
+    qwen = tiny_target("qwen3")
+    [other_target] = profile_warnings(path, qwen, tiny_draft(qwen))
+    assert other_target.startswith(f"{path} was measured for another target or machine (differing in config, model)")
+    assert other_target.endswith("re-run `dspark profile --max-tokens 5` with these models on this machine.")
+    assert "\n" not in other_target and profile_warnings(path, qwen, tiny_draft(qwen)) == []  # said once
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 97)
+    assert "(differing in threads)" in profile_warnings(path, target, draft)[0]
+    monkeypatch.undo()
+    assert "another draft (differing in class, shape or dtype)" in profile_warnings(path, target, tiny_draft(
+        target, markov_rank=4))[0]
+
+
+def test_a_profile_that_measured_fewer_tokens_per_row_than_the_draft_verifies_is_warned_about(tmp_path):
+    target = tiny_target("llama")
+    draft = tiny_draft(target)
+    path = saved_profile(tmp_path / "short.json", target, draft, max_tokens=2)
+    assert profile_warnings(path, target, draft) == [
+        f"{path} was measured for up to 2 tokens per row, this draft verifies up to 5: plans against it may be wrong; "
+        "re-run `dspark profile --max-tokens 5` with these models on this machine."]
+
+
+def test_a_profile_from_before_models_were_recorded_loads_and_is_checked_for_its_grid_only(tmp_path):
+    import json
+
+    target = tiny_target("llama")
+    path = saved_profile(tmp_path / "old.json", target, tiny_draft(target))
+    old = json.loads(path.read_text())
+    del old["target_key"], old["draft_key"]
+    path.write_text(json.dumps(old))
+    qwen = tiny_target("qwen3")
+    assert profile_warnings(path, qwen, tiny_draft(qwen)) == []
+    assert Scheduled.from_profile(path)(torch.full((1, 4), 0.5), 4, 1).shape == (1,)
+
+
+@pytest.mark.parametrize("make", [lambda p: Scheduled.from_profile(p), lambda p: AsyncScheduled.from_profile(p),
+                                  lambda p: AutoScheduled(profile=p)], ids=["scheduled", "async", "auto"])
+def test_generate_warns_when_its_policy_s_profile_was_measured_for_other_models(tmp_path, make):
+    from dspark_hf.scheduling.profile import ProfileMismatchWarning
+
+    target = tiny_target("llama")
+    draft = tiny_draft(target)
+    path = saved_profile(tmp_path / "p.json", tiny_target("qwen3"), draft)
+    ids, mask = left_padded_prompts(2)
+    with pytest.warns(ProfileMismatchWarning, match="was measured for another target or machine"):
+        target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, assistant_model=draft,
+                        verification_policy=make(path))
 
 
 def test_a_probe_is_counted_in_the_gain_as_the_plan_would_have_done_not_at_what_exploring_cost():

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from .policies import Policy, real, whole
-from .profile import EngineCosts, cached_costs
+from .profile import EngineCosts, cached_costs, check_profile
 from .scheduler import prefix_schedule
 
 
@@ -90,6 +90,8 @@ class AutoScheduled(Policy):
         if self.costs is None:
             self.costs = (EngineCosts.from_profile(self.profile) if self.profile is not None else
                           cached_costs(target, draft, sorted({1, batch_size}), progress=self.progress))
+        if self.profile is not None:
+            check_profile(self.profile, target, draft)
         if sampling:
             self.learned = self.fresh(draft.config.block_size)
             return

@@ -33,10 +33,6 @@ def named_policy(name: str, profile: str | None = None) -> Callable[[], Policy]:
     if name in ("scheduled", "async"):
         if profile is None:
             raise ValueError(f"the {name} policy plans against a profile: pass --profile FILE from `dspark profile`.")
-        if name == "scheduled":
-            return lambda: Scheduled.from_profile(profile)
-        from .profile import load_profile
-
-        return lambda: AsyncScheduled(load_profile(profile))
+        return lambda: (Scheduled if name == "scheduled" else AsyncScheduled).from_profile(profile)
     raise ValueError(f"unknown verification policy {name!r}: choose from {', '.join(POLICY_NAMES)} (e.g. 'fixed 2', "
                      "'threshold 0.5').")

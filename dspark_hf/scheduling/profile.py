@@ -97,7 +97,7 @@ def profile_sps(target, rows: int | Sequence[int] = 1, max_tokens_per_row: int =
         for n, v in row.items():
             by_tokens[R * n].append(v)
     return {"target": getattr(target.config, "_name_or_path", ""), "rows": sorted(grid), "context": context,
-            "repeats": repeats, "machine": machine_info(target, draft),
+            "repeats": repeats, "machine": machine_info(target, draft), **_profile_keys(target, draft),
             "sps": {b: statistics.median(v) for b, v in sorted(by_tokens.items())},
             "grid": grid, "draft_seconds": draft_seconds or None}
 
@@ -179,6 +179,49 @@ def measured_grid(value, what: str) -> dict[int, dict[int, float]]:
         raise ValueError(f"{what} must be a table of row counts to tables, got {type(value).__name__}")
     rows = measured_table({R: 1 for R in value}, what) if value else {}
     return {R: measured_table(row, f"{what}[{R}]") for R, row in zip(rows, value.values())}
+
+
+class ProfileMismatchWarning(UserWarning):
+    """A `dspark profile` file planned against for other models or another machine than it measured, or for longer
+    verifications than it measured."""
+
+
+# recorded, not compared: the measuring code's version and method do not change the engine's speed
+_UNCOMPARED = ("dspark_hf", "method")
+_WARNED: set[str] = set()  # each mismatch is said once per process, not once per generate() call
+
+
+def _profile_keys(target, draft) -> dict:
+    """What the cost cache keys costs on, as a profile records it (as JSON reads it back, to compare)."""
+    target_key = {k: v for k, v in _target_key(target).items() if k != "method"}
+    draft_key = None if draft is None else _draft_key(draft)
+    return json.loads(json.dumps({"target_key": target_key, "draft_key": draft_key}, default=str))
+
+
+def check_profile(path: str | Path, target, draft) -> None:
+    """Warn once (ProfileMismatchWarning) where the profile at `path` was measured for another target, draft or
+    machine than `target` and `draft` (as the cost cache keys them: model, config, device, dtype, autocast, threads,
+    attention, versions), or for fewer tokens per row than the draft's block_size + 1 (longer ones are then
+    extrapolated). A profile from before these keys were recorded is checked for the last only."""
+    profile, (now, problems) = read_profile(path), (_profile_keys(target, draft), [])
+    if profile.get("target_key") is not None:
+        recorded = profile["target_key"]
+        differs = [k for k in sorted(set(recorded) | set(now["target_key"]))
+                   if k not in _UNCOMPARED and recorded.get(k) != now["target_key"].get(k)]
+        if differs:
+            problems.append(f"another target or machine (differing in {', '.join(differs)})")
+    if profile.get("draft_key") and now["draft_key"] and profile["draft_key"] != now["draft_key"]:
+        problems.append("another draft (differing in class, shape or dtype)")
+    tokens = draft.config.block_size + 1 if draft is not None else 1
+    if profile.get("grid"):
+        measured = min(max(row) for row in measured_grid(profile["grid"], "grid").values())
+        if measured < tokens:
+            problems.append(f"up to {measured} tokens per row, this draft verifies up to {tokens}")
+    message = (f"{path} was measured for {'; and '.join(problems)}: plans against it may be wrong; re-run `dspark "
+               f"profile --max-tokens {tokens}` with these models on this machine.")
+    if problems and message not in _WARNED:
+        _WARNED.add(message)
+        warnings.warn(message, ProfileMismatchWarning, stacklevel=3)
 
 
 def load_profile(path: str | Path) -> Callable[[int], float]:

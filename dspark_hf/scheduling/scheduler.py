@@ -32,7 +32,7 @@ from typing import Callable, Sequence
 import torch
 
 from .policies import Policy, real, whole
-from .profile import sps_curve
+from .profile import check_profile, sps_curve
 
 SPS = Sequence[float] | Mapping[int, float] | Callable[[int], float]
 
@@ -148,13 +148,21 @@ class Scheduled(Policy):
         self.probe_every = whole("Scheduled", "probe_every", probe_every, 1)
         self.max_pause = whole("Scheduled", "max_pause", max_pause, 1)
         self._skip, self._pause = 0, probe_every
+        self.profile = None  # the `dspark profile` file the costs come from, checked against the models decoding
 
     @classmethod
     def from_profile(cls, path, **kwargs) -> "Scheduled":
-        """The scheduler for the engine a `dspark profile` JSON describes (with its draft cost, if measured)."""
+        """The scheduler for the engine a `dspark profile` JSON describes (with its draft cost, if measured); a
+        ProfileMismatchWarning says when it was measured for other models or another machine."""
         from .profile import load_draft_cost, load_profile
 
-        return cls(load_profile(path), load_draft_cost(path), **kwargs)
+        policy = cls(load_profile(path), load_draft_cost(path), **kwargs)
+        policy.profile = path
+        return policy
+
+    def prepare(self, target, draft, batch_size: int, sampling: bool = False) -> None:
+        if self.profile is not None:
+            check_profile(self.profile, target, draft)
 
     def round_sps(self, num_rows: int) -> Callable[[int], float]:
         """Speculative steps per second at B verified tokens for `num_rows` requests, draft pass included."""
@@ -195,6 +203,20 @@ class AsyncScheduled(Policy):
     def __init__(self, sps: SPS, lag: int = 2, padded: bool = True):
         self.sps, self.lag, self.padded = sps, whole("AsyncScheduled", "lag", lag, 1), padded
         self.capacities: deque[int] = deque(maxlen=lag)  # capacities come from past rounds
+        self.profile = None  # as Scheduled's
+
+    @classmethod
+    def from_profile(cls, path, **kwargs) -> "AsyncScheduled":
+        """The scheduler for the engine a `dspark profile` JSON describes, checked as `Scheduled.from_profile`'s."""
+        from .profile import load_profile
+
+        policy = cls(load_profile(path), **kwargs)
+        policy.profile = path
+        return policy
+
+    def prepare(self, target, draft, batch_size: int, sampling: bool = False) -> None:
+        if self.profile is not None:
+            check_profile(self.profile, target, draft)
 
     def __call__(self, confidences, gamma: int, num_rows: int) -> torch.Tensor:
         c = _require(confidences, "AsyncScheduled").cpu()
