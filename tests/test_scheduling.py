@@ -260,6 +260,21 @@ def test_scheduler_switches_drafting_off_when_plain_decoding_is_faster():
     assert [costly.draft_this_round(2) for _ in range(7)] == [False] * 6 + [True]
 
 
+def test_a_reused_scheduled_policy_starts_each_call_drafting_and_a_reused_async_one_with_algorithm_1():
+    target = tiny_target("llama")
+    draft = tiny_draft(target)
+    sps = lambda b: 100 / (10 + b)  # noqa: E731
+    costly = Scheduled(sps, draft_seconds=lambda r: 1.0)
+    costly(torch.full((2, 4), 0.9), 4, 2)  # drafting does not pay: paused for the next rounds of this call
+    costly.prepare(target, draft, 2)
+    assert costly.draft_this_round(2)
+    policy = AsyncScheduled(sps, lag=1)
+    high, low = torch.full((4, 6), 0.95), torch.full((4, 6), 0.3)
+    policy(high, 6, 4)  # this call's next round would admit high's capacity
+    policy.prepare(target, draft, 4)
+    assert policy(low, 6, 4).tolist() == prefix_schedule(low, sps, padded=True)
+
+
 def test_the_draft_pass_counts_in_the_scheduled_rate():
     sps = lambda b: 100 / (10 + b)  # noqa: E731
     step = Scheduled(sps, draft_seconds=lambda r: 0.05).round_sps(2)
@@ -510,6 +525,29 @@ def test_the_default_policy_measures_costs_once_and_later_processes_reuse_them(t
     assert second.returncode == 0 and second.stdout == first.stdout
     assert "profiling this machine" in first.stderr and "profiling this machine" not in second.stderr
     assert cached.stat().st_mtime_ns == written
+
+
+def test_a_reused_default_policy_plans_each_call_with_the_costs_of_that_call_s_target_and_batch_size(tmp_path,
+                                                                                                        monkeypatch):
+    from dspark_hf.scheduling.profile import cached_costs
+
+    monkeypatch.setenv("DSPARK_HF_PROFILE_CACHE", str(tmp_path))
+    llama, qwen = tiny_target("llama"), tiny_target("qwen3")
+    llama_draft, qwen_draft = tiny_draft(llama), tiny_draft(qwen)
+    policy = AutoScheduled(progress=False)
+    policy.prepare(llama, llama_draft, 1)
+    first = policy.costs
+    policy.prepare(llama, llama_draft, 1)
+    assert policy.costs is first  # nothing to read again
+    policy.prepare(qwen, qwen_draft, 1)
+    assert policy.costs.verify_seconds == cached_costs(qwen, qwen_draft, [1], progress=False).verify_seconds
+    policy.prepare(qwen, qwen_draft, 3)
+    assert policy.costs.verify(3, 2) == cached_costs(qwen, qwen_draft, [1, 3], progress=False).verify(3, 2)
+    assert 3 in policy.costs.verify_seconds
+    by_hand = costs()
+    policy.costs = by_hand
+    policy.prepare(llama, llama_draft, 2)
+    assert policy.costs is by_hand  # costs set by hand are the caller's
 
 
 def test_the_default_policy_can_plan_against_a_dspark_profile_file(tmp_path):

@@ -336,8 +336,7 @@ def cached_costs(target, draft, rows: Sequence[int], progress: bool = True) -> E
     most."""
     rows = sorted({min(R, AUTO_MAX_ROWS) for R in rows})
     key = _target_key(target)
-    path = profile_cache_dir() / (hashlib.sha1(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:20]
-                                  + ".json")
+    path = profile_cache_dir() / (cache_key(target, draft)[0] + ".json")
     stored = _read_cache(path, key)
     verify = measured_grid(stored["verify"], "verify")
     draft_key = _draft_key(draft)
@@ -356,6 +355,13 @@ def cached_costs(target, draft, rows: Sequence[int], progress: bool = True) -> E
     if needs_verify or needs_draft:
         _merge_into(path, key, verify, draft_key, drafts)
     return EngineCosts(verify, drafts)
+
+
+def cache_key(target, draft) -> tuple[str, str]:
+    """(the cost cache file's name, the draft's key in it): what costs measured for `target` and `draft` are kept
+    under."""
+    key = json.dumps(_target_key(target), sort_keys=True, default=str)
+    return hashlib.sha1(key.encode()).hexdigest()[:20], _draft_key(draft)
 
 
 def _auto_context(target, tokens: int) -> int:

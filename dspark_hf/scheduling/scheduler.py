@@ -139,7 +139,7 @@ class Scheduled(Policy):
     slower than plain decoding at this load (R * SPS(R), no draft), drafting is switched off for `probe_every`
     rounds and then tried again; each probe that confirms it doubles the pause, up to `max_pause` rounds (a probe
     costs a draft pass and a longer verification). That decision uses past rounds only, so it stays lossless.
-    Keeps state across rounds: use one instance per generate() call.
+    Keeps state across the rounds of a call; prepare, at the start of each generate() call, resets it.
     """
 
     def __init__(self, sps: SPS, draft_seconds: Callable[[int], float] | None = None, probe_every: int = 8,
@@ -163,6 +163,7 @@ class Scheduled(Policy):
     def prepare(self, target, draft, batch_size: int, sampling: bool = False) -> None:
         if self.profile is not None:
             check_profile(self.profile, target, draft)
+        self._skip, self._pause = 0, self.probe_every  # a pause learned in another call says nothing of this one
 
     def round_sps(self, num_rows: int) -> Callable[[int], float]:
         """Speculative steps per second at B verified tokens for `num_rows` requests, draft pass included."""
@@ -217,6 +218,7 @@ class AsyncScheduled(Policy):
     def prepare(self, target, draft, batch_size: int, sampling: bool = False) -> None:
         if self.profile is not None:
             check_profile(self.profile, target, draft)
+        self.capacities.clear()  # another call's rounds: not this call's rounds of `lag` rounds earlier
 
     def __call__(self, confidences, gamma: int, num_rows: int) -> torch.Tensor:
         c = _require(confidences, "AsyncScheduled").cpu()
