@@ -550,6 +550,19 @@ def test_a_reused_default_policy_plans_each_call_with_the_costs_of_that_call_s_t
     assert policy.costs is by_hand  # costs set by hand are the caller's
 
 
+def test_a_call_plans_with_the_row_counts_it_asked_for_only_whatever_else_earlier_calls_cached(tmp_path, monkeypatch):
+    from dspark_hf.scheduling.profile import cached_costs
+
+    monkeypatch.setenv("DSPARK_HF_PROFILE_CACHE", str(tmp_path))
+    target = tiny_target("llama")
+    draft = tiny_draft(target)
+    cached_costs(target, draft, [1, 2, 4], progress=False)  # an earlier call at batch 2 measured R = 2 too
+    costs = cached_costs(target, draft, [1, 4], progress=False)
+    assert set(costs.verify_seconds) == set(costs.draft_seconds) == {1, 4}  # R = 2 is interpolated, as without it
+    one, four = costs.verify(1, 3), costs.verify(4, 3)
+    assert costs.verify(2, 3) == pytest.approx(one + (four - one) / 3)
+
+
 def test_the_default_policy_can_plan_against_a_dspark_profile_file(tmp_path):
     from dspark_hf import AutoScheduled
     from dspark_hf.scheduling.profile import profile_sps, save_profile

@@ -354,7 +354,9 @@ def cached_costs(target, draft, rows: Sequence[int], progress: bool = True) -> E
         drafts.update(measured["draft_seconds"])
     if needs_verify or needs_draft:
         _merge_into(path, key, verify, draft_key, drafts)
-    return EngineCosts(verify, drafts)
+    # the rows asked for only: other row counts in the file are what earlier calls happened to measure, and a plan
+    # interpolating between them would change a seeded sample with the history of this machine
+    return EngineCosts({R: verify[R] for R in rows}, {R: drafts[R] for R in rows})
 
 
 def cache_key(target, draft) -> tuple[str, str]:
