@@ -776,6 +776,19 @@ def test_policy_settings_are_checked_when_the_policy_is_made(make, error):
         make()
 
 
+@pytest.mark.parametrize("name, error", [
+    ("fixed -1", "--policy 'fixed -1': FixedLength: length must be a whole number >= 0, got -1."),
+    ("threshold 1.5", "--policy 'threshold 1.5': ThresholdPolicy: threshold must be a number in [0, 1], got 1.5."),
+])
+def test_a_named_policy_with_a_value_out_of_range_is_refused_when_the_name_is_read_naming_it(name, error):
+    from dspark_hf.scheduling.named import named_policy
+
+    with pytest.raises(ValueError) as refused:
+        named_policy(name)
+    assert str(refused.value) == error
+    assert named_policy("fixed 2")().length == 2
+
+
 def test_a_last_round_in_which_no_row_can_verify_a_token_drafts_nothing():
     from test_generation_greedy import dspark, plain
 
