@@ -407,6 +407,9 @@ def cmd_calibrate(args) -> int:
         raise ValueError(f"--output {args.output} is a file: give a folder for the calibrated draft.")
     fraction = _calibration_fraction(args.draft, args.heldout_fraction)
     target, tokenizer, draft = _load(args)
+    if not draft.config.confidence_head:  # its rounds carry no confidences: found before the rollouts
+        raise ValueError(f"{args.draft} has no confidence head (confidence_head=False): STS calibrates that head, so "
+                         "there is nothing to calibrate; train a draft with one.")
     _, heldout = split_heldout(load_dataset(args.dataset, target.get_output_embeddings().weight.shape[0]), fraction)
     if not heldout:
         raise ValueError(f"the held-out split of {args.dataset} at fraction {fraction:g} is empty: use a larger "

@@ -299,6 +299,17 @@ def test_calibrate_with_no_drafted_round_says_to_decode_longer(tiny_models, tmp_
                  "--output", str(tmp_path / "out")])
 
 
+def test_calibrate_refuses_a_draft_without_a_confidence_head_before_any_rollout(tiny_models, tmp_path, capsys):
+    draft = tmp_path / "no_head"
+    tiny_draft(tiny_target("llama"), confidence_head=False).save_pretrained(draft)
+    data = tmp_path / "data.jsonl"
+    data.write_text(json.dumps({"id": "d0", "prompt": "", "input_ids": [4, 5, 6, 7, 8, 9], "answer_start": 3}) + "\n")
+    assert f"{draft} has no confidence head (confidence_head=False): STS calibrates that head" in cli_error(
+        capsys, ["calibrate", "--target", str(tiny_models / "target"), "--draft", str(draft), "--dataset", str(data),
+                 "--heldout-fraction", "1.0", "--max-new-tokens", "10", "--output", str(tmp_path / "out")])
+    assert not (tmp_path / "out").exists()
+
+
 def test_calibrate_refuses_a_dataset_of_another_tokenizer_and_an_empty_held_out_split(tiny_models, tmp_path, capsys):
     from dspark_hf.training.data import load_dataset, split_heldout
 

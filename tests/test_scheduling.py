@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from conftest import left_padded_prompts, tiny_draft, tiny_target
-from dspark_hf import Policy
+from dspark_hf import AutoScheduled, Policy
 from dspark_hf.generation.drafting import sample_block
 from dspark_hf.scheduling.scheduler import AsyncScheduled, Scheduled, ThresholdPolicy, prefix_schedule, \
     topk_schedule, verified_tokens
@@ -22,6 +22,21 @@ def test_sps_as_a_callable_or_a_table_agree():
     conf = [[0.9, 0.8, 0.5], [0.6, 0.6, 0.6]]
     table = [None] + [8000 / (96 + b) for b in range(1, 10)]
     assert prefix_schedule(conf, table) == prefix_schedule(conf, lambda b: 8000 / (96 + b))
+
+
+def test_sps_as_a_dict_of_measured_points_is_interpolated_like_a_profile_not_read_as_its_keys():
+    conf = torch.full((2, 4), 0.5)
+    falling = {b: 100.0 / b for b in range(1, 41)}  # steeply falling: verifying anything loses
+    assert prefix_schedule(conf, falling) == [0, 0]
+    assert prefix_schedule(conf, {str(b): v for b, v in falling.items()}) == [0, 0]  # JSON's keys
+    sparse = {1: 10.0, 16: 8.0}  # linear between the measured points, where verifying pays
+    assert prefix_schedule(conf, sparse) == prefix_schedule(conf, lambda b: 10.0 - 2 * (b - 1) / 15) != [0, 0]
+
+
+@pytest.mark.parametrize("sps", [{1, 2, 3}, "123", 5.0])
+def test_sps_that_is_not_a_table_dict_or_callable_is_refused_in_one_line(sps):
+    with pytest.raises(TypeError, match=r"^sps must be a list indexed by B, a \{B: sps\} dict or a callable"):
+        prefix_schedule([[0.5]], sps)
 
 
 @pytest.mark.parametrize("requests, mean_budget", [(4, 5.00), (32, 3.00), (256, 1.00)])
@@ -79,13 +94,31 @@ def test_threshold_policy_cuts_at_the_first_low_confidence():
     assert lengths.tolist() == [1, 3, 0]
 
 
-def test_async_scheduler_uses_the_capacity_of_two_rounds_earlier():
-    policy = AsyncScheduled(lambda b: 8000 / (96 + b))
+@pytest.mark.parametrize("padded", [True, False])
+def test_async_scheduler_uses_the_capacity_of_two_rounds_earlier(padded):
+    policy = AsyncScheduled(lambda b: 8000 / (96 + b), padded=padded)
     high, low = torch.full((4, 6), 0.95), torch.full((4, 6), 0.3)
     first = policy(high, 6, 4)
     policy(low, 6, 4)
     third = policy(low, 6, 4)  # capacity from round 1 (high confidence): many tokens admitted
-    assert first.sum() == third.sum() == sum(prefix_schedule(high, lambda b: 8000 / (96 + b), early_stop=False))
+    searched = prefix_schedule(high, lambda b: 8000 / (96 + b), early_stop=False, padded=padded)
+    assert first.sum() == third.sum() == sum(searched) > sum(prefix_schedule(low, lambda b: 8000 / (96 + b)))
+
+
+def test_async_scheduler_prices_the_padded_batch_generate_verifies_by_default():
+    """One confident row among 8: verifying its 4 tokens pads all 8 rows to 5, which this cost curve punishes."""
+    sps = lambda b: 1.0 / (10 + b)  # noqa: E731
+    c = torch.tensor([[0.99] * 4] + [[0.05] * 4] * 7)
+    policy, packed = AsyncScheduled(sps), AsyncScheduled(sps, padded=False)
+    rounds = [(policy(c, 4, 8).tolist(), packed(c, 4, 8).tolist()) for _ in range(3)]  # round 3: top-K admission
+    assert all(lengths == Scheduled(sps)(c, 4, 8).tolist() == [0] * 8 for lengths, _ in rounds)
+    assert all(lengths == [4] + [0] * 7 for _, lengths in rounds)  # what a packed engine would verify
+
+
+def test_padded_top_k_admission_verifies_every_row_up_to_the_capacity_length():
+    conf = [[0.9, 0.9, 0.1], [0.5, 1.0, 1.0], [0.0, 1.0, 1.0]]
+    assert topk_schedule(conf, 2, padded=True) == [2, 2, 0]  # the rectangle is paid for: fill it (a > 0 only)
+    assert topk_schedule(conf, 0, padded=True) == [0, 0, 0]
 
 
 # -- lossless decoding with scheduling on ---------------------------------------------------------------------------
@@ -225,6 +258,21 @@ def test_scheduler_switches_drafting_off_when_plain_decoding_is_faster():
     assert [costly.draft_this_round(2) for _ in range(4)] == [False, False, False, True]
     costly(conf, 4, 2)  # the probe confirms it: the next pause is twice as long
     assert [costly.draft_this_round(2) for _ in range(7)] == [False] * 6 + [True]
+
+
+def test_a_reused_scheduled_policy_starts_each_call_drafting_and_a_reused_async_one_with_algorithm_1():
+    target = tiny_target("llama")
+    draft = tiny_draft(target)
+    sps = lambda b: 100 / (10 + b)  # noqa: E731
+    costly = Scheduled(sps, draft_seconds=lambda r: 1.0)
+    costly(torch.full((2, 4), 0.9), 4, 2)  # drafting does not pay: paused for the next rounds of this call
+    costly.prepare(target, draft, 2)
+    assert costly.draft_this_round(2)
+    policy = AsyncScheduled(sps, lag=1)
+    high, low = torch.full((4, 6), 0.95), torch.full((4, 6), 0.3)
+    policy(high, 6, 4)  # this call's next round would admit high's capacity
+    policy.prepare(target, draft, 4)
+    assert policy(low, 6, 4).tolist() == prefix_schedule(low, sps, padded=True)
 
 
 def test_the_draft_pass_counts_in_the_scheduled_rate():
@@ -479,6 +527,42 @@ def test_the_default_policy_measures_costs_once_and_later_processes_reuse_them(t
     assert cached.stat().st_mtime_ns == written
 
 
+def test_a_reused_default_policy_plans_each_call_with_the_costs_of_that_call_s_target_and_batch_size(tmp_path,
+                                                                                                        monkeypatch):
+    from dspark_hf.scheduling.profile import cached_costs
+
+    monkeypatch.setenv("DSPARK_HF_PROFILE_CACHE", str(tmp_path))
+    llama, qwen = tiny_target("llama"), tiny_target("qwen3")
+    llama_draft, qwen_draft = tiny_draft(llama), tiny_draft(qwen)
+    policy = AutoScheduled(progress=False)
+    policy.prepare(llama, llama_draft, 1)
+    first = policy.costs
+    policy.prepare(llama, llama_draft, 1)
+    assert policy.costs is first  # nothing to read again
+    policy.prepare(qwen, qwen_draft, 1)
+    assert policy.costs.verify_seconds == cached_costs(qwen, qwen_draft, [1], progress=False).verify_seconds
+    policy.prepare(qwen, qwen_draft, 3)
+    assert policy.costs.verify(3, 2) == cached_costs(qwen, qwen_draft, [1, 3], progress=False).verify(3, 2)
+    assert 3 in policy.costs.verify_seconds
+    by_hand = costs()
+    policy.costs = by_hand
+    policy.prepare(llama, llama_draft, 2)
+    assert policy.costs is by_hand  # costs set by hand are the caller's
+
+
+def test_a_call_plans_with_the_row_counts_it_asked_for_only_whatever_else_earlier_calls_cached(tmp_path, monkeypatch):
+    from dspark_hf.scheduling.profile import cached_costs
+
+    monkeypatch.setenv("DSPARK_HF_PROFILE_CACHE", str(tmp_path))
+    target = tiny_target("llama")
+    draft = tiny_draft(target)
+    cached_costs(target, draft, [1, 2, 4], progress=False)  # an earlier call at batch 2 measured R = 2 too
+    costs = cached_costs(target, draft, [1, 4], progress=False)
+    assert set(costs.verify_seconds) == set(costs.draft_seconds) == {1, 4}  # R = 2 is interpolated, as without it
+    one, four = costs.verify(1, 3), costs.verify(4, 3)
+    assert costs.verify(2, 3) == pytest.approx(one + (four - one) / 3)
+
+
 def test_the_default_policy_can_plan_against_a_dspark_profile_file(tmp_path):
     from dspark_hf import AutoScheduled
     from dspark_hf.scheduling.profile import profile_sps, save_profile
@@ -497,6 +581,80 @@ def test_the_default_policy_can_plan_against_a_dspark_profile_file(tmp_path):
         save_profile(profile_sps(target, rows=[1], max_tokens_per_row=2, context=8, repeats=1, warmup=0,
                                  progress=False), tmp_path / "no_draft.json")
         AutoScheduled(profile=tmp_path / "no_draft.json").prepare(target, draft, 1)
+
+
+def saved_profile(path, target, draft, max_tokens=5):
+    from dspark_hf.scheduling.profile import profile_sps, save_profile
+
+    save_profile(profile_sps(target, rows=[1], max_tokens_per_row=max_tokens, context=8, repeats=1, warmup=0,
+                             draft=draft, progress=False), path)
+    return path
+
+
+def profile_warnings(path, target, draft) -> list[str]:
+    import warnings
+
+    from dspark_hf.scheduling.profile import ProfileMismatchWarning, check_profile
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        check_profile(path, target, draft)
+    assert all(w.category is ProfileMismatchWarning for w in caught)
+    return [str(w.message) for w in caught]
+
+
+def test_a_profile_used_for_other_models_or_another_machine_is_warned_about_once_saying_what_differs(tmp_path,
+                                                                                                    monkeypatch):
+    target = tiny_target("llama")
+    draft = tiny_draft(target)
+    path = saved_profile(tmp_path / "p.json", target, draft)
+    assert profile_warnings(path, target, draft) == []
+    qwen = tiny_target("qwen3")
+    [other_target] = profile_warnings(path, qwen, tiny_draft(qwen))
+    assert other_target.startswith(f"{path} was measured for another target or machine (differing in config, model)")
+    assert other_target.endswith("re-run `dspark profile --max-tokens 5` with these models on this machine.")
+    assert "\n" not in other_target and profile_warnings(path, qwen, tiny_draft(qwen)) == []  # said once
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 97)
+    assert "(differing in threads)" in profile_warnings(path, target, draft)[0]
+    monkeypatch.undo()
+    assert "another draft (differing in class, shape or dtype)" in profile_warnings(path, target, tiny_draft(
+        target, markov_rank=4))[0]
+
+
+def test_a_profile_that_measured_fewer_tokens_per_row_than_the_draft_verifies_is_warned_about(tmp_path):
+    target = tiny_target("llama")
+    draft = tiny_draft(target)
+    path = saved_profile(tmp_path / "short.json", target, draft, max_tokens=2)
+    assert profile_warnings(path, target, draft) == [
+        f"{path} was measured for up to 2 tokens per row, this draft verifies up to 5: plans against it may be wrong; "
+        "re-run `dspark profile --max-tokens 5` with these models on this machine."]
+
+
+def test_a_profile_from_before_models_were_recorded_loads_and_is_checked_for_its_grid_only(tmp_path):
+    import json
+
+    target = tiny_target("llama")
+    path = saved_profile(tmp_path / "old.json", target, tiny_draft(target))
+    old = json.loads(path.read_text())
+    del old["target_key"], old["draft_key"]
+    path.write_text(json.dumps(old))
+    qwen = tiny_target("qwen3")
+    assert profile_warnings(path, qwen, tiny_draft(qwen)) == []
+    assert Scheduled.from_profile(path)(torch.full((1, 4), 0.5), 4, 1).shape == (1,)
+
+
+@pytest.mark.parametrize("make", [lambda p: Scheduled.from_profile(p), lambda p: AsyncScheduled.from_profile(p),
+                                  lambda p: AutoScheduled(profile=p)], ids=["scheduled", "async", "auto"])
+def test_generate_warns_when_its_policy_s_profile_was_measured_for_other_models(tmp_path, make):
+    from dspark_hf.scheduling.profile import ProfileMismatchWarning
+
+    target = tiny_target("llama")
+    draft = tiny_draft(target)
+    path = saved_profile(tmp_path / "p.json", tiny_target("qwen3"), draft)
+    ids, mask = left_padded_prompts(2)
+    with pytest.warns(ProfileMismatchWarning, match="was measured for another target or machine"):
+        target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, assistant_model=draft,
+                        verification_policy=make(path))
 
 
 def test_a_probe_is_counted_in_the_gain_as_the_plan_would_have_done_not_at_what_exploring_cost():
@@ -618,6 +776,19 @@ def test_policy_settings_are_checked_when_the_policy_is_made(make, error):
         make()
 
 
+@pytest.mark.parametrize("name, error", [
+    ("fixed -1", "--policy 'fixed -1': FixedLength: length must be a whole number >= 0, got -1."),
+    ("threshold 1.5", "--policy 'threshold 1.5': ThresholdPolicy: threshold must be a number in [0, 1], got 1.5."),
+])
+def test_a_named_policy_with_a_value_out_of_range_is_refused_when_the_name_is_read_naming_it(name, error):
+    from dspark_hf.scheduling.named import named_policy
+
+    with pytest.raises(ValueError) as refused:
+        named_policy(name)
+    assert str(refused.value) == error
+    assert named_policy("fixed 2")().length == 2
+
+
 def test_a_last_round_in_which_no_row_can_verify_a_token_drafts_nothing():
     from test_generation_greedy import dspark, plain
 
@@ -715,6 +886,26 @@ def test_costs_are_kept_apart_by_attention_implementation_and_device_kind():
     target.config._attn_implementation = "eager" if key["attention"] != "eager" else "sdpa"
     assert _target_key(target) != key
     assert {"attention", "transformers"} <= set(key) and key["device"].startswith("cpu: ")
+
+
+def test_a_draft_subclass_that_proposes_its_own_blocks_does_not_share_the_draft_s_cached_cost():
+    from dspark_hf.evaluation.oracle import OracleDraft
+    from dspark_hf.scheduling.profile import _draft_key
+
+    draft = tiny_draft(tiny_target("llama"))
+    assert _draft_key(OracleDraft.from_draft(draft)) != _draft_key(draft) == _draft_key(tiny_draft(tiny_target("llama")))
+
+
+def test_costs_measured_under_a_caller_s_autocast_are_kept_apart_from_those_without():
+    from dspark_hf.scheduling.profile import _target_key
+
+    target = tiny_target("llama")
+    plain = _target_key(target)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        bf16 = _target_key(target)
+    with torch.autocast("cpu", dtype=torch.float16):
+        fp16 = _target_key(target)
+    assert len({str(plain), str(bf16), str(fp16)}) == 3 and _target_key(target) == plain
 
 
 @pytest.mark.parametrize("profile, error", [

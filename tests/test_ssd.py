@@ -533,6 +533,18 @@ def test_the_auto_fallback_measures_this_machines_costs_before_the_first_round_w
     assert len(calls) == 1 and calls[0].get("progress", True) is not False
 
 
+def test_the_auto_fallback_s_progress_bar_can_be_turned_off_as_the_default_policy_s_can(tmp_path, monkeypatch,
+                                                                                         capsys):
+    monkeypatch.setenv("DSPARK_HF_PROFILE_CACHE", str(tmp_path))  # nothing measured yet
+    target = tiny_target("llama")
+    ids, mask = left_padded_prompts(1)
+    ssd_generate(target, tiny_draft(target), ids, mask, max_new_tokens=8, ssd=SSDConfig(fallback="auto",
+                                                                                        progress=False))
+    assert list(tmp_path.glob("*.json")) and "profiling this machine" not in capsys.readouterr().err
+    with pytest.raises(TypeError, match=r"^SSDConfig.progress must be True or False, got 'no'.$"):
+        SSDConfig(progress="no")
+
+
 @pytest.mark.parametrize("fallback", ["ngram", "random"])
 def test_a_confidence_policy_verifies_lookup_blocks_as_far_as_they_reach(fallback):
     from dspark_hf import ThresholdPolicy

@@ -54,6 +54,8 @@ class SSDConfig:
                           "(the draft below the critical batch size, n-gram lookup from it on).", "choices": FALLBACKS})
     overlap: bool = field(default=True, metadata={"help": "Speculate in a thread (on a GPU, its own CUDA stream) "
                           "while the target verifies; False runs the two one after the other."})
+    progress: bool = field(default=True, metadata={"help": "Show a bar while fallback auto measures this machine's "
+                           "costs the first time, as AutoScheduled(progress=) does."})
 
     def __post_init__(self):
         self.validate()
@@ -69,8 +71,9 @@ class SSDConfig:
                 raise TypeError(f"SSDConfig.{name} must be a number, got {value!r}.")
             if math.isnan(value):
                 raise ValueError(f"SSDConfig.{name} must be a number, got NaN.")
-        if not isinstance(self.overlap, bool):
-            raise TypeError(f"SSDConfig.overlap must be True or False, got {self.overlap!r}.")
+        for name in ("overlap", "progress"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"SSDConfig.{name} must be True or False, got {getattr(self, name)!r}.")
         if isinstance(self.fan_out, str):
             if self.fan_out not in FAN_OUTS:
                 raise ValueError(f"SSDConfig.fan_out must be one of {', '.join(FAN_OUTS)} or a list of blocks per "
@@ -170,7 +173,8 @@ class SSDMixin:
         if ssd.fallback == "auto":
             from ..scheduling.profile import cached_costs
 
-            self._costs = cached_costs(self.target, self.draft, sorted({1, self.prompt.shape[0]}))
+            self._costs = cached_costs(self.target, self.draft, sorted({1, self.prompt.shape[0]}),
+                                       progress=ssd.progress)
         # N x S blocks: kept over the draft's own vocabulary, unless a processor reads which token a column is
         self._needs_target_vocab = not all(isinstance(p, VOCAB_FREE_PROCESSORS) for p in self.processors)
         # measured overlap: seconds the speculator ran, and seconds verification then waited for it

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from .policies import Policy, real, whole
-from .profile import EngineCosts, cached_costs
+from .profile import EngineCosts, cache_key, cached_costs, check_profile
 from .scheduler import prefix_schedule
 
 
@@ -62,7 +62,8 @@ class AutoScheduled(Policy):
       were drafted: a seed gives the same sample on every call.
 
     Decisions read the costs and the acceptance seen so far, never a clock: greedy output is plain generate()'s,
-    and a seed gives the same sampled output every run with the same cached costs. One instance per generate() call.
+    and a seed gives the same sampled output every run with the same cached costs. An instance may serve several
+    generate() calls: each call's prepare starts it afresh, with the costs of that call's target, draft and batch size.
     """
 
     def __init__(self, profile: str | Path | None = None, smoothing: float = 0.3, probe_every: int = 4,
@@ -74,6 +75,7 @@ class AutoScheduled(Policy):
         self.probe_budget = real("AutoScheduled", "probe_budget", probe_budget, 0.0, math.inf, low_open=True)
         self.progress = progress
         self.costs: EngineCosts | None = None
+        self._fetched = (None, None)  # (what prepare measured the costs for, those costs)
         self.learned: Learned | None = None
         self._planned = None  # this round's raw confidences (R, gamma), or None
 
@@ -87,9 +89,17 @@ class AutoScheduled(Policy):
         return Learned(seen=torch.zeros(3, block_size, dtype=torch.float64, device="cpu"), pause=self.probe_every)
 
     def prepare(self, target, draft, batch_size: int, sampling: bool = False) -> None:
-        if self.costs is None:
-            self.costs = (EngineCosts.from_profile(self.profile) if self.profile is not None else
-                          cached_costs(target, draft, sorted({1, batch_size}), progress=self.progress))
+        if self.profile is not None:
+            if self.costs is None:
+                self.costs = EngineCosts.from_profile(self.profile)
+            check_profile(self.profile, target, draft)
+        else:
+            # a reused instance may decode another target or batch size: costs are read again (cheap once cached)
+            # for what they were not measured for; costs set by hand are the caller's to keep
+            measured_for = (cache_key(target, draft), batch_size)
+            if self.costs is None or (self.costs is self._fetched[1] and measured_for != self._fetched[0]):
+                self.costs = cached_costs(target, draft, sorted({1, batch_size}), progress=self.progress)
+                self._fetched = (measured_for, self.costs)
         if sampling:
             self.learned = self.fresh(draft.config.block_size)
             return

@@ -29,14 +29,15 @@ def named_policy(name: str, profile: str | None = None) -> Callable[[], Policy]:
         except ValueError:
             number = None
         if number is not None:
-            return (lambda: FixedLength(number)) if kind == "fixed" else (lambda: ThresholdPolicy(number))
+            make = (lambda: FixedLength(number)) if kind == "fixed" else (lambda: ThresholdPolicy(number))
+            try:  # found now, not after the models load and a baseline is timed
+                make()
+            except ValueError as error:
+                raise ValueError(f"--policy {name!r}: {error}") from None
+            return make
     if name in ("scheduled", "async"):
         if profile is None:
             raise ValueError(f"the {name} policy plans against a profile: pass --profile FILE from `dspark profile`.")
-        if name == "scheduled":
-            return lambda: Scheduled.from_profile(profile)
-        from .profile import load_profile
-
-        return lambda: AsyncScheduled(load_profile(profile))
+        return lambda: (Scheduled if name == "scheduled" else AsyncScheduled).from_profile(profile)
     raise ValueError(f"unknown verification policy {name!r}: choose from {', '.join(POLICY_NAMES)} (e.g. 'fixed 2', "
                      "'threshold 0.5').")

@@ -7,7 +7,8 @@ CPU tensors; the decoding loop moves them).
 
 Drafting always uses the full trained block; only verification is trimmed, which never changes the output
 distribution as long as a row's length is decided before its tokens are revealed to the decision (see the
-scheduler's early stop). A policy keeps state across the rounds of one call: use one instance per generate() call.
+scheduler's early stop). A policy keeps state across the rounds of one call and starts afresh in `prepare` (this
+library's do), so one instance may serve consecutive generate() calls, never two at once.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ import torch
 
 @runtime_checkable
 class VerificationPolicy(Protocol):
-    """What generate() calls around the rounds of one call; one instance per call (a policy keeps state)."""
+    """What generate() calls around the rounds of one call (a policy keeps state across them; prepare starts a
+    call afresh)."""
 
     def prepare(self, target, draft, batch_size: int, sampling: bool) -> None:
         """Once, before the first round; sampling: the call samples (its tokens depend on what is drafted), else it

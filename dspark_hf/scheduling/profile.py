@@ -97,7 +97,7 @@ def profile_sps(target, rows: int | Sequence[int] = 1, max_tokens_per_row: int =
         for n, v in row.items():
             by_tokens[R * n].append(v)
     return {"target": getattr(target.config, "_name_or_path", ""), "rows": sorted(grid), "context": context,
-            "repeats": repeats, "machine": machine_info(target, draft),
+            "repeats": repeats, "machine": machine_info(target, draft), **_profile_keys(target, draft),
             "sps": {b: statistics.median(v) for b, v in sorted(by_tokens.items())},
             "grid": grid, "draft_seconds": draft_seconds or None}
 
@@ -181,10 +181,59 @@ def measured_grid(value, what: str) -> dict[int, dict[int, float]]:
     return {R: measured_table(row, f"{what}[{R}]") for R, row in zip(rows, value.values())}
 
 
+class ProfileMismatchWarning(UserWarning):
+    """A `dspark profile` file planned against for other models or another machine than it measured, or for longer
+    verifications than it measured."""
+
+
+# recorded, not compared: the measuring code's version and method do not change the engine's speed
+_UNCOMPARED = ("dspark_hf", "method")
+_WARNED: set[str] = set()  # each mismatch is said once per process, not once per generate() call
+
+
+def _profile_keys(target, draft) -> dict:
+    """What the cost cache keys costs on, as a profile records it (as JSON reads it back, to compare)."""
+    target_key = {k: v for k, v in _target_key(target).items() if k != "method"}
+    draft_key = None if draft is None else _draft_key(draft)
+    return json.loads(json.dumps({"target_key": target_key, "draft_key": draft_key}, default=str))
+
+
+def check_profile(path: str | Path, target, draft) -> None:
+    """Warn once (ProfileMismatchWarning) where the profile at `path` was measured for another target, draft or
+    machine than `target` and `draft` (as the cost cache keys them: model, config, device, dtype, autocast, threads,
+    attention, versions), or for fewer tokens per row than the draft's block_size + 1 (longer ones are then
+    extrapolated). A profile from before these keys were recorded is checked for the last only."""
+    profile, (now, problems) = read_profile(path), (_profile_keys(target, draft), [])
+    if profile.get("target_key") is not None:
+        recorded = profile["target_key"]
+        differs = [k for k in sorted(set(recorded) | set(now["target_key"]))
+                   if k not in _UNCOMPARED and recorded.get(k) != now["target_key"].get(k)]
+        if differs:
+            problems.append(f"another target or machine (differing in {', '.join(differs)})")
+    if profile.get("draft_key") and now["draft_key"] and profile["draft_key"] != now["draft_key"]:
+        problems.append("another draft (differing in class, shape or dtype)")
+    tokens = draft.config.block_size + 1 if draft is not None else 1
+    if profile.get("grid"):
+        measured = min(max(row) for row in measured_grid(profile["grid"], "grid").values())
+        if measured < tokens:
+            problems.append(f"up to {measured} tokens per row, this draft verifies up to {tokens}")
+    message = (f"{path} was measured for {'; and '.join(problems)}: plans against it may be wrong; re-run `dspark "
+               f"profile --max-tokens {tokens}` with these models on this machine.")
+    if problems and message not in _WARNED:
+        _WARNED.add(message)
+        warnings.warn(message, ProfileMismatchWarning, stacklevel=3)
+
+
 def load_profile(path: str | Path) -> Callable[[int], float]:
-    """A callable B -> SPS(B): measured values, linear between them; beyond the largest measured B, throughput
-    in tokens is held constant (SPS falls as 1/B), a conservative extrapolation."""
-    return _interpolate(measured_table(read_profile(path)["sps"], "sps"), lambda b, v, x: v * b / x)
+    """A callable B -> SPS(B) from a `dspark profile` file, as by [`sps_curve`]."""
+    return sps_curve(read_profile(path)["sps"])
+
+
+def sps_curve(table) -> Callable[[int], float]:
+    """A {B: SPS(B)} table (keys may be JSON's strings) as a callable B -> SPS(B): measured values, linear between
+    them; beyond the largest measured B, throughput in tokens is held constant (SPS falls as 1/B), a conservative
+    extrapolation."""
+    return _interpolate(measured_table(table, "sps"), lambda b, v, x: v * b / x)
 
 
 def load_draft_cost(path: str | Path) -> Callable[[int], float] | None:
@@ -257,7 +306,9 @@ def _machine_key(target) -> dict:
         name = torch.cuda.get_device_name(device)
     else:  # mps, xpu, ...: never the CPU's costs under the CPU's name
         name = f"cpu: {cpu_model()}" if device.type == "cpu" else device.type
-    return {"device": name, "threads": torch.get_num_threads(), "dtype": str(target.dtype),
+    # generate() runs inside a caller's autocast, which changes the kernels measured as much as the dtype does
+    autocast = str(torch.get_autocast_dtype(device.type)) if torch.is_autocast_enabled(device.type) else None
+    return {"device": name, "threads": torch.get_num_threads(), "dtype": str(target.dtype), "autocast": autocast,
             "attention": target.config._attn_implementation, "torch": torch.__version__,
             "transformers": transformers.__version__, "dspark_hf": __version__, "method": AUTO_METHOD}
 
@@ -270,21 +321,22 @@ def _target_key(target) -> dict:
 
 def _draft_key(draft) -> str:
     c = draft.config
-    shape = (c.hidden_size, c.intermediate_size, c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads,
+    # the class too: a subclass proposing blocks its own way (the oracle's Python loop) costs what it costs
+    shape = (type(draft).__qualname__, c.hidden_size, c.intermediate_size, c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads,
              c.block_size, c.head_type, c.markov_rank, c.draft_vocab_size, c.confidence_head, str(draft.dtype))
     return hashlib.sha1(json.dumps(shape, default=str).encode()).hexdigest()[:16]
 
 
 def cached_costs(target, draft, rows: Sequence[int], progress: bool = True) -> EngineCosts:
-    """The costs of `target` on its device, dtype and thread count (and of `draft`'s pass) for `rows`: read from the
-    profile cache, and what is missing measured now (a few seconds per row count, shown as a bar) and added to it.
+    """The costs of `target` on its device, dtype (under the caller's autocast, if any) and thread count (and of
+    `draft`'s pass) for `rows`: read from the profile cache, and what is missing measured now (a few seconds per row
+    count, shown as a bar) and added to it.
 
     Measured after AUTO_CONTEXT cached tokens, up to block_size + 1 verified tokens per row, at AUTO_MAX_ROWS rows at
     most."""
     rows = sorted({min(R, AUTO_MAX_ROWS) for R in rows})
     key = _target_key(target)
-    path = profile_cache_dir() / (hashlib.sha1(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:20]
-                                  + ".json")
+    path = profile_cache_dir() / (cache_key(target, draft)[0] + ".json")
     stored = _read_cache(path, key)
     verify = measured_grid(stored["verify"], "verify")
     draft_key = _draft_key(draft)
@@ -302,7 +354,16 @@ def cached_costs(target, draft, rows: Sequence[int], progress: bool = True) -> E
         drafts.update(measured["draft_seconds"])
     if needs_verify or needs_draft:
         _merge_into(path, key, verify, draft_key, drafts)
-    return EngineCosts(verify, drafts)
+    # the rows asked for only: other row counts in the file are what earlier calls happened to measure, and a plan
+    # interpolating between them would change a seeded sample with the history of this machine
+    return EngineCosts({R: verify[R] for R in rows}, {R: drafts[R] for R in rows})
+
+
+def cache_key(target, draft) -> tuple[str, str]:
+    """(the cost cache file's name, the draft's key in it): what costs measured for `target` and `draft` are kept
+    under."""
+    key = json.dumps(_target_key(target), sort_keys=True, default=str)
+    return hashlib.sha1(key.encode()).hexdigest()[:20], _draft_key(draft)
 
 
 def _auto_context(target, tokens: int) -> int:

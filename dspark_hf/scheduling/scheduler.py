@@ -16,7 +16,8 @@ depend on the drafted token x_{r,k} (Appendix A). c_{r,k+1} depends on x_{r,k} t
   candidates (ties broken by position), so whether it makes the cut never depends on x_{r,k}. `AsyncScheduled`
   takes K from a global search without early stop over the confidences of two steps earlier (sec. 5.2), which
   cannot depend on the current tokens either, and which sees past jagged SPS cliffs. Use it when SPS(B) is not
-  smooth (real engines: steps at kernel tile sizes) and when the batch size of a step must be known early.
+  smooth (real engines: steps at kernel tile sizes) and when the batch size of a step must be known early. On a
+  padded engine the capacity is a length, and every request verifies up to it (a > 0): the rectangle is paid for.
 - A global search over the *current* confidences without early stop is the retrospective scheduler of Appendix
   A: it leaks x_{r,k} into the admission of position k and biases the output. It exists here only as
   ``prefix_schedule(..., early_stop=False)`` for capacity estimates on past data and for the counterexample test.
@@ -25,18 +26,25 @@ depend on the drafted token x_{r,k} (Appendix A). c_{r,k+1} depends on x_{r,k} t
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Mapping
 from typing import Callable, Sequence
 
 import torch
 
 from .policies import Policy, real, whole
+from .profile import check_profile, sps_curve
 
-SPS = Sequence[float] | Callable[[int], float]
+SPS = Sequence[float] | Mapping[int, float] | Callable[[int], float]
 
 
 def _sps_fn(sps: SPS) -> Callable[[int], float]:
     if callable(sps):
         return sps
+    if isinstance(sps, Mapping):  # {B: sps}, the shape `dspark profile` writes: measured points, not every B
+        return sps_curve(sps)
+    if isinstance(sps, (str, bytes)) or not (hasattr(sps, "__getitem__") and hasattr(sps, "__len__")):
+        raise TypeError(f"sps must be a list indexed by B, a {{B: sps}} dict or a callable B -> sps, got "
+                        f"{type(sps).__name__}.")
     table = list(sps)
 
     def lookup(b: int) -> float:
@@ -67,7 +75,8 @@ def prefix_schedule(confidences, sps: SPS, early_stop: bool = True, padded: bool
     """Algorithm 1: per-request verification lengths in [0, gamma] maximising tau * SPS(B).
 
     confidences: R rows of conditional confidences (nested lists or an (R, gamma) tensor); sps: steps per second
-    by verification batch size in tokens, sps[B] or a callable. Keep early_stop=True for lossless decoding.
+    by verification batch size in tokens: a list indexed by B, a {B: sps} dict of measured points (interpolated,
+    as a `dspark profile` file's "sps") or a callable. Keep early_stop=True for lossless decoding.
     padded: the engine verifies a rectangle, every request padded to the longest length, B = R * (1 + max l_r)
     (this library's batched `generate()`); default: a packed engine, B = sum(1 + l_r) (the paper's setting).
     """
@@ -92,11 +101,16 @@ def verified_tokens(lengths: Sequence[int], padded: bool = False) -> int:
     return len(lengths) * (1 + max(lengths, default=0)) if padded else len(lengths) + sum(lengths)
 
 
-def topk_schedule(confidences, capacity: int) -> list[int]:
-    """Admit the `capacity` draft tokens with the highest survival probabilities (prefixes by construction)."""
+def topk_schedule(confidences, capacity: int, padded: bool = False) -> list[int]:
+    """Admit the `capacity` draft tokens with the highest survival probabilities (prefixes by construction).
+
+    padded: capacity is the longest length instead, and every request verifies its candidates (a > 0) up to it:
+    the padded engine verifies R x (1 + capacity) tokens whatever the rows are given below that, so they cost
+    nothing more. Whether position k is admitted reads a_{r,k} only, never x_{r,k}."""
     a = survival(confidences)
     lengths = [0] * a.shape[0]
-    for _, r, j in _candidates(a)[: max(capacity, 0)]:
+    chosen = [c for c in _candidates(a) if c[2] <= capacity] if padded else _candidates(a)[: max(capacity, 0)]
+    for _, r, j in chosen:
         lengths[r] = j
     return lengths
 
@@ -125,7 +139,7 @@ class Scheduled(Policy):
     slower than plain decoding at this load (R * SPS(R), no draft), drafting is switched off for `probe_every`
     rounds and then tried again; each probe that confirms it doubles the pause, up to `max_pause` rounds (a probe
     costs a draft pass and a longer verification). That decision uses past rounds only, so it stays lossless.
-    Keeps state across rounds: use one instance per generate() call.
+    Keeps state across the rounds of a call; prepare, at the start of each generate() call, resets it.
     """
 
     def __init__(self, sps: SPS, draft_seconds: Callable[[int], float] | None = None, probe_every: int = 8,
@@ -134,13 +148,22 @@ class Scheduled(Policy):
         self.probe_every = whole("Scheduled", "probe_every", probe_every, 1)
         self.max_pause = whole("Scheduled", "max_pause", max_pause, 1)
         self._skip, self._pause = 0, probe_every
+        self.profile = None  # the `dspark profile` file the costs come from, checked against the models decoding
 
     @classmethod
     def from_profile(cls, path, **kwargs) -> "Scheduled":
-        """The scheduler for the engine a `dspark profile` JSON describes (with its draft cost, if measured)."""
+        """The scheduler for the engine a `dspark profile` JSON describes (with its draft cost, if measured); a
+        ProfileMismatchWarning says when it was measured for other models or another machine."""
         from .profile import load_draft_cost, load_profile
 
-        return cls(load_profile(path), load_draft_cost(path), **kwargs)
+        policy = cls(load_profile(path), load_draft_cost(path), **kwargs)
+        policy.profile = path
+        return policy
+
+    def prepare(self, target, draft, batch_size: int, sampling: bool = False) -> None:
+        if self.profile is not None:
+            check_profile(self.profile, target, draft)
+        self._skip, self._pause = 0, self.probe_every  # a pause learned in another call says nothing of this one
 
     def round_sps(self, num_rows: int) -> Callable[[int], float]:
         """Speculative steps per second at B verified tokens for `num_rows` requests, draft pass included."""
@@ -172,19 +195,39 @@ class Scheduled(Policy):
 
 class AsyncScheduled(Policy):
     """Sec. 5.2: capacity K from a global search over the confidences of `lag` rounds earlier, then top-K
-    admission over the current survival probabilities. Until `lag` rounds have passed, Algorithm 1 decides."""
+    admission over the current survival probabilities. Until `lag` rounds have passed, Algorithm 1 decides.
 
-    def __init__(self, sps: SPS, lag: int = 2):
-        self.sps, self.lag = sps, whole("AsyncScheduled", "lag", lag, 1)  # capacities come from past rounds
-        self.capacities: deque[int] = deque(maxlen=lag)
+    padded (default, as batched `generate()` verifies): B = R * (1 + max l_r), and the capacity is the longest
+    length the search chose, up to which every request verifies (`topk_schedule(padded=True)`); padded=False: the
+    paper's packed engine, K draft tokens in all."""
+
+    def __init__(self, sps: SPS, lag: int = 2, padded: bool = True):
+        self.sps, self.lag, self.padded = sps, whole("AsyncScheduled", "lag", lag, 1), padded
+        self.capacities: deque[int] = deque(maxlen=lag)  # capacities come from past rounds
+        self.profile = None  # as Scheduled's
+
+    @classmethod
+    def from_profile(cls, path, **kwargs) -> "AsyncScheduled":
+        """The scheduler for the engine a `dspark profile` JSON describes, checked as `Scheduled.from_profile`'s."""
+        from .profile import load_profile
+
+        policy = cls(load_profile(path), **kwargs)
+        policy.profile = path
+        return policy
+
+    def prepare(self, target, draft, batch_size: int, sampling: bool = False) -> None:
+        if self.profile is not None:
+            check_profile(self.profile, target, draft)
+        self.capacities.clear()  # another call's rounds: not this call's rounds of `lag` rounds earlier
 
     def __call__(self, confidences, gamma: int, num_rows: int) -> torch.Tensor:
         c = _require(confidences, "AsyncScheduled").cpu()
         if len(self.capacities) == self.lag:
-            lengths = topk_schedule(c, self.capacities[0])
+            lengths = topk_schedule(c, self.capacities[0], padded=self.padded)
         else:
-            lengths = prefix_schedule(c, self.sps)
-        self.capacities.append(sum(prefix_schedule(c, self.sps, early_stop=False)))
+            lengths = prefix_schedule(c, self.sps, padded=self.padded)
+        searched = prefix_schedule(c, self.sps, early_stop=False, padded=self.padded)
+        self.capacities.append(max(searched, default=0) if self.padded else sum(searched))
         return torch.tensor(lengths, dtype=torch.long, device="cpu")
 
 
