@@ -2,6 +2,7 @@
 
 import json
 import math
+import warnings
 from pathlib import Path
 
 import pytest
@@ -912,3 +913,52 @@ def test_an_invocation_stopped_before_its_first_step_says_so_and_dspark_train_do
     assert "not finished" in out and "run the same command again" in out and "draft saved" not in out
     assert main(run) == 0  # the next invocation resumes and finishes
     assert "draft saved to" in capsys.readouterr().out
+
+
+def _as_saved_on_a_gpu(state_file: Path) -> None:
+    """Rewrite a trainer state as torch.save writes it on a GPU: its tensors tagged cuda:0, the optimizer fused."""
+    import torch.serialization as serialization
+
+    state = torch.load(state_file, weights_only=False)
+    for group in state["optimizer"]["param_groups"]:
+        group["fused"] = True
+    real_tag = serialization.location_tag
+    serialization.location_tag = lambda storage: "cuda:0"
+    try:
+        torch.save(state, state_file)
+    finally:
+        serialization.location_tag = real_tag
+
+
+def test_a_checkpoint_saved_on_a_gpu_resumes_on_a_cpu(tmp_path):
+    target = tiny_target("llama")
+    data = tiny_dataset(tmp_path, target, n=8)
+    kw = dict(dataset=str(data), output_dir=str(tmp_path / "run"), batch_size=4, anchors_per_sequence=4,
+              heldout_fraction=0.0, save_every=2, device="cpu", draft=dict(num_hidden_layers=1, markov_rank=4,
+                                                                           block_size=3))
+    train(TrainConfig(max_steps=2, **kw), target=target, progress=False)
+    _as_saved_on_a_gpu(tmp_path / "run" / "checkpoint-2" / "trainer_state.pt")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # no word of a torn save: the checkpoint is whole
+        train(TrainConfig(max_steps=4, **kw), target=target, progress=False)
+    state = torch.load(tmp_path / "run" / "checkpoint-4" / "trainer_state.pt", weights_only=False)
+    assert state["step"] == 4 and state["optimizer"]["state"][0]["exp_avg"].device.type == "cpu"
+
+
+def test_a_whole_checkpoint_that_fails_to_load_is_reported_not_passed_over_as_torn(tmp_path, monkeypatch):
+    import dspark_hf.training.checkpoints as checkpoints
+
+    target = tiny_target("llama")
+    data = tiny_dataset(tmp_path, target, n=8)
+    kw = dict(dataset=str(data), output_dir=str(tmp_path / "run"), batch_size=4, anchors_per_sequence=4,
+              heldout_fraction=0.0, save_every=2, draft=dict(num_hidden_layers=1, markov_rank=4, block_size=3))
+    train(TrainConfig(max_steps=4, **kw), target=target, progress=False)
+
+    def unloadable(*args, **kwargs):
+        raise RuntimeError("a reason that has nothing to do with a killed save")
+
+    monkeypatch.setattr(checkpoints.torch, "load", unloadable)
+    with pytest.raises(ValueError, match="checkpoint-4/trainer_state.pt is whole but does not load .*a reason that") \
+            as refused:
+        train(TrainConfig(max_steps=6, **kw), target=target, progress=False)
+    assert "\n" not in str(refused.value)
