@@ -962,3 +962,60 @@ def test_a_whole_checkpoint_that_fails_to_load_is_reported_not_passed_over_as_to
             as refused:
         train(TrainConfig(max_steps=6, **kw), target=target, progress=False)
     assert "\n" not in str(refused.value)
+
+
+def test_heldout_json_is_written_last_and_whole_so_a_run_killed_while_saving_its_draft_does_not_read_as_finished(
+        tmp_path, monkeypatch):
+    target = tiny_target("llama")
+    data = tiny_dataset(tmp_path, target, n=8)
+    real_save = DSparkDraftModel.save_pretrained
+
+    def killed_in_the_final_save(self, path, *args, **kwargs):
+        if Path(path) == tmp_path / "run":  # checkpoints go to checkpoint-N
+            raise KeyboardInterrupt
+        return real_save(self, path, *args, **kwargs)
+
+    monkeypatch.setattr(DSparkDraftModel, "save_pretrained", killed_in_the_final_save)
+    with pytest.raises(KeyboardInterrupt):
+        train(TrainConfig(dataset=str(data), output_dir=str(tmp_path / "run"), batch_size=4, anchors_per_sequence=4,
+                          heldout_fraction=0.3, max_steps=2, save_every=1000,
+                          draft=dict(num_hidden_layers=1, markov_rank=4, block_size=3)), target=target, progress=False)
+    assert not (tmp_path / "run" / "heldout.json").exists()
+
+
+def test_under_stop_after_a_call_killed_during_the_held_out_report_resumes_at_the_last_step(tmp_path, monkeypatch):
+    import dspark_hf.training.trainer as trainer
+
+    target = tiny_target("llama")
+    data = tiny_dataset(tmp_path, target, n=12)
+    kw = dict(dataset=str(data), output_dir=str(tmp_path / "run"), batch_size=4, anchors_per_sequence=4,
+              heldout_fraction=0.3, max_steps=3, save_every=1000, stop_after=60.0,
+              draft=dict(num_hidden_layers=1, markov_rank=4, block_size=3))
+    real_report = trainer.evaluate_heldout
+
+    def killed(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(trainer, "evaluate_heldout", killed)
+    with pytest.raises(KeyboardInterrupt):
+        train(TrainConfig(**kw), target=target, progress=False)
+    assert torch.load(tmp_path / "run" / "checkpoint-3" / "trainer_state.pt", weights_only=False)["step"] == 3
+    monkeypatch.setattr(trainer, "evaluate_heldout", real_report)
+    train(TrainConfig(**kw), target=target, progress=False)
+    assert json.loads((tmp_path / "run" / "heldout.json").read_text())["training"]["steps"] == 3
+
+
+def test_a_held_out_report_that_would_run_past_stop_after_is_left_to_the_next_call(tmp_path, monkeypatch, capsys):
+    target = tiny_target("llama")
+    data = tiny_dataset(tmp_path, target, n=12)
+    # two steps of a minute, then a report of about a minute: past stop_after 2.5
+    kw = dict(dataset=str(data), output_dir=str(tmp_path / "run"), batch_size=4, anchors_per_sequence=4,
+              heldout_fraction=0.3, max_steps=2, save_every=1000, stop_after=2.5,
+              draft=dict(num_hidden_layers=1, markov_rank=4, block_size=3))
+    fake = FakeClock(monkeypatch, step_seconds=60.0)
+    assert train(TrainConfig(**kw), target=target, progress=False).training  # unfinished
+    assert fake.now <= 150 and not (tmp_path / "run" / "heldout.json").exists()
+    assert "before the held-out report and the final save" in capsys.readouterr().out
+    fake = FakeClock(monkeypatch, step_seconds=60.0)  # the next call: it takes no step, and reports
+    assert not train(TrainConfig(**kw), target=target, progress=False).training
+    assert json.loads((tmp_path / "run" / "heldout.json").read_text())["training"]["steps"] == 2 and fake.now == 0

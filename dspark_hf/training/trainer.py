@@ -108,6 +108,7 @@ def train(config: TrainConfig, target=None, progress: bool = True):
         step = state["step"]
         timer.restore(state.get("clock", {}))
         generator_state = state.get("generator")  # absent in checkpoints of older runs: the epoch reseeds
+    first_step = step
     model = accelerator.unwrap_model(draft)  # what is saved: the draft, or its peft wrapper (an adapter)
     core = unwrap_draft(model)  # the DSparkDraftModel; with LoRA its layers hold the adapters
     heldout_batches = _domain_batches(heldout, config.batch_size)
@@ -159,15 +160,24 @@ def train(config: TrainConfig, target=None, progress: bool = True):
             if step % config.save_every == 0 and accelerator.is_main_process:
                 save_checkpoint(model, optimizer, step, timer, out_dir, generator, config.batch_size)
     bar.close()
-    if timer.must_stop() and not (timer.budget_spent() if total_steps is None else step >= total_steps):
+    finished = timer.budget_spent() if total_steps is None else step >= total_steps
+    # under stop_after the held-out report and the final save start from a checkpoint of the last step, so that a call
+    # killed during them resumes there; when they would not fit in this call, the next one (which takes no step) makes
+    # them
+    report_now = finished and (step == first_step or timer.report_fits())
+    saved = step > first_step and step % config.save_every == 0
+    if (not report_now or (timer.limit is not None and step > first_step)) and not saved \
+            and accelerator.is_main_process:
+        save_checkpoint(model, optimizer, step, timer, out_dir, generator, config.batch_size)
+    if not report_now:
         if step == 0:
             warnings.warn(f"{config.output_dir}: stop_after={config.stop_after:g} min ran out before the first "
                           "training step (loading and setup took it); the checkpoint holds an untrained draft. Give a "
                           "larger stop_after.", stacklevel=2)
         if accelerator.is_main_process:
-            save_checkpoint(model, optimizer, step, timer, out_dir, generator, config.batch_size)
-            print(f"stopped after {config.stop_after:g} min at step {step}: run the same command again to resume "
-                  f"from {out_dir}")
+            print(f"stopped after {config.stop_after:g} min at step {step}"
+                  f"{', before the held-out report and the final save' if finished else ''}: run the same command "
+                  f"again to resume from {out_dir}")
         return accelerator.unwrap_model(draft, keep_fp32_wrapper=False)  # still in training mode: unfinished
     if step == 0:
         warnings.warn(f"{config.output_dir}: the time budget ran out before the first training step; the saved "
@@ -184,8 +194,9 @@ def train(config: TrainConfig, target=None, progress: bool = True):
         report["training"] = {"steps": step, "minutes": round(timer.total_spent() / 60, 2),
                               "device": str(device), "target_dtype": str(target.dtype).replace("torch.", ""),
                               "batch_size": config.batch_size, "train_examples": len(train_set)}
-        (out_dir / "heldout.json").write_text(json.dumps(report, indent=2))
         model.save_pretrained(out_dir)
+        # last, and whole: heldout.json tells a finished run (the GPU campaign reads it so) from one killed while saving
+        write_atomic(out_dir / "heldout.json", json.dumps(report, indent=2))
     return model
 
 
@@ -282,9 +293,11 @@ class RunClock:
     def restore(self, state: dict) -> None:
         self.spent_before = state.get("spent", 0.0)
         self.loop_spent = state.get("loop_spent", 0.0)
+        # a call resumed after the last step sizes the held-out report by the steps it did not take itself
+        self.forward_seconds = state.get("forward_seconds", 0.0)
 
     def state(self) -> dict:
-        return {"spent": self.total_spent(), "loop_spent": self.loop_spent}
+        return {"spent": self.total_spent(), "loop_spent": self.loop_spent, "forward_seconds": self.forward_seconds}
 
     def start_loop(self, heldout_batches: int) -> None:
         self.heldout_batches = heldout_batches
@@ -323,6 +336,10 @@ class RunClock:
         if self.limit is None:
             return False
         return time.perf_counter() - self.entry + self.step_seconds + self.SAVE_SECONDS > self.limit
+
+    def report_fits(self) -> bool:
+        """Whether this invocation's limit leaves the time the held-out report and the final save take."""
+        return self.limit is None or time.perf_counter() - self.entry + self.reserve() <= self.limit
 
     def forward_done(self, device) -> None:
         self.forward_seconds = clock(device) - self.last
