@@ -1019,3 +1019,37 @@ def test_a_held_out_report_that_would_run_past_stop_after_is_left_to_the_next_ca
     fake = FakeClock(monkeypatch, step_seconds=60.0)  # the next call: it takes no step, and reports
     assert not train(TrainConfig(**kw), target=target, progress=False).training
     assert json.loads((tmp_path / "run" / "heldout.json").read_text())["training"]["steps"] == 2 and fake.now == 0
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_every_data_parallel_rank_takes_the_same_number_of_steps_each_with_examples(tmp_path, monkeypatch, rank):
+    import accelerate
+
+    import dspark_hf.training.trainer as trainer
+
+    class OneOfTwoProcesses(accelerate.Accelerator):  # what `accelerate launch` on two GPUs gives each process
+        num_processes = property(lambda self: 2)
+        process_index = property(lambda self: rank)
+        is_main_process = property(lambda self: rank == 0)
+
+    monkeypatch.setattr(accelerate, "Accelerator", OneOfTwoProcesses)
+    batches, real_step, real_must_stop = [], trainer.train_step, trainer.RunClock.must_stop
+
+    def recorded(draft, target, examples, *args, **kwargs):
+        batches.append(len(examples))
+        return real_step(draft, target, examples, *args, **kwargs)
+
+    def bounded(self):  # a rank whose loop goes round without stepping would otherwise never return
+        assert len(batches) <= 4, "more steps than two epochs of two"
+        bounded.checks = getattr(bounded, "checks", 0) + 1
+        assert bounded.checks < 100, f"looping without a step after {len(batches)} steps"
+        return real_must_stop(self)
+
+    monkeypatch.setattr(trainer, "train_step", recorded)
+    monkeypatch.setattr(trainer.RunClock, "must_stop", bounded)
+    target = tiny_target("llama")
+    data = tiny_dataset(tmp_path, target, n=9)  # 2 steps an epoch of 2 x 4: 5 examples for one rank, 4 for the other
+    train(TrainConfig(dataset=str(data), output_dir=str(tmp_path / "run"), batch_size=4, anchors_per_sequence=4,
+                      heldout_fraction=0.0, epochs=2, save_every=1000,
+                      draft=dict(num_hidden_layers=1, markov_rank=4, block_size=3)), target=target, progress=False)
+    assert len(batches) == 4 and min(batches) >= 1, batches

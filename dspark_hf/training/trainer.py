@@ -126,6 +126,10 @@ def train(config: TrainConfig, target=None, progress: bool = True):
         epoch, offset = divmod(step, steps_per_epoch)
         order = list(range(len(train_set)))
         random.Random(config.seed + epoch).shuffle(order)
+        # every rank takes steps_per_epoch steps (one that ran out of examples would wait for ever while the others
+        # wait for it in the gradient all-reduce): the order wraps around until each rank's last batch holds one
+        needed = accelerator.num_processes * ((steps_per_epoch - 1) * config.batch_size + 1)
+        order += [order[i % len(order)] for i in range(needed - len(order))]
         shard = order[accelerator.process_index:: accelerator.num_processes]
         generator = torch.Generator().manual_seed(config.seed * 100_003 + step)
         if generator_state is not None and offset > 0:  # resumed inside an epoch: draw on where the run stopped
@@ -136,8 +140,6 @@ def train(config: TrainConfig, target=None, progress: bool = True):
             done = step >= total_steps if total_steps is not None else timer.budget_spent()
             if done or timer.must_stop():
                 stopped = True
-                break
-            if not batch:
                 break
             span = ((step / total_steps, (step + 1) / total_steps) if total_steps is not None
                     else (timer.progress(), timer.progress_after_step()))
