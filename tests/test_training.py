@@ -1053,3 +1053,28 @@ def test_every_data_parallel_rank_takes_the_same_number_of_steps_each_with_examp
                       heldout_fraction=0.0, epochs=2, save_every=1000,
                       draft=dict(num_hidden_layers=1, markov_rank=4, block_size=3)), target=target, progress=False)
     assert len(batches) == 4 and min(batches) >= 1, batches
+
+
+def test_auto_find_batch_size_finds_a_batch_whose_steps_with_the_longest_feature_lag_fit(tmp_path, monkeypatch):
+    import contextlib
+    from types import SimpleNamespace
+
+    import dspark_hf.training.trainer as trainer
+    from dspark_hf.training.trainer import find_batch_size
+
+    target = tiny_target("llama")
+    examples = load_dataset(tiny_dataset(tmp_path, target, n=8))
+    draft = tiny_draft(target, num_hidden_layers=1, markov_rank=4, block_size=3)
+    config = TrainConfig(dataset="", output_dir="", batch_size=8, anchors_per_sequence=4, feature_lag=4)
+    real_step = trainer.train_step
+
+    def in_a_gpu_of_20_block_rows(draft, target, batch, *args, feature_lag=0, **kwargs):
+        if len(batch) * (draft.config.block_size + feature_lag) > 20:  # a lagged block holds its lag's tokens too
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        return real_step(draft, target, batch, *args, feature_lag=feature_lag, **kwargs)
+
+    monkeypatch.setattr(trainer, "train_step", in_a_gpu_of_20_block_rows)
+    gpu = SimpleNamespace(device=torch.device("cuda"), autocast=contextlib.nullcontext)
+    size = find_batch_size(draft, target, examples, OnlineFeatures(target, draft.config.target_layer_ids), config,
+                           LossWeights(), gpu)
+    assert size == 2  # 2 x (3 + 4) rows fit; 4 x 7 do not, although 4 x 3 would

@@ -72,7 +72,8 @@ class TrainConfig:
                               "the target distribution: 'auto' (bfloat16 on a GPU, float32 on a CPU), 'float32' or "
                               "'bfloat16'; a target passed to train() is converted too."})
     auto_find_batch_size: bool = field(default=False, metadata={"help": "Halve batch_size until one step on the "
-                                       "longest sequences fits in GPU memory (says which size it took)."})
+                                       "longest sequences (every block with the longest feature_lag) fits in GPU "
+                                       "memory (says which size it took)."})
     gpu_memory_fraction: float | None = field(default=None, metadata={"help": "Share of the GPU's memory this process "
                                               "may take (e.g. 0.45 each for two trainings on one GPU); "
                                               "auto_find_batch_size then fits the batch inside it."})

@@ -357,14 +357,16 @@ class RunClock:
 
 def find_batch_size(draft, target, train_set, features, config: TrainConfig, weights, accelerator) -> int:
     """The largest batch size, halving from config.batch_size, at which one training step on the longest training
-    sequences fits in GPU memory (a CPU never runs out: it returns config.batch_size)."""
+    sequences, every block with the longest feature lag (the most rows a block gets), fits in GPU memory (a CPU never
+    runs out: it returns config.batch_size)."""
     longest = sorted(train_set, key=lambda e: len(e.input_ids), reverse=True)
     size = config.batch_size
     while accelerator.device.type == "cuda":
         try:
             with accelerator.autocast():
                 losses, _ = train_step(unwrap_draft(draft), target, longest[:size], features,
-                                       config.anchors_per_sequence, weights, torch.Generator().manual_seed(0))
+                                       config.anchors_per_sequence, weights, torch.Generator().manual_seed(0),
+                                       feature_lag=config.feature_lag, exact_lag=True)
             losses["total"].backward()
             break
         except torch.OutOfMemoryError:
