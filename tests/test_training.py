@@ -1078,3 +1078,40 @@ def test_auto_find_batch_size_finds_a_batch_whose_steps_with_the_longest_feature
     size = find_batch_size(draft, target, examples, OnlineFeatures(target, draft.config.target_layer_ids), config,
                            LossWeights(), gpu)
     assert size == 2  # 2 x (3 + 4) rows fit; 4 x 7 do not, although 4 x 3 would
+
+
+def _lora_adapter(tmp_path, target, data) -> Path:
+    tiny_draft(target, num_hidden_layers=1, markov_rank=4, block_size=3).save_pretrained(tmp_path / "base")
+    train(TrainConfig(dataset=str(data), output_dir=str(tmp_path / "adapter"), lora=True, max_steps=1,
+                      init_from=str(tmp_path / "base"), batch_size=4, anchors_per_sequence=4, heldout_fraction=0.0),
+          target=target, progress=False)
+    assert (tmp_path / "adapter" / "adapter_config.json").exists()
+    return tmp_path / "adapter"
+
+
+def test_fine_tuning_from_a_lora_adapter_trains_the_whole_merged_draft_and_saves_a_draft(tmp_path):
+    from dspark_hf.loading import load_draft
+
+    target = tiny_target("llama")
+    data = tiny_dataset(tmp_path, target, n=8)
+    adapter = _lora_adapter(tmp_path, target, data)
+    merged = load_draft(str(adapter), target, torch.float32)
+    model = train(TrainConfig(dataset=str(data), output_dir=str(tmp_path / "run"), init_from=str(adapter),
+                              max_steps=1, learning_rate=1e-9, batch_size=4, anchors_per_sequence=4,
+                              heldout_fraction=0.0), target=target, progress=False)
+    assert type(model) is DSparkDraftModel and all(p.requires_grad for p in model.parameters())
+    assert (tmp_path / "run" / "model.safetensors").exists() and not (tmp_path / "run" / "adapter_config.json").exists()
+    saved = DSparkDraftModel.from_pretrained(tmp_path / "run").state_dict()
+    for name, weight in merged.state_dict().items():  # started from the merged draft (a step at lr 1e-9 moves little)
+        torch.testing.assert_close(saved[name].float(), weight, atol=1e-4, rtol=1e-4, msg=name)
+
+
+def test_lora_on_a_lora_adapter_is_refused_in_one_line(tmp_path):
+    target = tiny_target("llama")
+    data = tiny_dataset(tmp_path, target, n=8)
+    adapter = _lora_adapter(tmp_path, target, data)
+    with pytest.raises(ValueError, match="is a LoRA adapter .* merge it into its base first") as refused:
+        train(TrainConfig(dataset=str(data), output_dir=str(tmp_path / "run"), lora=True, init_from=str(adapter),
+                          max_steps=1, batch_size=4, anchors_per_sequence=4, heldout_fraction=0.0),
+              target=target, progress=False)
+    assert "\n" not in str(refused.value)

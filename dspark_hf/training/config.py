@@ -87,7 +87,9 @@ class TrainConfig:
                                      "decoder layers instead of random weights (see copy_target_layers); needs "
                                      "draft layers with the target's shapes and parameter names (Llama, Qwen3)."})
     init_from: str | None = field(default=None, metadata={"help": "Start from this saved draft instead of a fresh "
-                                                                    "one (fine-tuning); the base draft with lora."})
+                                                                    "one (fine-tuning; a LoRA adapter folder is "
+                                                                    "merged into its base first); the base draft "
+                                                                    "with lora (a whole draft, not an adapter)."})
     lora: bool = field(default=False, metadata={"help": "Adapt init_from (default: the shipped draft, for the "
                        "default target) with LoRA: its weights stay frozen and the run saves a peft adapter."})
     lora_rank: int = field(default=16, metadata={"help": "LoRA rank r."})
