@@ -1115,3 +1115,38 @@ def test_lora_on_a_lora_adapter_is_refused_in_one_line(tmp_path):
                           max_steps=1, batch_size=4, anchors_per_sequence=4, heldout_fraction=0.0),
               target=target, progress=False)
     assert "\n" not in str(refused.value)
+
+
+def _target_with_massive_activations():
+    target = tiny_target("llama")
+    with torch.no_grad():
+        target.model.embed_tokens.weight.mul_(3e5)  # hidden states of the first layers about 1e5, past fp16's 65504
+    return target
+
+
+def test_a_feature_cache_refuses_features_that_fp16_cannot_hold_naming_the_layer(tmp_path):
+    target = _target_with_massive_activations()
+    examples = load_dataset(tiny_dataset(tmp_path, tiny_target("llama"), n=4))
+    with pytest.raises(ValueError, match="layer 0 reaches .* fp16 cannot hold: train without --feature-cache") as no:
+        CachedFeatures(tmp_path / "cache", target, [0, 1], examples, progress=False)
+    assert "\n" not in str(no.value)
+    assert not list((tmp_path / "cache").glob("*.safetensors"))
+
+
+def test_training_stops_in_one_line_at_a_loss_that_is_not_finite(tmp_path, monkeypatch):
+    import dspark_hf.training.trainer as trainer
+
+    target = tiny_target("llama")
+    data = tiny_dataset(tmp_path, target, n=8)
+    real_step = trainer.train_step
+
+    def overflowing(*args, **kwargs):
+        losses, valid = real_step(*args, **kwargs)
+        return {**losses, "total": losses["total"] * math.inf}, valid
+
+    monkeypatch.setattr(trainer, "train_step", overflowing)
+    with pytest.raises(ValueError, match="step 1: the training loss is (inf|nan)") as stopped:
+        train(TrainConfig(dataset=str(data), output_dir=str(tmp_path / "run"), batch_size=4, anchors_per_sequence=4,
+                          heldout_fraction=0.0, max_steps=2, draft=dict(num_hidden_layers=1, markov_rank=4,
+                                                                        block_size=3)), target=target, progress=False)
+    assert "\n" not in str(stopped.value) and not (tmp_path / "run" / "model.safetensors").exists()

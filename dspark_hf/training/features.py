@@ -67,6 +67,20 @@ def check_layer_ids(target, layer_ids: list[int]) -> None:
                          f"[0, {n - 2}].")
 
 
+def _refuse_what_fp16_cannot_hold(features: torch.Tensor, last: torch.Tensor, layer_ids: list[int],
+                                   example_id: str) -> None:
+    """Refuse features that are not finite, or that fp16 cannot hold (hidden states past its 65504, as some LLMs'
+    massive activations are): cached as inf, they would make every loss that reads them NaN."""
+    d = last.shape[-1]
+    for name, values in (*((f"layer {layer}", features[:, k * d: (k + 1) * d]) for k, layer in enumerate(layer_ids)),
+                         ("last hidden state", last)):
+        largest = values.float().abs().max().item()
+        if not largest <= torch.finfo(torch.float16).max:
+            raise ValueError(f"The target's {name} reaches {largest:g} on example {example_id}, which the feature "
+                             "cache's fp16 cannot hold: train without --feature-cache (features computed online, in "
+                             "the target's dtype).")
+
+
 class CachedFeatures:
     """Features written once to `directory` (fp16 safetensors per example), then read back every epoch.
 
@@ -111,6 +125,7 @@ class CachedFeatures:
             features, last = online(chunk)
             for j, e in enumerate(chunk):
                 n = len(e.input_ids)
+                _refuse_what_fp16_cannot_hold(features[j, :n], last[j, :n], cached, e.id)
                 # written aside, then renamed: a run killed mid-write must not leave a file that looks cached
                 partial = self._path(e).with_suffix(".partial")
                 save_file({"features": features[j, :n].half().contiguous().cpu(),

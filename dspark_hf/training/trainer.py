@@ -150,6 +150,11 @@ def train(config: TrainConfig, target=None, progress: bool = True):
                                            generator, forward=draft, feature_lag=config.feature_lag,
                                            lag_weights=config.feature_lag_weights)
             timer.forward_done(device)
+            total = float(losses["total"].detach())  # the sync the progress bar's running loss makes anyway
+            if not math.isfinite(total):  # a step on it would make every weight NaN, and the run go on silently
+                raise ValueError(f"step {step + 1}: the training loss is {total}, so training stops before that step: "
+                                 "lower --lr, train with --mixed-precision bf16 or no instead of fp16, or without "
+                                 "--feature-cache.")
             accelerator.backward(losses["total"])
             accelerator.clip_grad_norm_(draft.parameters(), 1.0)
             optimizer.step()
