@@ -1150,3 +1150,24 @@ def test_training_stops_in_one_line_at_a_loss_that_is_not_finite(tmp_path, monke
                           heldout_fraction=0.0, max_steps=2, draft=dict(num_hidden_layers=1, markov_rank=4,
                                                                         block_size=3)), target=target, progress=False)
     assert "\n" not in str(stopped.value) and not (tmp_path / "run" / "model.safetensors").exists()
+
+
+def test_a_run_resumes_only_with_the_target_it_was_trained_for(tmp_path):
+    target = tiny_target("llama")
+    target.config._name_or_path = "first-target"
+    data = tiny_dataset(tmp_path, target, n=8)
+    kw = dict(dataset=str(data), output_dir=str(tmp_path / "run"), batch_size=4, anchors_per_sequence=4,
+              heldout_fraction=0.0, save_every=2, draft=dict(num_hidden_layers=1, markov_rank=4, block_size=3))
+    train(TrainConfig(max_steps=2, **kw), target=target, progress=False)
+    other = tiny_target("llama", seed=1)  # the same shape, other weights
+    other.config._name_or_path = "other-target"
+    refusal = "trained for the target first-target, .* \\(other-target\\) has other weights"
+    with pytest.raises(ValueError, match=refusal) as refused:
+        train(TrainConfig(max_steps=4, **kw), target=other, progress=False)
+    assert "\n" not in str(refused.value) and not (tmp_path / "run" / "checkpoint-4").exists()
+    train(TrainConfig(max_steps=4, **kw), target=target.to(torch.bfloat16), progress=False)  # its dtype may change
+    saved = json.loads((tmp_path / "run" / "train_config.json").read_text())
+    del saved["target_fingerprint"]  # as a run recorded before train_config.json named its target
+    (tmp_path / "run" / "train_config.json").write_text(json.dumps(saved))
+    train(TrainConfig(max_steps=6, **kw), target=target, progress=False)
+    assert (tmp_path / "run" / "checkpoint-6").exists()

@@ -68,6 +68,8 @@ def train(config: TrainConfig, target=None, progress: bool = True):
         target, _ = default_target(dtype=_target_dtype(config.target_dtype, device), device=device)
     target = target.to(device=device, dtype=_target_dtype(config.target_dtype, device))
     target.requires_grad_(False).eval()
+    made_for = _target_record(target)
+    _refuse_another_target(made_for, out_dir)
     vocab_size = target.get_output_embeddings().weight.shape[0]
     train_set, heldout = split_heldout(load_dataset(config.dataset, vocab_size), config.heldout_fraction)
     for ex in train_set + heldout:
@@ -83,7 +85,7 @@ def train(config: TrainConfig, target=None, progress: bool = True):
     draft = initial_draft(config, target, resume, default_target_used, train_set)
     _refuse_a_block_past_every_answer(unwrap_draft(draft).config.block_size, train_set, config)
     out_dir.mkdir(parents=True, exist_ok=True)
-    write_atomic(out_dir / CONFIG_FILE, json.dumps(asdict(config), indent=2))
+    write_atomic(out_dir / CONFIG_FILE, json.dumps({**asdict(config), **made_for}, indent=2))
     draft.to(device).train()
     layer_ids = unwrap_draft(draft).config.target_layer_ids
 
@@ -217,14 +219,9 @@ def _refuse_a_changed_run(config: TrainConfig, out_dir: Path) -> None:
     another: refuse it. How long and where it runs (RESUMABLE_CHANGES) may change."""
     from dataclasses import MISSING, fields
 
-    saved_file = out_dir / CONFIG_FILE
-    if not saved_file.is_file() or not any((p / STATE_FILE).exists() for p in checkpoint_folders(out_dir)):
+    saved = _saved_run(out_dir)
+    if saved is None:
         return  # nothing to resume: the run starts afresh
-    try:
-        saved = json.loads(saved_file.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise ValueError(f"{saved_file} does not read as the settings of a run ({error}): resume with a readable "
-                         "train_config.json, or train into a new output_dir.") from error
     now = json.loads(json.dumps(asdict(config)))  # as saved: tuples become lists
     changed = []
     for f in fields(TrainConfig):
@@ -241,6 +238,39 @@ def _refuse_a_changed_run(config: TrainConfig, out_dir: Path) -> None:
         raise ValueError(f"{out_dir} holds a run started with other settings ({'; '.join(changed)}): resume it with "
                          f"the settings of its {CONFIG_FILE}, or train into a new output_dir (only "
                          f"{', '.join(sorted(RESUMABLE_CHANGES - {'output_dir'}))} may change on resuming).")
+
+
+def _saved_run(out_dir: Path) -> dict | None:
+    """The train_config.json of the run `out_dir` holds, if there is one to resume (a checkpoint with its state)."""
+    saved_file = out_dir / CONFIG_FILE
+    if not saved_file.is_file() or not any((p / STATE_FILE).exists() for p in checkpoint_folders(out_dir)):
+        return None
+    try:
+        return json.loads(saved_file.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"{saved_file} does not read as the settings of a run ({error}): resume with a readable "
+                         "train_config.json, or train into a new output_dir.") from error
+
+
+def _target_record(target) -> dict:
+    """What train_config.json records of the target, beside the settings: its name and weights' fingerprint."""
+    from ..model.modeling_dspark import target_fingerprint
+
+    return {"target": getattr(target.config, "_name_or_path", ""), "target_fingerprint": target_fingerprint(target)}
+
+
+def _refuse_another_target(made_for: dict, out_dir: Path) -> None:
+    """A run resumed with another target would go on distilling another teacher into the same draft. Runs recorded
+    before train_config.json named the target resume unchecked."""
+    from ..model.modeling_dspark import same_fingerprint
+
+    saved = _saved_run(out_dir)
+    if saved is None or "target_fingerprint" not in saved:
+        return
+    if not same_fingerprint(saved["target_fingerprint"], made_for["target_fingerprint"]):
+        raise ValueError(f"{out_dir} holds a run trained for the target {saved.get('target') or '(unnamed)'}, and the "
+                         f"target given now ({made_for['target'] or 'unnamed'}) has other weights: resume it with "
+                         "its target (--target), or train into a new output_dir.")
 
 
 def _refuse_a_block_past_every_answer(block_size: int, train_set: list, config: TrainConfig) -> None:
