@@ -1171,3 +1171,32 @@ def test_a_run_resumes_only_with_the_target_it_was_trained_for(tmp_path):
     (tmp_path / "run" / "train_config.json").write_text(json.dumps(saved))
     train(TrainConfig(max_steps=6, **kw), target=target, progress=False)
     assert (tmp_path / "run" / "checkpoint-6").exists()
+
+
+def test_dspark_train_and_prompts_name_a_missing_target_and_a_draft_passed_as_the_target_in_one_line(tmp_path,
+                                                                                                   capsys):
+    target = tiny_target("llama")
+    data = tiny_dataset(tmp_path, target, n=4)
+    tiny_draft(target).save_pretrained(tmp_path / "draft")
+    run = ["train", "--dataset", str(data), "--output-dir", str(tmp_path / "run"), "--max-steps", "1"]
+    assert "the target ./missing_target: no such folder" in cli_error(capsys, run + ["--target", "./missing_target"])
+    assert f"the target {tmp_path / 'draft'} is a DSpark draft: pass it as the draft" in cli_error(
+        capsys, run + ["--target", str(tmp_path / "draft")])
+    assert "the target ./missing_target: no such folder" in cli_error(
+        capsys, ["prompts", "--output", str(tmp_path / "p.jsonl"), "--source", "stdlib", "--target",
+                 "./missing_target"])
+    assert not (tmp_path / "run").exists()
+
+
+def test_dspark_train_loads_its_target_in_the_dtype_it_trains_with(tmp_path, monkeypatch):
+    import dspark_hf.training.trainer as trainer
+    from dspark_hf.cli import main
+
+    target = tiny_target("llama")
+    target.save_pretrained(tmp_path / "target")
+    data = tiny_dataset(tmp_path, target, n=8)
+    given = []
+    monkeypatch.setattr(trainer, "train", lambda config, target: given.append(target.dtype) or tiny_draft(target))
+    main(["train", "--target", str(tmp_path / "target"), "--dataset", str(data), "--output-dir",
+          str(tmp_path / "run"), "--target-dtype", "bfloat16"])
+    assert given == [torch.bfloat16]  # loaded so, not in float32 and converted: half the host memory
