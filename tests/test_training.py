@@ -1200,3 +1200,28 @@ def test_dspark_train_loads_its_target_in_the_dtype_it_trains_with(tmp_path, mon
     main(["train", "--target", str(tmp_path / "target"), "--dataset", str(data), "--output-dir",
           str(tmp_path / "run"), "--target-dtype", "bfloat16"])
     assert given == [torch.bfloat16]  # loaded so, not in float32 and converted: half the host memory
+
+
+def test_under_bf16_mixed_precision_a_float32_target_teaches_in_float32_and_the_draft_autocasts(
+        tmp_path, fresh_accelerate_state, monkeypatch):
+    import dspark_hf.training.objective as objective
+
+    seen = {"target": set(), "teacher_logits": set(), "draft": set()}
+
+    def recording(name, forward):
+        def recorded(*args, **kwargs):
+            seen[name].add(torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None)
+            return forward(*args, **kwargs)
+        return recorded
+
+    target = tiny_target("llama")
+    monkeypatch.setattr(type(target.model), "forward", recording("target", type(target.model).forward))
+    # the target's LM head on its last hidden state (the draft's forward also uses that head, for its own logits)
+    monkeypatch.setattr(objective, "target_logits", recording("teacher_logits", objective.target_logits))
+    monkeypatch.setattr(DSparkDraftModel, "forward", recording("draft", DSparkDraftModel.forward))
+    data = tiny_dataset(tmp_path, target, n=8)
+    seen["target"].clear()  # the answers' regeneration
+    train(TrainConfig(dataset=str(data), output_dir=str(tmp_path / "run"), max_steps=2, batch_size=4,
+                      anchors_per_sequence=4, heldout_fraction=0.0, mixed_precision="bf16", target_dtype="float32",
+                      draft=dict(num_hidden_layers=1, markov_rank=4, block_size=3)), target=target, progress=False)
+    assert seen == {"target": {None}, "teacher_logits": {None}, "draft": {torch.bfloat16}}, seen

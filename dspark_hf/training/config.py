@@ -56,8 +56,9 @@ class TrainConfig:
     mixed_precision: str = field(default="auto", metadata={"choices": ("auto", "bf16", "fp16", "no"), "help":
                                  "'auto': bf16 on GPU, fp32 on CPU; 'bf16' also "
                                  "on a CPU with bf16 matrix units (AVX512-BF16, AMX: several times the fp32 "
-                                 "throughput); 'fp16': GPU only; 'no': fp32. Autocast: weights and optimizer "
-                                 "state stay fp32. accelerate keeps one setting per process."})
+                                 "throughput); 'fp16': GPU only; 'no': fp32. Autocast of the draft: its "
+                                 "weights and optimizer state stay fp32, and the target computes in its own dtype "
+                                 "(target_dtype). accelerate keeps one setting per process."})
     time_budget: float | None = field(default=None, metadata={"help": "Minutes for the whole run (features, training, "
                                       "held-out report, saving; resumed invocations count together): the "
                                       "learning-rate schedule follows the time spent instead of the steps, and "

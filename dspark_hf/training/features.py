@@ -29,8 +29,14 @@ def pad_batch(sequences: list[list[int]], pad_id: int = 0):
     return ids, mask, lengths
 
 
+def in_own_dtype(target):
+    """A context in which `target` computes in its own dtype, whatever autocast the draft trains under: the teacher is
+    the target as inference runs it (a float32 target stays float32 under bf16 mixed precision)."""
+    return torch.autocast(target.device.type, enabled=False)
+
+
 class OnlineFeatures:
-    """Runs the frozen target on each batch (no gradients)."""
+    """Runs the frozen target on each batch (no gradients), in its own dtype."""
 
     def __init__(self, target, target_layer_ids: list[int]):
         self.target = target
@@ -40,8 +46,9 @@ class OnlineFeatures:
     def __call__(self, examples) -> tuple[torch.Tensor, torch.Tensor]:
         ids, mask, _ = pad_batch([e.input_ids for e in examples])
         device = self.target.device
-        hidden = self.target.base_model(input_ids=ids.to(device), attention_mask=mask.to(device),
-                                   output_hidden_states=self.request).hidden_states
+        with in_own_dtype(self.target):
+            hidden = self.target.base_model(input_ids=ids.to(device), attention_mask=mask.to(device),
+                                            output_hidden_states=self.request).hidden_states
         features = torch.cat([hidden[i] for i in self.request[:-1]], dim=-1)
         return features, hidden[self.request[-1]]
 
