@@ -1225,3 +1225,9 @@ def test_under_bf16_mixed_precision_a_float32_target_teaches_in_float32_and_the_
                       anchors_per_sequence=4, heldout_fraction=0.0, mixed_precision="bf16", target_dtype="float32",
                       draft=dict(num_hidden_layers=1, markov_rank=4, block_size=3)), target=target, progress=False)
     assert seen == {"target": {None}, "teacher_logits": {None}, "draft": {torch.bfloat16}}, seen
+
+
+def test_a_dataset_of_answers_given_as_the_prompts_is_refused_naming_the_line(tmp_path):
+    data = tiny_dataset(tmp_path, tiny_target("llama"), n=4)  # its lines carry the chat-templated "prompt"
+    with pytest.raises(DataFileError, match="data.jsonl:1: a line of a dataset of answers .* pass the prompt file"):
+        list(read_prompts(data))
