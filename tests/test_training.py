@@ -1231,3 +1231,33 @@ def test_a_dataset_of_answers_given_as_the_prompts_is_refused_naming_the_line(tm
     data = tiny_dataset(tmp_path, tiny_target("llama"), n=4)  # its lines carry the chat-templated "prompt"
     with pytest.raises(DataFileError, match="data.jsonl:1: a line of a dataset of answers .* pass the prompt file"):
         list(read_prompts(data))
+
+
+def test_a_torn_last_answer_line_is_cut_in_place_so_a_run_killed_while_cutting_it_keeps_the_answers_before(
+        tmp_path, monkeypatch):
+    target = tiny_target("llama")
+    full = tiny_dataset(tmp_path, target).read_text().splitlines()
+    torn = tmp_path / "torn"
+    torn.mkdir()
+    (torn / "data.jsonl").write_text("\n".join(full[:5]) + "\n" + full[5][:20])  # killed inside its 6th line
+    (torn / "data.manifest.json").write_text(manifest_path(tmp_path / "data.jsonl").read_text())
+
+    def killed_while_rewriting(self, *args, **kwargs):  # the file opened for writing (emptied), then the kill
+        self.open("w").close()
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Path, "write_text", killed_while_rewriting)
+    try:
+        tiny_dataset(torn, target)
+    except KeyboardInterrupt:
+        pass
+    monkeypatch.undo()
+    assert (torn / "data.jsonl").read_text().splitlines()[:5] == full[:5]
+
+
+def test_a_feature_cache_that_names_a_file_is_refused_in_one_line(tmp_path):
+    target = tiny_target("llama")
+    data = tiny_dataset(tmp_path, target, n=4)
+    with pytest.raises(ValueError, match="--feature-cache\\) .*data.jsonl is a file: give a folder"):
+        train(TrainConfig(dataset=str(data), output_dir=str(tmp_path / "run"), feature_cache=str(data), max_steps=1,
+                          draft=dict(num_hidden_layers=1, markov_rank=4, block_size=3)), target=target, progress=False)

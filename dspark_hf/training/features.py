@@ -101,6 +101,9 @@ class CachedFeatures:
 
         check_layer_ids(target, [*target_layer_ids, *(cache_layer_ids or [])])  # before anything is written
         self.directory = Path(directory)
+        if self.directory.exists() and not self.directory.is_dir():
+            raise ValueError(f"feature_cache (--feature-cache) {directory} is a file: give a folder for the cache "
+                             "(made if missing).")
         self.directory.mkdir(parents=True, exist_ok=True)
         index = self.directory / "index.json"
         meta = {"target": getattr(target.config, "_name_or_path", ""), "dtype": str(target.dtype),
