@@ -152,7 +152,7 @@ def train(config: TrainConfig, target=None, progress: bool = True):
                                            generator, forward=draft, feature_lag=config.feature_lag,
                                            lag_weights=config.feature_lag_weights)
             timer.forward_done(device)
-            total = float(losses["total"].detach())  # the sync the progress bar's running loss makes anyway
+            total = float(losses["total"].detach())  # no extra wait: forward_done synchronised the device
             if not math.isfinite(total):  # a step on it would make every weight NaN, and the run go on silently
                 raise ValueError(f"step {step + 1}: the training loss is {total}, so training stops before that step: "
                                  "lower --lr, train with --mixed-precision bf16 or no instead of fp16, or without "
