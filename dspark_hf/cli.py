@@ -124,6 +124,10 @@ def cmd_prompts(args) -> int:
         if name in sources:
             raise ValueError(f"--source {name} is given more than once: give each source once.")
         sources[name] = int(count) if count else None
+    if args.target:
+        from .loading import _check_name
+
+        _check_name(args.target, "the target")
     tokenizer = AutoTokenizer.from_pretrained(args.target or default_target_path())
 
     def fits(prompt) -> bool:
@@ -182,9 +186,12 @@ def cmd_train(args) -> int:
     config = TrainConfig(**config_values(args, TrainConfig, skip={"draft"}), draft=draft)
     target = None
     if args.target:
-        from transformers import AutoModelForCausalLM
+        from .devices import resolve_device
+        from .loading import load_target_model
+        from .training.trainer import _target_dtype
 
-        target = AutoModelForCausalLM.from_pretrained(args.target)  # train() places it (config.device, target_dtype)
+        # on the CPU, in the dtype train() gives it (it places it: each process of `accelerate launch` on its own GPU)
+        target = load_target_model(args.target, _target_dtype(config.target_dtype, resolve_device(config.device)))
     start = time.perf_counter()
     model = train(config, target=target)
     minutes = (time.perf_counter() - start) / 60

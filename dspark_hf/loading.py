@@ -33,11 +33,23 @@ def load_target(name_or_path: str | None = None, dtype: torch.dtype = torch.floa
     on `device` ("auto": a CUDA GPU when present, else the CPU). The tokenizer pads on the left, for batches."""
     if name_or_path is None:
         return default_target(dtype=dtype, device=device)
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
+
+    model = load_target_model(name_or_path, dtype)
+    tokenizer = AutoTokenizer.from_pretrained(name_or_path, padding_side="left")
+    if tokenizer.pad_token is None:  # Llama-3 style tokenizers: a batch pads with EOS, as plain generate() does
+        tokenizer.pad_token = tokenizer.eos_token
+    return model.to(resolve_device(device)).eval(), tokenizer
+
+
+def load_target_model(name_or_path: str, dtype: torch.dtype = torch.float32):
+    """The causal LM of a Hub id or local path, in `dtype` on the CPU, without a tokenizer (training needs none). A
+    missing folder, or a model that is no causal LM (a DSpark draft passed as the target), is refused in one line."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     _check_name(name_or_path, "the target")
     try:
-        model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype)
+        return AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype)
     except ValueError as error:  # transformers' message lists every causal-LM config class: thousands of characters
         if not str(error).startswith("Unrecognized configuration class"):
             raise
@@ -47,10 +59,6 @@ def load_target(name_or_path: str | None = None, dtype: torch.dtype = torch.floa
                              "model it drafts for as the target.") from error
         raise ValueError(f"the target {name_or_path} is a {kind} model, which AutoModelForCausalLM cannot load: "
                          "give a decoder-only causal LM.") from error
-    tokenizer = AutoTokenizer.from_pretrained(name_or_path, padding_side="left")
-    if tokenizer.pad_token is None:  # Llama-3 style tokenizers: a batch pads with EOS, as plain generate() does
-        tokenizer.pad_token = tokenizer.eos_token
-    return model.to(resolve_device(device)).eval(), tokenizer
 
 
 def load_draft(name_or_path: str | None, target, dtype: torch.dtype | str = "auto"):

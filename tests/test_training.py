@@ -2,6 +2,7 @@
 
 import json
 import math
+import warnings
 from pathlib import Path
 
 import pytest
@@ -912,3 +913,351 @@ def test_an_invocation_stopped_before_its_first_step_says_so_and_dspark_train_do
     assert "not finished" in out and "run the same command again" in out and "draft saved" not in out
     assert main(run) == 0  # the next invocation resumes and finishes
     assert "draft saved to" in capsys.readouterr().out
+
+
+def _as_saved_on_a_gpu(state_file: Path) -> None:
+    """Rewrite a trainer state as torch.save writes it on a GPU: its tensors tagged cuda:0, the optimizer fused."""
+    import torch.serialization as serialization
+
+    state = torch.load(state_file, weights_only=False)
+    for group in state["optimizer"]["param_groups"]:
+        group["fused"] = True
+    real_tag = serialization.location_tag
+    serialization.location_tag = lambda storage: "cuda:0"
+    try:
+        torch.save(state, state_file)
+    finally:
+        serialization.location_tag = real_tag
+
+
+def test_a_checkpoint_saved_on_a_gpu_resumes_on_a_cpu(tmp_path):
+    target = tiny_target("llama")
+    data = tiny_dataset(tmp_path, target, n=8)
+    kw = dict(dataset=str(data), output_dir=str(tmp_path / "run"), batch_size=4, anchors_per_sequence=4,
+              heldout_fraction=0.0, save_every=2, device="cpu", draft=dict(num_hidden_layers=1, markov_rank=4,
+                                                                           block_size=3))
+    train(TrainConfig(max_steps=2, **kw), target=target, progress=False)
+    _as_saved_on_a_gpu(tmp_path / "run" / "checkpoint-2" / "trainer_state.pt")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # no word of a torn save: the checkpoint is whole
+        train(TrainConfig(max_steps=4, **kw), target=target, progress=False)
+    state = torch.load(tmp_path / "run" / "checkpoint-4" / "trainer_state.pt", weights_only=False)
+    assert state["step"] == 4 and state["optimizer"]["state"][0]["exp_avg"].device.type == "cpu"
+
+
+def test_a_whole_checkpoint_that_fails_to_load_is_reported_not_passed_over_as_torn(tmp_path, monkeypatch):
+    import dspark_hf.training.checkpoints as checkpoints
+
+    target = tiny_target("llama")
+    data = tiny_dataset(tmp_path, target, n=8)
+    kw = dict(dataset=str(data), output_dir=str(tmp_path / "run"), batch_size=4, anchors_per_sequence=4,
+              heldout_fraction=0.0, save_every=2, draft=dict(num_hidden_layers=1, markov_rank=4, block_size=3))
+    train(TrainConfig(max_steps=4, **kw), target=target, progress=False)
+
+    def unloadable(*args, **kwargs):
+        raise RuntimeError("a reason that has nothing to do with a killed save")
+
+    monkeypatch.setattr(checkpoints.torch, "load", unloadable)
+    with pytest.raises(ValueError, match="checkpoint-4/trainer_state.pt is whole but does not load .*a reason that") \
+            as refused:
+        train(TrainConfig(max_steps=6, **kw), target=target, progress=False)
+    assert "\n" not in str(refused.value)
+
+
+def test_heldout_json_is_written_last_and_whole_so_a_run_killed_while_saving_its_draft_does_not_read_as_finished(
+        tmp_path, monkeypatch):
+    target = tiny_target("llama")
+    data = tiny_dataset(tmp_path, target, n=8)
+    real_save = DSparkDraftModel.save_pretrained
+
+    def killed_in_the_final_save(self, path, *args, **kwargs):
+        if Path(path) == tmp_path / "run":  # checkpoints go to checkpoint-N
+            raise KeyboardInterrupt
+        return real_save(self, path, *args, **kwargs)
+
+    monkeypatch.setattr(DSparkDraftModel, "save_pretrained", killed_in_the_final_save)
+    with pytest.raises(KeyboardInterrupt):
+        train(TrainConfig(dataset=str(data), output_dir=str(tmp_path / "run"), batch_size=4, anchors_per_sequence=4,
+                          heldout_fraction=0.3, max_steps=2, save_every=1000,
+                          draft=dict(num_hidden_layers=1, markov_rank=4, block_size=3)), target=target, progress=False)
+    assert not (tmp_path / "run" / "heldout.json").exists()
+
+
+def test_under_stop_after_a_call_killed_during_the_held_out_report_resumes_at_the_last_step(tmp_path, monkeypatch):
+    import dspark_hf.training.trainer as trainer
+
+    target = tiny_target("llama")
+    data = tiny_dataset(tmp_path, target, n=12)
+    kw = dict(dataset=str(data), output_dir=str(tmp_path / "run"), batch_size=4, anchors_per_sequence=4,
+              heldout_fraction=0.3, max_steps=3, save_every=1000, stop_after=60.0,
+              draft=dict(num_hidden_layers=1, markov_rank=4, block_size=3))
+    real_report = trainer.evaluate_heldout
+
+    def killed(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(trainer, "evaluate_heldout", killed)
+    with pytest.raises(KeyboardInterrupt):
+        train(TrainConfig(**kw), target=target, progress=False)
+    assert torch.load(tmp_path / "run" / "checkpoint-3" / "trainer_state.pt", weights_only=False)["step"] == 3
+    monkeypatch.setattr(trainer, "evaluate_heldout", real_report)
+    train(TrainConfig(**kw), target=target, progress=False)
+    assert json.loads((tmp_path / "run" / "heldout.json").read_text())["training"]["steps"] == 3
+
+
+def test_a_held_out_report_that_would_run_past_stop_after_is_left_to_the_next_call(tmp_path, monkeypatch, capsys):
+    target = tiny_target("llama")
+    data = tiny_dataset(tmp_path, target, n=12)
+    # two steps of a minute, then a report of about a minute: past stop_after 2.5
+    kw = dict(dataset=str(data), output_dir=str(tmp_path / "run"), batch_size=4, anchors_per_sequence=4,
+              heldout_fraction=0.3, max_steps=2, save_every=1000, stop_after=2.5,
+              draft=dict(num_hidden_layers=1, markov_rank=4, block_size=3))
+    fake = FakeClock(monkeypatch, step_seconds=60.0)
+    assert train(TrainConfig(**kw), target=target, progress=False).training  # unfinished
+    assert fake.now <= 150 and not (tmp_path / "run" / "heldout.json").exists()
+    assert "before the held-out report and the final save" in capsys.readouterr().out
+    fake = FakeClock(monkeypatch, step_seconds=60.0)  # the next call: it takes no step, and reports
+    assert not train(TrainConfig(**kw), target=target, progress=False).training
+    assert json.loads((tmp_path / "run" / "heldout.json").read_text())["training"]["steps"] == 2 and fake.now == 0
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_every_data_parallel_rank_takes_the_same_number_of_steps_each_with_examples(tmp_path, monkeypatch, rank):
+    import accelerate
+
+    import dspark_hf.training.trainer as trainer
+
+    class OneOfTwoProcesses(accelerate.Accelerator):  # what `accelerate launch` on two GPUs gives each process
+        num_processes = property(lambda self: 2)
+        process_index = property(lambda self: rank)
+        is_main_process = property(lambda self: rank == 0)
+
+    monkeypatch.setattr(accelerate, "Accelerator", OneOfTwoProcesses)
+    batches, real_step, real_must_stop = [], trainer.train_step, trainer.RunClock.must_stop
+
+    def recorded(draft, target, examples, *args, **kwargs):
+        batches.append(len(examples))
+        return real_step(draft, target, examples, *args, **kwargs)
+
+    def bounded(self):  # a rank whose loop goes round without stepping would otherwise never return
+        assert len(batches) <= 4, "more steps than two epochs of two"
+        bounded.checks = getattr(bounded, "checks", 0) + 1
+        assert bounded.checks < 100, f"looping without a step after {len(batches)} steps"
+        return real_must_stop(self)
+
+    monkeypatch.setattr(trainer, "train_step", recorded)
+    monkeypatch.setattr(trainer.RunClock, "must_stop", bounded)
+    target = tiny_target("llama")
+    data = tiny_dataset(tmp_path, target, n=9)  # 2 steps an epoch of 2 x 4: 5 examples for one rank, 4 for the other
+    train(TrainConfig(dataset=str(data), output_dir=str(tmp_path / "run"), batch_size=4, anchors_per_sequence=4,
+                      heldout_fraction=0.0, epochs=2, save_every=1000,
+                      draft=dict(num_hidden_layers=1, markov_rank=4, block_size=3)), target=target, progress=False)
+    assert len(batches) == 4 and min(batches) >= 1, batches
+
+
+def test_auto_find_batch_size_finds_a_batch_whose_steps_with_the_longest_feature_lag_fit(tmp_path, monkeypatch):
+    import contextlib
+    from types import SimpleNamespace
+
+    import dspark_hf.training.trainer as trainer
+    from dspark_hf.training.trainer import find_batch_size
+
+    target = tiny_target("llama")
+    examples = load_dataset(tiny_dataset(tmp_path, target, n=8))
+    draft = tiny_draft(target, num_hidden_layers=1, markov_rank=4, block_size=3)
+    config = TrainConfig(dataset="", output_dir="", batch_size=8, anchors_per_sequence=4, feature_lag=4)
+    real_step = trainer.train_step
+
+    def in_a_gpu_of_20_block_rows(draft, target, batch, *args, feature_lag=0, **kwargs):
+        if len(batch) * (draft.config.block_size + feature_lag) > 20:  # a lagged block holds its lag's tokens too
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        return real_step(draft, target, batch, *args, feature_lag=feature_lag, **kwargs)
+
+    monkeypatch.setattr(trainer, "train_step", in_a_gpu_of_20_block_rows)
+    gpu = SimpleNamespace(device=torch.device("cuda"), autocast=contextlib.nullcontext)
+    size = find_batch_size(draft, target, examples, OnlineFeatures(target, draft.config.target_layer_ids), config,
+                           LossWeights(), gpu)
+    assert size == 2  # 2 x (3 + 4) rows fit; 4 x 7 do not, although 4 x 3 would
+
+
+def _lora_adapter(tmp_path, target, data) -> Path:
+    tiny_draft(target, num_hidden_layers=1, markov_rank=4, block_size=3).save_pretrained(tmp_path / "base")
+    train(TrainConfig(dataset=str(data), output_dir=str(tmp_path / "adapter"), lora=True, max_steps=1,
+                      init_from=str(tmp_path / "base"), batch_size=4, anchors_per_sequence=4, heldout_fraction=0.0),
+          target=target, progress=False)
+    assert (tmp_path / "adapter" / "adapter_config.json").exists()
+    return tmp_path / "adapter"
+
+
+def test_fine_tuning_from_a_lora_adapter_trains_the_whole_merged_draft_and_saves_a_draft(tmp_path):
+    from dspark_hf.loading import load_draft
+
+    target = tiny_target("llama")
+    data = tiny_dataset(tmp_path, target, n=8)
+    adapter = _lora_adapter(tmp_path, target, data)
+    merged = load_draft(str(adapter), target, torch.float32)
+    model = train(TrainConfig(dataset=str(data), output_dir=str(tmp_path / "run"), init_from=str(adapter),
+                              max_steps=1, learning_rate=1e-9, batch_size=4, anchors_per_sequence=4,
+                              heldout_fraction=0.0), target=target, progress=False)
+    assert type(model) is DSparkDraftModel and all(p.requires_grad for p in model.parameters())
+    assert (tmp_path / "run" / "model.safetensors").exists() and not (tmp_path / "run" / "adapter_config.json").exists()
+    saved = DSparkDraftModel.from_pretrained(tmp_path / "run").state_dict()
+    for name, weight in merged.state_dict().items():  # started from the merged draft (a step at lr 1e-9 moves little)
+        torch.testing.assert_close(saved[name].float(), weight, atol=1e-4, rtol=1e-4, msg=name)
+
+
+def test_lora_on_a_lora_adapter_is_refused_in_one_line(tmp_path):
+    target = tiny_target("llama")
+    data = tiny_dataset(tmp_path, target, n=8)
+    adapter = _lora_adapter(tmp_path, target, data)
+    with pytest.raises(ValueError, match="is a LoRA adapter .* merge it into its base first") as refused:
+        train(TrainConfig(dataset=str(data), output_dir=str(tmp_path / "run"), lora=True, init_from=str(adapter),
+                          max_steps=1, batch_size=4, anchors_per_sequence=4, heldout_fraction=0.0),
+              target=target, progress=False)
+    assert "\n" not in str(refused.value)
+
+
+def _target_with_massive_activations():
+    target = tiny_target("llama")
+    with torch.no_grad():
+        target.model.embed_tokens.weight.mul_(3e5)  # hidden states of the first layers about 1e5, past fp16's 65504
+    return target
+
+
+def test_a_feature_cache_refuses_features_that_fp16_cannot_hold_naming_the_layer(tmp_path):
+    target = _target_with_massive_activations()
+    examples = load_dataset(tiny_dataset(tmp_path, tiny_target("llama"), n=4))
+    with pytest.raises(ValueError, match="layer 0 reaches .* fp16 cannot hold: train without --feature-cache") as no:
+        CachedFeatures(tmp_path / "cache", target, [0, 1], examples, progress=False)
+    assert "\n" not in str(no.value)
+    assert not list((tmp_path / "cache").glob("*.safetensors"))
+
+
+def test_training_stops_in_one_line_at_a_loss_that_is_not_finite(tmp_path, monkeypatch):
+    import dspark_hf.training.trainer as trainer
+
+    target = tiny_target("llama")
+    data = tiny_dataset(tmp_path, target, n=8)
+    real_step = trainer.train_step
+
+    def overflowing(*args, **kwargs):
+        losses, valid = real_step(*args, **kwargs)
+        return {**losses, "total": losses["total"] * math.inf}, valid
+
+    monkeypatch.setattr(trainer, "train_step", overflowing)
+    with pytest.raises(ValueError, match="step 1: the training loss is (inf|nan)") as stopped:
+        train(TrainConfig(dataset=str(data), output_dir=str(tmp_path / "run"), batch_size=4, anchors_per_sequence=4,
+                          heldout_fraction=0.0, max_steps=2, draft=dict(num_hidden_layers=1, markov_rank=4,
+                                                                        block_size=3)), target=target, progress=False)
+    assert "\n" not in str(stopped.value) and not (tmp_path / "run" / "model.safetensors").exists()
+
+
+def test_a_run_resumes_only_with_the_target_it_was_trained_for(tmp_path):
+    target = tiny_target("llama")
+    target.config._name_or_path = "first-target"
+    data = tiny_dataset(tmp_path, target, n=8)
+    kw = dict(dataset=str(data), output_dir=str(tmp_path / "run"), batch_size=4, anchors_per_sequence=4,
+              heldout_fraction=0.0, save_every=2, draft=dict(num_hidden_layers=1, markov_rank=4, block_size=3))
+    train(TrainConfig(max_steps=2, **kw), target=target, progress=False)
+    other = tiny_target("llama", seed=1)  # the same shape, other weights
+    other.config._name_or_path = "other-target"
+    refusal = "trained for the target first-target, .* \\(other-target\\) has other weights"
+    with pytest.raises(ValueError, match=refusal) as refused:
+        train(TrainConfig(max_steps=4, **kw), target=other, progress=False)
+    assert "\n" not in str(refused.value) and not (tmp_path / "run" / "checkpoint-4").exists()
+    train(TrainConfig(max_steps=4, **kw), target=target.to(torch.bfloat16), progress=False)  # its dtype may change
+    saved = json.loads((tmp_path / "run" / "train_config.json").read_text())
+    del saved["target_fingerprint"]  # as a run recorded before train_config.json named its target
+    (tmp_path / "run" / "train_config.json").write_text(json.dumps(saved))
+    train(TrainConfig(max_steps=6, **kw), target=target, progress=False)
+    assert (tmp_path / "run" / "checkpoint-6").exists()
+
+
+def test_dspark_train_and_prompts_name_a_missing_target_and_a_draft_passed_as_the_target_in_one_line(tmp_path,
+                                                                                                   capsys):
+    target = tiny_target("llama")
+    data = tiny_dataset(tmp_path, target, n=4)
+    tiny_draft(target).save_pretrained(tmp_path / "draft")
+    run = ["train", "--dataset", str(data), "--output-dir", str(tmp_path / "run"), "--max-steps", "1"]
+    assert "the target ./missing_target: no such folder" in cli_error(capsys, run + ["--target", "./missing_target"])
+    assert f"the target {tmp_path / 'draft'} is a DSpark draft: pass it as the draft" in cli_error(
+        capsys, run + ["--target", str(tmp_path / "draft")])
+    assert "the target ./missing_target: no such folder" in cli_error(
+        capsys, ["prompts", "--output", str(tmp_path / "p.jsonl"), "--source", "stdlib", "--target",
+                 "./missing_target"])
+    assert not (tmp_path / "run").exists()
+
+
+def test_dspark_train_loads_its_target_in_the_dtype_it_trains_with(tmp_path, monkeypatch):
+    import dspark_hf.training.trainer as trainer
+    from dspark_hf.cli import main
+
+    target = tiny_target("llama")
+    target.save_pretrained(tmp_path / "target")
+    data = tiny_dataset(tmp_path, target, n=8)
+    given = []
+    monkeypatch.setattr(trainer, "train", lambda config, target: given.append(target.dtype) or tiny_draft(target))
+    main(["train", "--target", str(tmp_path / "target"), "--dataset", str(data), "--output-dir",
+          str(tmp_path / "run"), "--target-dtype", "bfloat16"])
+    assert given == [torch.bfloat16]  # loaded so, not in float32 and converted: half the host memory
+
+
+def test_under_bf16_mixed_precision_a_float32_target_teaches_in_float32_and_the_draft_autocasts(
+        tmp_path, fresh_accelerate_state, monkeypatch):
+    import dspark_hf.training.objective as objective
+
+    seen = {"target": set(), "teacher_logits": set(), "draft": set()}
+
+    def recording(name, forward):
+        def recorded(*args, **kwargs):
+            seen[name].add(torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None)
+            return forward(*args, **kwargs)
+        return recorded
+
+    target = tiny_target("llama")
+    monkeypatch.setattr(type(target.model), "forward", recording("target", type(target.model).forward))
+    # the target's LM head on its last hidden state (the draft's forward also uses that head, for its own logits)
+    monkeypatch.setattr(objective, "target_logits", recording("teacher_logits", objective.target_logits))
+    monkeypatch.setattr(DSparkDraftModel, "forward", recording("draft", DSparkDraftModel.forward))
+    data = tiny_dataset(tmp_path, target, n=8)
+    seen["target"].clear()  # the answers' regeneration
+    train(TrainConfig(dataset=str(data), output_dir=str(tmp_path / "run"), max_steps=2, batch_size=4,
+                      anchors_per_sequence=4, heldout_fraction=0.0, mixed_precision="bf16", target_dtype="float32",
+                      draft=dict(num_hidden_layers=1, markov_rank=4, block_size=3)), target=target, progress=False)
+    assert seen == {"target": {None}, "teacher_logits": {None}, "draft": {torch.bfloat16}}, seen
+
+
+def test_a_dataset_of_answers_given_as_the_prompts_is_refused_naming_the_line(tmp_path):
+    data = tiny_dataset(tmp_path, tiny_target("llama"), n=4)  # its lines carry the chat-templated "prompt"
+    with pytest.raises(DataFileError, match="data.jsonl:1: a line of a dataset of answers .* pass the prompt file"):
+        list(read_prompts(data))
+
+
+def test_a_torn_last_answer_line_is_cut_in_place_so_a_run_killed_while_cutting_it_keeps_the_answers_before(
+        tmp_path, monkeypatch):
+    target = tiny_target("llama")
+    full = tiny_dataset(tmp_path, target).read_text().splitlines()
+    torn = tmp_path / "torn"
+    torn.mkdir()
+    (torn / "data.jsonl").write_text("\n".join(full[:5]) + "\n" + full[5][:20])  # killed inside its 6th line
+    (torn / "data.manifest.json").write_text(manifest_path(tmp_path / "data.jsonl").read_text())
+
+    def killed_while_rewriting(self, *args, **kwargs):  # the file opened for writing (emptied), then the kill
+        self.open("w").close()
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Path, "write_text", killed_while_rewriting)
+    try:
+        tiny_dataset(torn, target)
+    except KeyboardInterrupt:
+        pass
+    monkeypatch.undo()
+    assert (torn / "data.jsonl").read_text().splitlines()[:5] == full[:5]
+
+
+def test_a_feature_cache_that_names_a_file_is_refused_in_one_line(tmp_path):
+    target = tiny_target("llama")
+    data = tiny_dataset(tmp_path, target, n=4)
+    with pytest.raises(ValueError, match="--feature-cache\\) .*data.jsonl is a file: give a folder"):
+        train(TrainConfig(dataset=str(data), output_dir=str(tmp_path / "run"), feature_cache=str(data), max_steps=1,
+                          draft=dict(num_hidden_layers=1, markov_rank=4, block_size=3)), target=target, progress=False)

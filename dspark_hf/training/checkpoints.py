@@ -6,6 +6,7 @@ import os
 import pickle
 import shutil
 import warnings
+import zipfile
 from pathlib import Path
 
 import torch
@@ -20,14 +21,20 @@ def checkpoint_folders(out_dir: Path) -> list[Path]:
 
 def latest_checkpoint(out_dir: Path) -> tuple[Path, dict] | None:
     """The newest checkpoint whose trainer state loads, and that state (None: no checkpoint). A newer one whose state
-    does not load (torn by a run killed while an earlier version wrote it in place) is passed over with a warning;
-    ValueError if none loads."""
+    is torn (by a run killed while an earlier version wrote it in place) is passed over with a warning; ValueError if
+    none loads, or if a whole one fails to load."""
     found = [p for p in checkpoint_folders(out_dir) if (p / STATE_FILE).exists()]
     torn = []
     for path in reversed(found):
         try:
-            state = torch.load(path / STATE_FILE, weights_only=False)
-        except (RuntimeError, OSError, EOFError, pickle.UnpicklingError) as error:
+            # on the CPU: a state saved on a GPU resumes anywhere (--device may change), and the optimizer's
+            # load_state_dict moves each tensor to its parameter's device
+            state = torch.load(path / STATE_FILE, map_location="cpu", weights_only=False)
+        except Exception as error:
+            if not _torn(path / STATE_FILE, error):
+                raise ValueError(f"{path / STATE_FILE} is whole but does not load ({type(error).__name__}: "
+                                 f"{' '.join(str(error).split())[:300]}): fix that, or remove {path} to resume from "
+                                 "the checkpoint before.") from error
             torn.append(f"{path.name} ({' '.join(str(error).split())[:100]})")
             continue
         if torn:
@@ -38,6 +45,18 @@ def latest_checkpoint(out_dir: Path) -> tuple[Path, dict] | None:
         raise ValueError(f"no checkpoint of {out_dir} has a trainer state that loads: remove its checkpoint-* "
                          "folders to train afresh, or give a new output_dir.")
     return None
+
+
+def _torn(state_file: Path, error: Exception) -> bool:
+    """Whether a state that failed to load was cut short by a killed save (torch.save writes a zip archive, so one
+    not whole, or a pickle that runs out, is torn), rather than failing for a reason to report."""
+    if isinstance(error, (EOFError, pickle.UnpicklingError)):
+        return True
+    try:
+        with zipfile.ZipFile(state_file) as archive:
+            return archive.testzip() is not None
+    except (zipfile.BadZipFile, EOFError, OSError):
+        return True
 
 
 def save_checkpoint(model, optimizer, step: int, clock, out_dir: Path, generator: torch.Generator,

@@ -56,8 +56,9 @@ class TrainConfig:
     mixed_precision: str = field(default="auto", metadata={"choices": ("auto", "bf16", "fp16", "no"), "help":
                                  "'auto': bf16 on GPU, fp32 on CPU; 'bf16' also "
                                  "on a CPU with bf16 matrix units (AVX512-BF16, AMX: several times the fp32 "
-                                 "throughput); 'fp16': GPU only; 'no': fp32. Autocast: weights and optimizer "
-                                 "state stay fp32. accelerate keeps one setting per process."})
+                                 "throughput); 'fp16': GPU only; 'no': fp32. Autocast of the draft: its "
+                                 "weights and optimizer state stay fp32, and the target computes in its own dtype "
+                                 "(target_dtype). accelerate keeps one setting per process."})
     time_budget: float | None = field(default=None, metadata={"help": "Minutes for the whole run (features, training, "
                                       "held-out report, saving; resumed invocations count together): the "
                                       "learning-rate schedule follows the time spent instead of the steps, and "
@@ -72,7 +73,8 @@ class TrainConfig:
                               "the target distribution: 'auto' (bfloat16 on a GPU, float32 on a CPU), 'float32' or "
                               "'bfloat16'; a target passed to train() is converted too."})
     auto_find_batch_size: bool = field(default=False, metadata={"help": "Halve batch_size until one step on the "
-                                       "longest sequences fits in GPU memory (says which size it took)."})
+                                       "longest sequences (every block with the longest feature_lag) fits in GPU "
+                                       "memory (says which size it took)."})
     gpu_memory_fraction: float | None = field(default=None, metadata={"help": "Share of the GPU's memory this process "
                                               "may take (e.g. 0.45 each for two trainings on one GPU); "
                                               "auto_find_batch_size then fits the batch inside it."})
@@ -86,7 +88,9 @@ class TrainConfig:
                                      "decoder layers instead of random weights (see copy_target_layers); needs "
                                      "draft layers with the target's shapes and parameter names (Llama, Qwen3)."})
     init_from: str | None = field(default=None, metadata={"help": "Start from this saved draft instead of a fresh "
-                                                                    "one (fine-tuning); the base draft with lora."})
+                                                                    "one (fine-tuning; a LoRA adapter folder is "
+                                                                    "merged into its base first); the base draft "
+                                                                    "with lora (a whole draft, not an adapter)."})
     lora: bool = field(default=False, metadata={"help": "Adapt init_from (default: the shipped draft, for the "
                        "default target) with LoRA: its weights stay frozen and the run saves a peft adapter."})
     lora_rank: int = field(default=16, metadata={"help": "LoRA rank r."})

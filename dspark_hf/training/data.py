@@ -15,6 +15,7 @@ from __future__ import annotations
 import gzip
 import hashlib
 import json
+import os
 import time
 import zlib
 from dataclasses import dataclass
@@ -205,12 +206,12 @@ def _answered(output: Path) -> set[str]:
     run writes that answer again."""
     if not output.exists():
         return set()
-    text = output.read_text(encoding="utf-8")
-    if text and not text.endswith("\n"):
-        kept = text[: text.rfind("\n") + 1]
-        output.write_text(kept, encoding="utf-8")
+    data = output.read_bytes()
+    if data and not data.endswith(b"\n"):
+        data = data[: data.rfind(b"\n") + 1]
+        os.truncate(output, len(data))  # in place: a run killed while trimming keeps every whole line
         print(f"{output}: dropped an incomplete last line (an interrupted write); its answer is generated again")
-        text = kept
+    text = data.decode("utf-8")
     done = set()
     for n, line in enumerate(text.splitlines(), 1):
         try:

@@ -79,6 +79,10 @@ def _lora_base(config: TrainConfig, default_target: bool) -> str:
     """The draft a LoRA run adapts: init_from (a folder as its absolute path, which the adapter records as its base),
     or the shipped draft when training for the default target."""
     if config.init_from:
+        from ..loading import refuse_adapter
+
+        # the new adapter names its base, which must load as a draft on its own
+        refuse_adapter(config.init_from, "--lora --init-from (the base draft the new adapter names)")
         folder = Path(config.init_from).expanduser()
         # a relative path recorded in adapter_config.json would only load from the directory training ran in
         return str(folder.resolve()) if folder.is_dir() else config.init_from
@@ -102,7 +106,13 @@ def initial_draft(config: TrainConfig, target, resume: Path | None, default_targ
         if resume is not None:
             return PeftModel.from_pretrained(base, resume, is_trainable=True)
         return add_lora(base, config, base_path)
-    if resume is not None or config.init_from:
-        # fp32 master weights whatever the checkpoint's dtype (the shipped and exported drafts are bf16)
-        return DSparkDraftModel.from_pretrained(resume or config.init_from, dtype=torch.float32).bind_target(target)
+    # fp32 master weights whatever the checkpoint's dtype (the shipped and exported drafts are bf16)
+    if resume is not None:
+        return DSparkDraftModel.from_pretrained(resume, dtype=torch.float32).bind_target(target)
+    if config.init_from:
+        from ..loading import load_draft
+
+        # as --draft reads it: a LoRA adapter folder is merged into its base (which peft leaves frozen), and
+        # fine-tuning trains all of the result
+        return load_draft(config.init_from, target, torch.float32).requires_grad_(True)
     return make_draft(target, config, train_set)

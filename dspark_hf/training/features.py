@@ -29,8 +29,14 @@ def pad_batch(sequences: list[list[int]], pad_id: int = 0):
     return ids, mask, lengths
 
 
+def in_own_dtype(target):
+    """A context in which `target` computes in its own dtype, whatever autocast the draft trains under: the teacher is
+    the target as inference runs it (a float32 target stays float32 under bf16 mixed precision)."""
+    return torch.autocast(target.device.type, enabled=False)
+
+
 class OnlineFeatures:
-    """Runs the frozen target on each batch (no gradients)."""
+    """Runs the frozen target on each batch (no gradients), in its own dtype."""
 
     def __init__(self, target, target_layer_ids: list[int]):
         self.target = target
@@ -40,8 +46,9 @@ class OnlineFeatures:
     def __call__(self, examples) -> tuple[torch.Tensor, torch.Tensor]:
         ids, mask, _ = pad_batch([e.input_ids for e in examples])
         device = self.target.device
-        hidden = self.target.base_model(input_ids=ids.to(device), attention_mask=mask.to(device),
-                                   output_hidden_states=self.request).hidden_states
+        with in_own_dtype(self.target):
+            hidden = self.target.base_model(input_ids=ids.to(device), attention_mask=mask.to(device),
+                                            output_hidden_states=self.request).hidden_states
         features = torch.cat([hidden[i] for i in self.request[:-1]], dim=-1)
         return features, hidden[self.request[-1]]
 
@@ -67,6 +74,20 @@ def check_layer_ids(target, layer_ids: list[int]) -> None:
                          f"[0, {n - 2}].")
 
 
+def _refuse_what_fp16_cannot_hold(features: torch.Tensor, last: torch.Tensor, layer_ids: list[int],
+                                   example_id: str) -> None:
+    """Refuse features that are not finite, or that fp16 cannot hold (hidden states past its 65504, as some LLMs'
+    massive activations are): cached as inf, they would make every loss that reads them NaN."""
+    d = last.shape[-1]
+    for name, values in (*((f"layer {layer}", features[:, k * d: (k + 1) * d]) for k, layer in enumerate(layer_ids)),
+                         ("last hidden state", last)):
+        largest = values.float().abs().max().item()
+        if not largest <= torch.finfo(torch.float16).max:
+            raise ValueError(f"The target's {name} reaches {largest:g} on example {example_id}, which the feature "
+                             "cache's fp16 cannot hold: train without --feature-cache (features computed online, in "
+                             "the target's dtype).")
+
+
 class CachedFeatures:
     """Features written once to `directory` (fp16 safetensors per example), then read back every epoch.
 
@@ -80,6 +101,9 @@ class CachedFeatures:
 
         check_layer_ids(target, [*target_layer_ids, *(cache_layer_ids or [])])  # before anything is written
         self.directory = Path(directory)
+        if self.directory.exists() and not self.directory.is_dir():
+            raise ValueError(f"feature_cache (--feature-cache) {directory} is a file: give a folder for the cache "
+                             "(made if missing).")
         self.directory.mkdir(parents=True, exist_ok=True)
         index = self.directory / "index.json"
         meta = {"target": getattr(target.config, "_name_or_path", ""), "dtype": str(target.dtype),
@@ -111,6 +135,7 @@ class CachedFeatures:
             features, last = online(chunk)
             for j, e in enumerate(chunk):
                 n = len(e.input_ids)
+                _refuse_what_fp16_cannot_hold(features[j, :n], last[j, :n], cached, e.id)
                 # written aside, then renamed: a run killed mid-write must not leave a file that looks cached
                 partial = self._path(e).with_suffix(".partial")
                 save_file({"features": features[j, :n].half().contiguous().cpu(),

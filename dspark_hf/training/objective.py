@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from .features import pad_batch
+from .features import in_own_dtype, pad_batch
 from .losses import losses_against, sample_anchors, target_distribution_on
 
 def target_logits(target, hidden: torch.Tensor) -> torch.Tensor:
@@ -39,8 +39,9 @@ def target_distribution_at(target, last: torch.Tensor, anchors: torch.Tensor, ga
     idx = block_positions(anchors, gamma, L)
     flat = idx + L * torch.arange(B, device=anchors.device)[:, None, None]
     rows, where = flat.flatten().unique(return_inverse=True)
-    p_t, outside, top = target_distribution_on(draft_vocab, target_logits(target, last.flatten(0, 1)[rows].to(
-        target.dtype)))
+    with in_own_dtype(target):
+        p_t, outside, top = target_distribution_on(draft_vocab, target_logits(target, last.flatten(0, 1)[rows].to(
+            target.dtype)))
     return p_t[where].view(*idx.shape, -1), outside[where].view(idx.shape), top[where].view(idx.shape)
 
 

@@ -239,8 +239,13 @@ def write_prompts(prompts: list[dict], path: str | Path) -> Path:
 def read_prompts(path: str | Path) -> Iterator[dict]:
     """Prompts from a JSONL file (gzipped if it ends in .gz): each line {"id", "prompt"} (a user message) or {"id",
     "messages"}, optionally with "domain", "source" and "group" (prompts of one group, e.g. one question in two
-    phrasings, fall on one side of the held-out split). Raises DataFileError naming the line for anything else."""
+    phrasings, fall on one side of the held-out split). Raises DataFileError naming the line for anything else, a
+    dataset's line (written by prepare_data) included."""
     for n, obj in read_jsonl(path):
+        if isinstance(obj, dict) and ("input_ids" in obj or "answer_start" in obj):
+            # a dataset line's "prompt" is the chat-templated text: answering it would template it a second time
+            raise DataFileError(f"{path}:{n}: a line of a dataset of answers (input_ids, answer_start), not a prompt: "
+                                "pass the prompt file the dataset was made from.")
         if not isinstance(obj, dict) or "id" not in obj or ("prompt" in obj) == ("messages" in obj):
             raise DataFileError(f'{path}:{n}: expected {{"id", "prompt"}} or {{"id", "messages"}} (exactly one '
                                 f"of prompt/messages), got keys {sorted(obj) if isinstance(obj, dict) else obj}.")

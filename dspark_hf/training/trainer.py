@@ -68,6 +68,8 @@ def train(config: TrainConfig, target=None, progress: bool = True):
         target, _ = default_target(dtype=_target_dtype(config.target_dtype, device), device=device)
     target = target.to(device=device, dtype=_target_dtype(config.target_dtype, device))
     target.requires_grad_(False).eval()
+    made_for = _target_record(target)
+    _refuse_another_target(made_for, out_dir)
     vocab_size = target.get_output_embeddings().weight.shape[0]
     train_set, heldout = split_heldout(load_dataset(config.dataset, vocab_size), config.heldout_fraction)
     for ex in train_set + heldout:
@@ -83,7 +85,7 @@ def train(config: TrainConfig, target=None, progress: bool = True):
     draft = initial_draft(config, target, resume, default_target_used, train_set)
     _refuse_a_block_past_every_answer(unwrap_draft(draft).config.block_size, train_set, config)
     out_dir.mkdir(parents=True, exist_ok=True)
-    write_atomic(out_dir / CONFIG_FILE, json.dumps(asdict(config), indent=2))
+    write_atomic(out_dir / CONFIG_FILE, json.dumps({**asdict(config), **made_for}, indent=2))
     draft.to(device).train()
     layer_ids = unwrap_draft(draft).config.target_layer_ids
 
@@ -108,6 +110,7 @@ def train(config: TrainConfig, target=None, progress: bool = True):
         step = state["step"]
         timer.restore(state.get("clock", {}))
         generator_state = state.get("generator")  # absent in checkpoints of older runs: the epoch reseeds
+    first_step = step
     model = accelerator.unwrap_model(draft)  # what is saved: the draft, or its peft wrapper (an adapter)
     core = unwrap_draft(model)  # the DSparkDraftModel; with LoRA its layers hold the adapters
     heldout_batches = _domain_batches(heldout, config.batch_size)
@@ -125,6 +128,10 @@ def train(config: TrainConfig, target=None, progress: bool = True):
         epoch, offset = divmod(step, steps_per_epoch)
         order = list(range(len(train_set)))
         random.Random(config.seed + epoch).shuffle(order)
+        # every rank takes steps_per_epoch steps (one that ran out of examples would wait for ever while the others
+        # wait for it in the gradient all-reduce): the order wraps around until each rank's last batch holds one
+        needed = accelerator.num_processes * ((steps_per_epoch - 1) * config.batch_size + 1)
+        order += [order[i % len(order)] for i in range(needed - len(order))]
         shard = order[accelerator.process_index:: accelerator.num_processes]
         generator = torch.Generator().manual_seed(config.seed * 100_003 + step)
         if generator_state is not None and offset > 0:  # resumed inside an epoch: draw on where the run stopped
@@ -136,8 +143,6 @@ def train(config: TrainConfig, target=None, progress: bool = True):
             if done or timer.must_stop():
                 stopped = True
                 break
-            if not batch:
-                break
             span = ((step / total_steps, (step + 1) / total_steps) if total_steps is not None
                     else (timer.progress(), timer.progress_after_step()))
             for group in optimizer.param_groups:
@@ -147,6 +152,11 @@ def train(config: TrainConfig, target=None, progress: bool = True):
                                            generator, forward=draft, feature_lag=config.feature_lag,
                                            lag_weights=config.feature_lag_weights)
             timer.forward_done(device)
+            total = float(losses["total"].detach())  # no extra wait: forward_done synchronised the device
+            if not math.isfinite(total):  # a step on it would make every weight NaN, and the run go on silently
+                raise ValueError(f"step {step + 1}: the training loss is {total}, so training stops before that step: "
+                                 "lower --lr, train with --mixed-precision bf16 or no instead of fp16, or without "
+                                 "--feature-cache.")
             accelerator.backward(losses["total"])
             accelerator.clip_grad_norm_(draft.parameters(), 1.0)
             optimizer.step()
@@ -159,15 +169,24 @@ def train(config: TrainConfig, target=None, progress: bool = True):
             if step % config.save_every == 0 and accelerator.is_main_process:
                 save_checkpoint(model, optimizer, step, timer, out_dir, generator, config.batch_size)
     bar.close()
-    if timer.must_stop() and not (timer.budget_spent() if total_steps is None else step >= total_steps):
+    finished = timer.budget_spent() if total_steps is None else step >= total_steps
+    # under stop_after the held-out report and the final save start from a checkpoint of the last step, so that a call
+    # killed during them resumes there; when they would not fit in this call, the next one (which takes no step) makes
+    # them
+    report_now = finished and (step == first_step or timer.report_fits())
+    saved = step > first_step and step % config.save_every == 0
+    if (not report_now or (timer.limit is not None and step > first_step)) and not saved \
+            and accelerator.is_main_process:
+        save_checkpoint(model, optimizer, step, timer, out_dir, generator, config.batch_size)
+    if not report_now:
         if step == 0:
             warnings.warn(f"{config.output_dir}: stop_after={config.stop_after:g} min ran out before the first "
                           "training step (loading and setup took it); the checkpoint holds an untrained draft. Give a "
                           "larger stop_after.", stacklevel=2)
         if accelerator.is_main_process:
-            save_checkpoint(model, optimizer, step, timer, out_dir, generator, config.batch_size)
-            print(f"stopped after {config.stop_after:g} min at step {step}: run the same command again to resume "
-                  f"from {out_dir}")
+            print(f"stopped after {config.stop_after:g} min at step {step}"
+                  f"{', before the held-out report and the final save' if finished else ''}: run the same command "
+                  f"again to resume from {out_dir}")
         return accelerator.unwrap_model(draft, keep_fp32_wrapper=False)  # still in training mode: unfinished
     if step == 0:
         warnings.warn(f"{config.output_dir}: the time budget ran out before the first training step; the saved "
@@ -184,8 +203,9 @@ def train(config: TrainConfig, target=None, progress: bool = True):
         report["training"] = {"steps": step, "minutes": round(timer.total_spent() / 60, 2),
                               "device": str(device), "target_dtype": str(target.dtype).replace("torch.", ""),
                               "batch_size": config.batch_size, "train_examples": len(train_set)}
-        (out_dir / "heldout.json").write_text(json.dumps(report, indent=2))
         model.save_pretrained(out_dir)
+        # last, and whole: heldout.json tells a finished run (the GPU campaign reads it so) from one killed while saving
+        write_atomic(out_dir / "heldout.json", json.dumps(report, indent=2))
     return model
 
 
@@ -199,14 +219,9 @@ def _refuse_a_changed_run(config: TrainConfig, out_dir: Path) -> None:
     another: refuse it. How long and where it runs (RESUMABLE_CHANGES) may change."""
     from dataclasses import MISSING, fields
 
-    saved_file = out_dir / CONFIG_FILE
-    if not saved_file.is_file() or not any((p / STATE_FILE).exists() for p in checkpoint_folders(out_dir)):
+    saved = _saved_run(out_dir)
+    if saved is None:
         return  # nothing to resume: the run starts afresh
-    try:
-        saved = json.loads(saved_file.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise ValueError(f"{saved_file} does not read as the settings of a run ({error}): resume with a readable "
-                         "train_config.json, or train into a new output_dir.") from error
     now = json.loads(json.dumps(asdict(config)))  # as saved: tuples become lists
     changed = []
     for f in fields(TrainConfig):
@@ -223,6 +238,39 @@ def _refuse_a_changed_run(config: TrainConfig, out_dir: Path) -> None:
         raise ValueError(f"{out_dir} holds a run started with other settings ({'; '.join(changed)}): resume it with "
                          f"the settings of its {CONFIG_FILE}, or train into a new output_dir (only "
                          f"{', '.join(sorted(RESUMABLE_CHANGES - {'output_dir'}))} may change on resuming).")
+
+
+def _saved_run(out_dir: Path) -> dict | None:
+    """The train_config.json of the run `out_dir` holds, if there is one to resume (a checkpoint with its state)."""
+    saved_file = out_dir / CONFIG_FILE
+    if not saved_file.is_file() or not any((p / STATE_FILE).exists() for p in checkpoint_folders(out_dir)):
+        return None
+    try:
+        return json.loads(saved_file.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"{saved_file} does not read as the settings of a run ({error}): resume with a readable "
+                         "train_config.json, or train into a new output_dir.") from error
+
+
+def _target_record(target) -> dict:
+    """What train_config.json records of the target, beside the settings: its name and weights' fingerprint."""
+    from ..model.modeling_dspark import target_fingerprint
+
+    return {"target": getattr(target.config, "_name_or_path", ""), "target_fingerprint": target_fingerprint(target)}
+
+
+def _refuse_another_target(made_for: dict, out_dir: Path) -> None:
+    """A run resumed with another target would go on distilling another teacher into the same draft. Runs recorded
+    before train_config.json named the target resume unchecked."""
+    from ..model.modeling_dspark import same_fingerprint
+
+    saved = _saved_run(out_dir)
+    if saved is None or "target_fingerprint" not in saved:
+        return
+    if not same_fingerprint(saved["target_fingerprint"], made_for["target_fingerprint"]):
+        raise ValueError(f"{out_dir} holds a run trained for the target {saved.get('target') or '(unnamed)'}, and the "
+                         f"target given now ({made_for['target'] or 'unnamed'}) has other weights: resume it with "
+                         "its target (--target), or train into a new output_dir.")
 
 
 def _refuse_a_block_past_every_answer(block_size: int, train_set: list, config: TrainConfig) -> None:
@@ -282,9 +330,11 @@ class RunClock:
     def restore(self, state: dict) -> None:
         self.spent_before = state.get("spent", 0.0)
         self.loop_spent = state.get("loop_spent", 0.0)
+        # a call resumed after the last step sizes the held-out report by the steps it did not take itself
+        self.forward_seconds = state.get("forward_seconds", 0.0)
 
     def state(self) -> dict:
-        return {"spent": self.total_spent(), "loop_spent": self.loop_spent}
+        return {"spent": self.total_spent(), "loop_spent": self.loop_spent, "forward_seconds": self.forward_seconds}
 
     def start_loop(self, heldout_batches: int) -> None:
         self.heldout_batches = heldout_batches
@@ -324,6 +374,10 @@ class RunClock:
             return False
         return time.perf_counter() - self.entry + self.step_seconds + self.SAVE_SECONDS > self.limit
 
+    def report_fits(self) -> bool:
+        """Whether this invocation's limit leaves the time the held-out report and the final save take."""
+        return self.limit is None or time.perf_counter() - self.entry + self.reserve() <= self.limit
+
     def forward_done(self, device) -> None:
         self.forward_seconds = clock(device) - self.last
 
@@ -338,14 +392,16 @@ class RunClock:
 
 def find_batch_size(draft, target, train_set, features, config: TrainConfig, weights, accelerator) -> int:
     """The largest batch size, halving from config.batch_size, at which one training step on the longest training
-    sequences fits in GPU memory (a CPU never runs out: it returns config.batch_size)."""
+    sequences, every block with the longest feature lag (the most rows a block gets), fits in GPU memory (a CPU never
+    runs out: it returns config.batch_size)."""
     longest = sorted(train_set, key=lambda e: len(e.input_ids), reverse=True)
     size = config.batch_size
     while accelerator.device.type == "cuda":
         try:
             with accelerator.autocast():
                 losses, _ = train_step(unwrap_draft(draft), target, longest[:size], features,
-                                       config.anchors_per_sequence, weights, torch.Generator().manual_seed(0))
+                                       config.anchors_per_sequence, weights, torch.Generator().manual_seed(0),
+                                       feature_lag=config.feature_lag, exact_lag=True)
             losses["total"].backward()
             break
         except torch.OutOfMemoryError:
