@@ -444,7 +444,8 @@ def test_convert_checkpoint_in_python_refuses_its_source_and_a_downloaded_checkp
     for dst, message in ((src, "is the checkpoint being converted"), (other, "not an earlier conversion")):
         with pytest.raises(ValueError, match=message) as error:
             convert_checkpoint(src, dst, "deepspec", target=target)
-        assert cli_error(capsys, ["convert", "--from", "deepspec", str(src), str(dst)]).startswith(f"dspark convert: error: {error.value} ")
+        said = cli_error(capsys, ["convert", "--from", "deepspec", str(src), str(dst)])
+        assert said.startswith(f"dspark convert: error: {error.value} ")
     assert {p: p.read_bytes() for p in files} == files and set(files) == {*src.iterdir(), *other.iterdir()}
 
 

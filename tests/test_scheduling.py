@@ -893,7 +893,8 @@ def test_a_draft_subclass_that_proposes_its_own_blocks_does_not_share_the_draft_
     from dspark_hf.scheduling.profile import _draft_key
 
     draft = tiny_draft(tiny_target("llama"))
-    assert _draft_key(OracleDraft.from_draft(draft)) != _draft_key(draft) == _draft_key(tiny_draft(tiny_target("llama")))
+    same_shape = tiny_draft(tiny_target("llama"))
+    assert _draft_key(OracleDraft.from_draft(draft)) != _draft_key(draft) == _draft_key(same_shape)
 
 
 def test_costs_measured_under_a_caller_s_autocast_are_kept_apart_from_those_without():

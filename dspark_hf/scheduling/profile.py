@@ -322,8 +322,8 @@ def _target_key(target) -> dict:
 def _draft_key(draft) -> str:
     c = draft.config
     # the class too: a subclass proposing blocks its own way (the oracle's Python loop) costs what it costs
-    shape = (type(draft).__qualname__, c.hidden_size, c.intermediate_size, c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads,
-             c.block_size, c.head_type, c.markov_rank, c.draft_vocab_size, c.confidence_head, str(draft.dtype))
+    shape = (type(draft).__qualname__, c.hidden_size, c.intermediate_size, c.num_hidden_layers,
+             c.num_attention_heads, c.num_key_value_heads, c.block_size, c.head_type, c.markov_rank, c.draft_vocab_size, c.confidence_head, str(draft.dtype))
     return hashlib.sha1(json.dumps(shape, default=str).encode()).hexdigest()[:16]
 
 
