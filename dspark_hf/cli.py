@@ -386,33 +386,17 @@ def cmd_export(args) -> int:
     return 0
 
 
-def _calibration_fraction(draft: str | None, asked: float | None) -> float:
-    """The held-out share to calibrate on: never past what the draft's training held out (the split by hashed group
-    nests, so a smaller share is a subset of the held-out prompts)."""
-    trained = Path(draft) / "train_config.json" if draft else None
-    if trained is None or not trained.is_file():
-        return 0.05 if asked is None else asked
-    held_out = json.loads(trained.read_text()).get("heldout_fraction", 0.05)
-    if held_out == 0:
-        raise ValueError(f"{draft} was trained on all of its dataset (heldout_fraction 0): calibrate it on another "
-                         "dataset's held-out split, or retrain with a held-out share.")
-    if asked is not None and asked > held_out:
-        raise ValueError(f"--heldout-fraction {asked} is more than the {held_out} the draft's training held out: the "
-                         "extra rows were trained on. Leave it unset to use the training's share.")
-    return held_out if asked is None else asked
-
-
 def cmd_calibrate(args) -> int:
     """STS on held-out data: raw confidences of full-block rounds -> per-position temperatures saved with the draft."""
     from tqdm.auto import tqdm
 
     from .scheduling import FullBlock
     from .scheduling.calibration import calibration_report, reliability_diagram, sequential_temperature_scaling
-    from .training.data import load_dataset, split_heldout
+    from .training.data import heldout_fraction_of, load_dataset, split_heldout
 
     if Path(args.output).is_file():  # found before the rollouts, not after them
         raise ValueError(f"--output {args.output} is a file: give a folder for the calibrated draft.")
-    fraction = _calibration_fraction(args.draft, args.heldout_fraction)
+    fraction = heldout_fraction_of(args.draft, args.heldout_fraction)
     target, tokenizer, draft = _load(args)
     if not draft.config.confidence_head:  # its rounds carry no confidences: found before the rollouts
         raise ValueError(f"{args.draft} has no confidence head (confidence_head=False): STS calibrates that head, so "

@@ -3,8 +3,9 @@
     python examples/heldout_acceptance.py DRAFT DATASET [--all] [--heldout-fraction F] [--feature-cache DIR]
                                           [--lag L] [--output FILE.json]
 
-By default only the held-out split of DATASET (5% by hashed prompt id, as `dspark train` chooses it) is measured, so
-a draft trained on DATASET is measured on sequences it never saw; --all measures every sequence, for a dataset the
+By default only the held-out split of DATASET (by hashed prompt id, as `dspark train` chooses it, at the share the
+draft's train_config.json records, else 5%) is measured, so a draft trained on DATASET is measured on sequences it
+never saw; --all measures every sequence, for a dataset the
 draft was not trained on. The figures are what `dspark train` writes to heldout.json, on the embedded target, per
 domain where the dataset names them; --feature-cache reads the target's features from a cache that holds them;
 --lag L measures blocks that see their last L context tokens without target features (SSD's lagged context).
@@ -17,18 +18,17 @@ import sys
 import torch
 
 from dspark_hf import DSparkDraftModel, default_target
-from dspark_hf.training.data import load_dataset, split_heldout
+from dspark_hf.training.data import heldout_fraction_of, load_dataset, split_heldout
 from dspark_hf.training.features import CachedFeatures, OnlineFeatures
 from dspark_hf.training.losses import LossWeights
-from dspark_hf.training.config import TrainConfig
 from dspark_hf.training.heldout import evaluate_heldout
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 parser.add_argument("draft")
 parser.add_argument("dataset")
 parser.add_argument("--all", action="store_true", help="measure every sequence, not only the held-out split")
-parser.add_argument("--heldout-fraction", type=float, default=TrainConfig.heldout_fraction,
-                    help="as the draft was trained with")
+parser.add_argument("--heldout-fraction", type=float,
+                    help="at most what the draft's training held out (default: its train_config.json, else 0.05)")
 parser.add_argument("--feature-cache", help="a `dspark train --feature-cache` folder holding these sequences")
 parser.add_argument("--lag", type=int, default=0, help="context tokens before each anchor seen without features")
 parser.add_argument("--output", help="write the report here as JSON")
@@ -39,9 +39,13 @@ try:  # the held-out split is known before any model loads: an empty one is refu
 except ValueError as error:
     sys.exit(f"heldout_acceptance.py: error: {error}")
 if not args.all:
-    everything, examples = examples, split_heldout(examples, args.heldout_fraction)[1]
+    try:  # a share larger than the training's would measure sequences the draft was trained on
+        fraction = heldout_fraction_of(args.draft, args.heldout_fraction)
+    except ValueError as error:
+        sys.exit(f"heldout_acceptance.py: error: {error}")
+    everything, examples = examples, split_heldout(examples, fraction)[1]
     if not examples:
-        sys.exit(f"heldout_acceptance.py: error: the held-out split of {args.dataset} ({args.heldout_fraction:g} of "
+        sys.exit(f"heldout_acceptance.py: error: the held-out split of {args.dataset} ({fraction:g} of "
                  f"its {len(everything)} sequences, by hashed prompt id) is empty: pass --all to measure every "
                  "sequence, or a larger --heldout-fraction.")
 target, _ = default_target()

@@ -46,6 +46,17 @@ def test_heldout_acceptance_on_an_empty_held_out_split_says_to_pass_all_or_a_lar
     assert "pass --all" in line and "a larger --heldout-fraction" in line
 
 
+def test_heldout_acceptance_measures_only_what_the_drafts_training_held_out(tmp_path):
+    data = write_dataset(tmp_path / "data.jsonl", [f"p{i}" for i in range(40)])
+    draft = tmp_path / "draft"
+    draft.mkdir()
+    (draft / "train_config.json").write_text(json.dumps({"heldout_fraction": 0.0001}))
+    # the split nests: the 5% split holds rows a draft that held out 0.01% was trained on
+    assert "(0.0001 of its 40 sequences" in error_line("heldout_acceptance.py", draft, data, cwd=tmp_path)
+    line = error_line("heldout_acceptance.py", draft, data, "--heldout-fraction", "0.05", cwd=tmp_path)
+    assert "--heldout-fraction 0.05 is more than the 0.0001 the draft's training held out" in line
+
+
 def test_readme_tables_says_why_a_file_has_no_table(tmp_path):
     (tmp_path / "fidelity.json").write_text(json.dumps({"argmax_agreement": 0.98, "tokens": 3813}))
     (tmp_path / "list.json").write_text("[1, 2]")

@@ -342,6 +342,22 @@ def split_heldout(examples: list[Example], fraction: float) -> tuple[list[Exampl
     return [e for e in examples if not held(e)], [e for e in examples if held(e)]
 
 
+def heldout_fraction_of(draft: str | None, asked: float | None) -> float:
+    """The held-out share to measure or calibrate a draft on: never past what its training held out (its
+    train_config.json; the split by hashed group nests, so a smaller share is a subset of the held-out prompts)."""
+    trained = Path(draft) / "train_config.json" if draft else None
+    if trained is None or not trained.is_file():
+        return 0.05 if asked is None else asked
+    held_out = json.loads(trained.read_text()).get("heldout_fraction", 0.05)
+    if held_out == 0:
+        raise ValueError(f"{draft} was trained on all of its dataset (heldout_fraction 0): measure or calibrate it on "
+                         "another dataset's held-out split, or retrain with a held-out share.")
+    if asked is not None and asked > held_out:
+        raise ValueError(f"--heldout-fraction {asked} is more than the {held_out} the draft's training held out: the "
+                         "extra rows were trained on. Leave it unset to use the training's share.")
+    return held_out if asked is None else asked
+
+
 def token_frequencies(examples: list[Example], vocab_size: int) -> torch.Tensor:
     """How often each token appears in the answers (to choose a draft vocabulary)."""
     counts = torch.zeros(vocab_size, dtype=torch.long, device="cpu")
