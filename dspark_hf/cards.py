@@ -85,6 +85,8 @@ def front_matter(base_model: str | None, license: str | None, tags=()) -> str:
 def results_table(eval_results: dict | None) -> str:
     """The Results section from the JSON `dspark eval` writes: tau and conditional acceptance per domain, after a
     line saying how they were measured (decoding, dtypes, prompts, machine)."""
+    from .evaluation.metrics import format_tau
+
     if not eval_results:
         return "No evaluation results were given when this card was written."
     s, m = eval_results["settings"], eval_results["machine"]
@@ -99,8 +101,8 @@ def results_table(eval_results: dict | None) -> str:
              "| domain | tau | conditional acceptance by position |", "|---|---:|---|"]
     for name, d in [*eval_results["domains"].items(), ("overall", eval_results["overall"])]:
         ca = " ".join("-" if v is None else f"{v:.2f}" for v in d["conditional_acceptance"])
-        lines.append(f"| {name} | {d['acceptance_length']:.2f} | {ca} |")
-    lines.append(f"| macro | {eval_results['macro_acceptance_length']:.2f} | |")
+        lines.append(f"| {name} | {format_tau(d['acceptance_length'])} | {ca} |")
+    lines.append(f"| macro | {format_tau(eval_results['macro_acceptance_length'])} | |")
     return "\n".join(lines)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -39,10 +40,15 @@ def _check_outputs(args) -> None:
             raise ValueError(f"{flag} {path}: {blocked} is a file, not a folder: give another path.")
 
 
-def _write_json(path: str, data: dict) -> None:
+def _write_report(args, report: dict) -> None:
+    """Write a benchmark's or evaluation's report to --output with the command line that made it, and say what it
+    left out and why (the report keeps the reasons under "skipped")."""
     from .files import write_atomic
 
-    write_atomic(path, json.dumps(data, indent=2))
+    report["machine"]["command"] = getattr(args, "command_line", None)
+    write_atomic(args.output, json.dumps(report, indent=2))
+    for what, why in report.get("skipped", {}).items():
+        print(f"note: {what} not measured: {why}")
 
 
 def cmd_generate(args) -> int:
@@ -91,18 +97,19 @@ def cmd_generate(args) -> int:
 def cmd_bench_oracle(args) -> int:
     from tqdm.auto import tqdm
 
-    from .evaluation.bench_oracle import bench_oracle, format_oracle_table
+    from .evaluation.bench_oracle import bench_oracle, check_max_new_tokens, format_oracle_table
     from .evaluation.machine import describe
 
     from .scheduling.named import named_policy
 
     _check_outputs(args)
+    check_max_new_tokens(args.max_new_tokens)  # before the models load
     policies = {name: named_policy(name, args.profile) for name in args.policy or ["full block"]}
     target, tokenizer, draft = _load(args)
     with tqdm(total=len(args.batch_sizes) * args.repeats, desc="oracle bench") as bar:
         report = bench_oracle(target, tokenizer, draft, tuple(args.batch_sizes), args.max_new_tokens, args.repeats,
                               progress=bar, policies=policies)
-    _write_json(args.output, report)
+    _write_report(args, report)
     print(f"\n{describe(report['machine'])}; max_new_tokens={args.max_new_tokens}, median of {args.repeats}")
     print(format_oracle_table(report))
     print(f"\nwritten to {args.output}")
@@ -214,9 +221,14 @@ def cmd_eval(args) -> int:
     target, tokenizer, draft = _load(args)
     results = run_eval(target, tokenizer, draft, prompts, args.max_new_tokens, args.temperature, args.batch_size,
                        seed=args.seed)
-    if args.threshold_sweep:
+    results["skipped"] = {}
+    if args.threshold_sweep and not draft.config.confidence_head:
+        # its rounds carry no confidences: every threshold would keep every block, a flat line that looks measured
+        results["skipped"]["threshold sweep"] = (f"{args.draft or 'the draft'} has no confidence head, so there is no "
+                                                 "confidence to cut at; sweep a draft with one")
+    elif args.threshold_sweep:
         results["threshold_sweep"] = threshold_sweep(results["prompts"], [i / 10 for i in range(10)])
-    _write_json(args.output, results)
+    _write_report(args, results)
     print(f"\n{describe(results['machine'])}; {len(prompts)} prompts, max_new_tokens={args.max_new_tokens}, "
           f"temperature={args.temperature}")
     print(summary_table(results))
@@ -224,7 +236,7 @@ def cmd_eval(args) -> int:
         from .evaluation.plots import plot_eval, plot_threshold_sweep
 
         paths = plot_eval(results, args.plot)
-        if args.threshold_sweep:
+        if "threshold_sweep" in results:
             paths.append(plot_threshold_sweep(results["threshold_sweep"], args.plot))
         print("plots: " + ", ".join(map(str, paths)))
     print(f"results: {args.output}")
@@ -257,7 +269,7 @@ def cmd_bench_speed(args) -> int:
                          args.temperature, extra_methods=extra, policy=next(iter(policies.values())))
     report["settings"]["policies"] = {"dspark": next(iter(policies)), **{f"dspark ({n})": n for n in
                                                                          list(policies)[1:]}}
-    _write_json(args.output, report)
+    _write_report(args, report)
     print(f"\n{describe(report['machine'])}; {len(prompts)} prompts, batch {args.batch_size}, "
           f"max_new_tokens={args.max_new_tokens}, median of {args.repeats}")
     print(format_speed_table(report))
@@ -282,7 +294,7 @@ def cmd_bench_ssd(args) -> int:
         report = bench_ssd(target, tokenizer, draft, prompts, tuple(args.cache_sizes), tuple(args.saguaro_c),
                            tuple(args.batch_sizes), args.max_new_tokens, args.repeats, args.temperature,
                            args.speed_cache_size, progress=bar)
-    _write_json(args.output, report)
+    _write_report(args, report)
     print(f"\n{describe(report['machine'])}; {len(prompts)} prompts, max_new_tokens={args.max_new_tokens}")
     return _show(args, format_ssd_tables(report), lambda folder: plot_ssd(report, folder))
 
@@ -298,7 +310,7 @@ def cmd_bench_serve(args) -> int:
     target, tokenizer, draft = _load(args)
     report = bench_serve(target, tokenizer, draft, prompts, args.batch_sizes, args.max_new_tokens, args.repeats,
                          args.fixed_lengths, args.threshold, args.profile, only=args.policies)
-    _write_json(args.output, report)
+    _write_report(args, report)
     print(f"\n{describe(report['machine'])}; greedy, max_new_tokens={args.max_new_tokens}, median of "
           f"{args.repeats}; total tokens/s by concurrency R")
     return _show(args, format_serve_table(report), lambda folder: plot_serve(report, folder))
@@ -833,6 +845,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv  # accepted anywhere on the line, before or after the command
     args = build_parser().parse_args([a for a in argv if a != "--debug"])
+    args.command_line = shlex.join(["dspark", *argv])  # recorded in result files: what made them
     if debug:
         _refuse_repeats(args)
         return args.func(args)

@@ -637,3 +637,234 @@ def test_calibrate_refuses_an_output_that_is_a_file_before_any_rollout(tmp_path,
     assert "--output " + str(tmp_path / "a-file") + " is a file" in cli_error(
         capsys, ["calibrate", "--target", str(tmp_path / "no-target"), "--dataset", "d.jsonl",
                  "--output", str(tmp_path / "a-file")])
+
+
+# -- review fixes: what every bench decodes, checks and records ---------------------------------------------------
+
+def loaded(tiny_models):
+    """(target, tokenizer, draft) of the tiny models, as the command line loads them (float32, left padding)."""
+    from dspark_hf.loading import load_draft, load_target
+
+    target, tokenizer = load_target(str(tiny_models / "target"))
+    return target, tokenizer, load_draft(str(tiny_models / "draft"), target, torch.float32)
+
+
+def tiny_prompts(tiny_models):
+    from dspark_hf.evaluation.suites import load_prompts
+
+    return load_prompts(str(tiny_models / "prompts.jsonl"))
+
+
+def spy_generate(monkeypatch, target, change=None):
+    """Record every generate() call of `target` as (speculative?, prompt rows, kwargs); `change(out, kwargs)` may alter
+    what a call returns (to simulate a lossless-decoding bug)."""
+    calls, generate = [], target.generate
+
+    def spy(**kwargs):
+        calls.append(("assistant_model" in kwargs, [tuple(r) for r in kwargs["input_ids"].tolist()], kwargs))
+        out = generate(**kwargs)
+        return change(out, kwargs) if change else out
+
+    monkeypatch.setattr(target, "generate", spy)
+    return calls
+
+
+def break_last_token(out, kwargs):
+    seq = out.sequences if hasattr(out, "sequences") else out
+    seq[:, -1] = (seq[:, -1] + 1) % 90 + 3  # another token, never EOS
+    return out
+
+
+def test_bench_serve_decodes_all_prompts_at_every_concurrency_in_full_batches_of_r(tiny_models, monkeypatch):
+    from dspark_hf.evaluation.serve import bench_serve
+
+    target, tokenizer, draft = loaded(tiny_models)
+    prompts = tiny_prompts(tiny_models)
+    calls = spy_generate(monkeypatch, target)
+    report = bench_serve(target, tokenizer, draft, prompts, batch_sizes=(1, 4), max_new_tokens=4, repeats=1,
+                         progress=False, only=["fixed 1"])
+    ids = report["settings"]["prompt_ids"]
+    assert ids[1] == [[p] for p in ["p0", "p1", "p2", "p3", "p4", "p5"]]  # code and chat interleaved
+    assert ids[4] == [["p0", "p1", "p2", "p3"], ["p4", "p5", "p0", "p1"]]  # the last batch wraps around to fill R
+    timed = [rows for _, rows, kw in calls if kw["max_new_tokens"] == 4 and kw.get("return_dict_in_generate")]
+    assert [len(rows) for rows in timed] == [1] * 12 + [4] * 4  # 6 prompts x 2 policies, then 2 batches x 2
+    assert len(set(row for rows in timed[:12] for row in rows)) == 6, "R = 1 decoded every prompt"
+    assert report["settings"]["prompts"] == 6
+
+
+def test_bench_serve_compares_every_policys_greedy_output_with_no_speculation_in_every_repeat(tiny_models,
+                                                                                            monkeypatch):
+    from dspark_hf.evaluation.serve import bench_serve
+
+    target, tokenizer, draft = loaded(tiny_models)
+    prompts = tiny_prompts(tiny_models)[:3]
+    report = bench_serve(target, tokenizer, draft, prompts, batch_sizes=(2,), max_new_tokens=6, repeats=2,
+                         progress=False, only=["fixed 1", "full block"])
+    by_method = report["results"][2]
+    assert by_method["no speculation"]["identical_rows"] is None  # the reference
+    assert by_method["fixed 1"]["identical_rows"] == by_method["full block"]["identical_rows"] == 4  # 2 batches of 2
+    spy_generate(monkeypatch, target, lambda out, kw: break_last_token(out, kw) if "assistant_model" in kw and
+                 kw.get("return_dict_in_generate") else out)
+    with pytest.raises(AssertionError, match=r"fixed 1: 4 of 4 greedy rows differ from plain generate\(\)'s"):
+        bench_serve(target, tokenizer, draft, prompts, batch_sizes=(2,), max_new_tokens=6, repeats=1,
+                    progress=False, only=["fixed 1"])
+
+
+def test_bench_speed_checks_greedy_identity_in_every_repeat_not_only_the_last(tiny_models, monkeypatch):
+    from dspark_hf.evaluation.evaluate import bench_speed
+
+    target, tokenizer, draft = loaded(tiny_models)
+    broken = []
+
+    def first_timed_dspark_call(out, kwargs):  # repeat 0 only: the last repeat is right
+        if "assistant_model" in kwargs and kwargs.get("return_dict_in_generate") and not broken:
+            broken.append(1)
+            return break_last_token(out, kwargs)
+        return out
+
+    spy_generate(monkeypatch, target, first_timed_dspark_call)
+    with pytest.raises(AssertionError, match="dspark: 1 of 2 greedy rows differ"):
+        bench_speed(target, tokenizer, draft, tiny_prompts(tiny_models)[:2], max_new_tokens=6, repeats=2,
+                    progress=False)
+
+
+def test_result_files_record_when_what_code_command_models_and_prompts_made_them(tiny_models, tmp_path):
+    import datetime
+
+    import transformers
+
+    out = tmp_path / "bench.json"
+    argv = ["bench", "speed", "--target", str(tiny_models / "target"), "--draft", str(tiny_models / "draft"),
+            "--prompts", str(tiny_models / "prompts.jsonl"), "--limit", "2", "--max-new-tokens", "4", "--repeats",
+            "1", "--output", str(out)]
+    assert main(argv) == 0
+    report = json.loads(out.read_text())
+    machine = report["machine"]
+    assert datetime.datetime.fromisoformat(machine["time"]).utcoffset() == datetime.timedelta(0)
+    assert machine["date"] == machine["time"][:10] and machine["transformers"] == transformers.__version__
+    assert machine["command"] == "dspark " + " ".join(argv)
+    assert machine["target"] == str(tiny_models / "target") and machine["draft"] == str(tiny_models / "draft")
+    assert machine["code"] is None or re.fullmatch(r"[\w.\-]+", machine["code"])  # git describe of the checkout
+    assert machine["gpu"] is None  # the tiny models run on the CPU
+    assert report["settings"]["prompt_ids"] == ["p0", "p1"]
+
+
+def test_the_code_version_is_none_outside_a_git_checkout_and_the_command_none_from_python(tmp_path):
+    from dspark_hf.evaluation.machine import code_version, machine_info
+
+    assert code_version(tmp_path) is None
+    assert machine_info()["command"] is None
+
+
+def test_the_gpu_is_named_only_when_the_models_run_on_it_and_by_the_models_device(monkeypatch):
+    from types import SimpleNamespace
+
+    from dspark_hf.evaluation.machine import machine_info
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: f"GPU at {device}")
+
+    def model(device):
+        return SimpleNamespace(device=torch.device(device), dtype=torch.float32, config=SimpleNamespace())
+
+    assert machine_info(model("cpu"))["gpu"] is None
+    assert machine_info(model("cuda:1"))["gpu"] == "GPU at cuda:1"
+
+
+def test_a_prompt_without_rounds_has_no_tau_and_a_domain_of_them_is_left_out_of_the_macro(tiny_models, tmp_path,
+                                                                                          capsys):
+    from dspark_hf.evaluation.evaluate import chat_batch, run_eval, summary_table
+
+    out = tmp_path / "results.json"
+    assert main(["eval", "--target", str(tiny_models / "target"), "--draft", str(tiny_models / "draft"),
+                 "--prompts", str(tiny_models / "prompts.jsonl"), "--max-new-tokens", "1", "--output", str(out)]) == 0
+    results = json.loads(out.read_text())
+    assert all(p["acceptance_length"] is None for p in results["prompts"])
+    assert results["overall"]["acceptance_length"] is None and results["macro_acceptance_length"] is None
+    printed = capsys.readouterr().out
+    assert "| overall | - |" in printed and "| macro | - |" in printed
+    assert "the macro leaves out chat, code: no prompt of it had a round" in printed
+
+    target, tokenizer, draft = loaded(tiny_models)
+    prompts = tiny_prompts(tiny_models)
+    prompts[0] = {**prompts[0], "domain": "short"}
+    first = int(target.generate(**chat_batch(tokenizer, prompts[:1], "cpu"), max_new_tokens=1, do_sample=False)[0, -1])
+    target.generation_config.eos_token_id = first  # the "short" prompt ends at its first new token
+    results = run_eval(target, tokenizer, draft, prompts, max_new_tokens=8, progress=False)
+    assert results["prompts"][0]["acceptance_length"] is None and results["domains"]["short"]["rounds"] == 0
+    measured = [d["acceptance_length"] for name, d in results["domains"].items() if name != "short"]
+    assert results["macro_left_out"] == ["short"] and results["macro_acceptance_length"] == pytest.approx(
+        sum(measured) / len(measured))
+    assert "| short | - |" in summary_table(results)
+
+
+def test_the_serve_tables_noise_is_not_applicable_below_three_repeats(tiny_models):
+    from dspark_hf.evaluation.serve import format_serve_table
+
+    def report(repeats):
+        runs = {"throughput": 10.0, "spread": 0.0, "vs_no_speculation": 1.0}
+        return {"settings": {"repeats": repeats}, "results": {"1": {"no speculation": runs}}}
+
+    for repeats in (1, 2):
+        table = format_serve_table(report(repeats))
+        assert "| n/a |" in table and "±" not in table
+        assert f"noise n/a: {repeats} repeat(s) give no measure of it; run with --repeats 3" in table
+    assert "| ±0% |" in format_serve_table(report(3))
+
+
+def test_bench_oracle_refuses_fewer_than_two_new_tokens_before_loading_models(tmp_path, capsys):
+    assert "max_new_tokens=1: the oracle benchmark times speculative rounds" in cli_error(
+        capsys, ["bench", "oracle", "--target", str(tmp_path / "no-target"), "--max-new-tokens", "1"])
+
+
+def test_configurations_a_bench_or_eval_cannot_measure_are_said_and_recorded(tiny_models, tmp_path, capsys):
+    models = ["--target", str(tiny_models / "target"), "--draft", str(tiny_models / "draft")]
+    prompts = ["--prompts", str(tiny_models / "prompts.jsonl"), "--limit", "1"]
+    out = tmp_path / "out.json"
+    assert main(["bench", "speed", *models, *prompts, "--batch-size", "2", "--max-new-tokens", "4", "--repeats", "1",
+                 "--output", str(out)]) == 0
+    assert "prompt lookup decoding refuses batch size > 1" in json.loads(out.read_text())["skipped"]["prompt_lookup"]
+    assert "note: prompt_lookup not measured: transformers' prompt lookup" in capsys.readouterr().out
+
+    assert main(["bench", "ssd", *models, *prompts, "--cache-sizes", "2", "--saguaro-c", "1.0", "--batch-sizes",
+                 "2", "--max-new-tokens", "6", "--repeats", "1", "--output", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["equation"] is None and "add 1 to --batch-sizes" in report["skipped"]["equation"]
+    assert "note: equation not measured: the speedup equation is at batch 1" in capsys.readouterr().out
+
+    no_head = tmp_path / "no_head"
+    tiny_draft(tiny_target("llama"), confidence_head=False).save_pretrained(no_head)
+    assert main(["eval", "--target", str(tiny_models / "target"), "--draft", str(no_head), *prompts,
+                 "--max-new-tokens", "6", "--threshold-sweep", "--output", str(out)]) == 0
+    results = json.loads(out.read_text())
+    assert "threshold_sweep" not in results and "no confidence head" in results["skipped"]["threshold sweep"]
+    assert "note: threshold sweep not measured:" in capsys.readouterr().out
+
+
+def test_chat_batches_pad_on_the_left_whatever_the_tokenizers_setting():
+    from dspark_hf.evaluation.evaluate import chat_batch
+    from dspark_hf.evaluation.suites import chat_inputs
+
+    tokenizer = tiny_tokenizer()
+    tokenizer.padding_side = "right"
+    short, long = "w4", "w4 w5 w6 w7"
+    for batch in (chat_batch(tokenizer, [{"messages": [{"role": "user", "content": t}]} for t in (short, long)], "cpu"),
+                  chat_inputs(tokenizer, [short, long])):
+        mask = batch["attention_mask"]
+        assert mask[0, 0] == 0 and mask[0, -1] == 1 and bool(mask[1].all())
+
+
+def test_bench_oracle_rotates_its_call_order_per_repeat_and_heads_with_the_paired_speedup(tiny_models, monkeypatch):
+    from dspark_hf.evaluation.bench_oracle import bench_oracle, format_oracle_table
+
+    target, tokenizer, draft = loaded(tiny_models)
+    calls = spy_generate(monkeypatch, target)
+    report = bench_oracle(target, tokenizer, draft, batch_sizes=(1,), max_new_tokens=6, repeats=2)
+    timed = ["dspark" if speculative else "plain" for speculative, _, _ in calls[3:]]  # after reference, warm-up
+    assert timed == ["plain", "dspark", "dspark", "plain"]
+    entry = report["results"][0]
+    paired = sorted(p / d for p, d in zip(entry["plain_seconds"], entry["dspark_seconds"]))
+    assert entry["paired_speedup"] == pytest.approx(sum(paired) / 2) and entry["prompt_ids"] == [0]
+    assert f"| {entry['paired_speedup']:.2f}x |" in format_oracle_table(report)
+    older = {**report, "results": [{k: v for k, v in entry.items() if k != "paired_speedup"}]}
+    assert "the ratio of the median times" in format_oracle_table(older), "older reports say which speedup they give"

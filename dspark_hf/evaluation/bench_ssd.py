@@ -164,7 +164,13 @@ def bench_ssd(target, tokenizer, draft, prompts: list[dict], cache_sizes=(2, 4, 
     plain_rate = speed[1]["methods"]["plain"]["tokens_per_s"] if 1 in speed else None  # the equation is at batch 1
     rates = _rates(measured)
     equation = None
-    if plain_rate and rounds:  # no drafted round (one new token per prompt): nothing to put in the equation
+    skipped = {f"{what} at batch {b}": why for b, report in speed.items() for what, why in report["skipped"].items()}
+    if not plain_rate:
+        skipped["equation"] = (f"the speedup equation is at batch 1, and the speed runs were at batch sizes "
+                               f"{list(batch_sizes)}: add 1 to --batch-sizes")
+    elif not rounds:
+        skipped["equation"] = "no drafted round (one new token per prompt): raise --max-new-tokens"
+    else:
         equation = {
             "hit_rate": rates["hit_rate"],
             "tokens_after_hit": measured["tokens_hit"] / max(measured["rounds_hit"], 1),
@@ -181,7 +187,7 @@ def bench_ssd(target, tokenizer, draft, prompts: list[dict], cache_sizes=(2, 4, 
     return {
         "benchmark": "ssd", "max_new_tokens": max_new_tokens, "prompts": len(prompts), "repeats": repeats,
         "temperature": temperature, "block_size": gamma, "power_law_r": r, "acceptance": alpha,
-        "machine": machine_info(target, draft),
+        "prompt_ids": [p["id"] for p in prompts], "machine": machine_info(target, draft), "skipped": skipped,
         "fan_out": {shape: {str(B): {**_rates(t), "rounds": t["rounds"]} for B, t in runs.items()}
                     for shape, runs in (("uniform", uniform), ("geometric", geometric), ("measured", by_plan))
                     if runs},

@@ -13,7 +13,7 @@ from ..generation.eos import eos_token_ids, until_eos
 from ..generation.records import DSparkRound
 from ..scheduling.policies import FullBlock
 from .machine import machine_info
-from .metrics import summarize
+from .metrics import format_tau, summarize
 
 
 def _batches(prompts, size):
@@ -25,7 +25,9 @@ def chat_batch(tokenizer, prompts: list[dict], device):
     """Left-padded model inputs (B, T) for prompts given as {"messages": [...]}, through the chat template."""
     texts = [tokenizer.apply_chat_template(p["messages"], tokenize=False, add_generation_prompt=True)
              for p in prompts]
-    return tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
+    # left whatever the tokenizer's own setting: generate() appends after the last column of every row
+    return tokenizer(texts, return_tensors="pt", padding=True, padding_side="left",
+                     add_special_tokens=False).to(device)
 
 
 def _sampling(temperature: float) -> dict:
@@ -54,18 +56,22 @@ def run_eval(target, tokenizer, draft, prompts: list[dict], max_new_tokens: int 
                             "rounds_detail": [_round_dict(r) for r in rounds]})
             by_domain[p["domain"]].extend(rounds)
         bar.update(len(batch))
-        bar.set_postfix(tau=f"{statistics.mean(r['acceptance_length'] for r in records):.2f}")
+        bar.set_postfix(tau=format_tau(summarize([r for rs in by_domain.values() for r in rs], gamma)
+                                       ["acceptance_length"]))
     bar.close()
-    domains = {d: summarize(rs, gamma, sum(r["new_tokens"] for r in records if r["domain"] == d))
-               for d, rs in sorted(by_domain.items())}
+    domains = {d: summarize(by_domain[d], gamma, sum(r["new_tokens"] for r in records if r["domain"] == d))
+               for d in sorted({p["domain"] for p in prompts})}
     all_rounds = [r for rs in by_domain.values() for r in rs]
+    # a domain none of whose prompts had a round has no tau; averaging it in as 0 would pull the macro down
+    measured = [d["acceptance_length"] for d in domains.values() if d["acceptance_length"] is not None]
     return {
         "settings": {"max_new_tokens": max_new_tokens, "temperature": temperature, "batch_size": batch_size,
                      "block_size": gamma, "prompts": len(prompts), "draft": draft.config.to_diff_dict(),
-                     "target": getattr(target.config, "_name_or_path", "")},
+                     "target": getattr(target.config, "_name_or_path", ""), "prompt_ids": [p["id"] for p in prompts]},
         "machine": machine_info(target, draft),
         "overall": summarize(all_rounds, gamma, sum(r["new_tokens"] for r in records)),
-        "macro_acceptance_length": statistics.mean(d["acceptance_length"] for d in domains.values()),
+        "macro_acceptance_length": statistics.mean(measured) if measured else None,
+        "macro_left_out": [d for d, v in domains.items() if v["acceptance_length"] is None],
         "domains": domains,
         "prompts": records,
     }
@@ -110,8 +116,11 @@ def bench_speed(target, tokenizer, draft, prompts: list[dict], batch_size: int =
 
     eos_ids = eos_token_ids(target.generation_config)
     methods = {"plain": {}, "dspark": {"assistant_model": draft, **({"verification_policy": policy} if policy else {})}}
-    if batch_size == 1:  # transformers' prompt lookup decoding refuses batch size > 1
+    skipped = {}
+    if batch_size == 1:
         methods["prompt_lookup"] = {"prompt_lookup_num_tokens": 10}
+    else:
+        skipped["prompt_lookup"] = f"transformers' prompt lookup decoding refuses batch size > 1 (here {batch_size})"
     methods.update(extra_methods or {})
     batches = [chat_batch(tokenizer, b, target.device) for b in _batches(prompts, batch_size)]
     sampling = _sampling(temperature)
@@ -130,14 +139,15 @@ def bench_speed(target, tokenizer, draft, prompts: list[dict], batch_size: int =
 
     for kw in methods.values():  # warm-up on the first batch (the default policy measures its costs here, once)
         target.generate(**batches[0], max_new_tokens=8, **sampling, **fresh(kw))
-    seconds, tokens, rounds, last = defaultdict(list), defaultdict(list), defaultdict(list), defaultdict(list)
+    seconds, tokens, rounds, same = defaultdict(list), defaultdict(list), defaultdict(list), defaultdict(list)
     names = list(methods)
+    greedy = temperature == 0
     bar = tqdm(total=repeats * len(batches) * len(methods), desc="bench speed", disable=not progress)
     for repeat in range(repeats):
+        outputs = defaultdict(list)
         for name in names:
             tokens[name].append(0)
             seconds[name].append(0.0)
-            last[name] = []
         # every batch runs under every method back to back (in a rotating order), so that the machine's drift over
         # minutes falls on all methods alike and the ratios of one repeat compare like with like
         for b, inputs in enumerate(batches):
@@ -146,15 +156,20 @@ def bench_speed(target, tokenizer, draft, prompts: list[dict], batch_size: int =
                 n, s, new, collected = run(methods[name], inputs)
                 tokens[name][-1] += n
                 seconds[name][-1] += s
-                last[name].append(new)
+                outputs[name].append(new)
                 rounds[name].extend(collected)
                 bar.update(1)
+        if greedy:  # every repeat: the default policy may draft differently from one call to the next
+            for name in (n for n in names if n != "plain"):
+                same[name].append(check_identity(target, name, outputs[name], outputs["plain"], eos_ids))
     bar.close()
     rates = {m: statistics.median(n / s for n, s in zip(tokens[m], seconds[m])) for m in methods}
     return {
         "settings": {"batch_size": batch_size, "max_new_tokens": max_new_tokens, "repeats": repeats,
-                     "temperature": temperature, "prompts": len(prompts), "block_size": draft.config.block_size},
+                     "temperature": temperature, "prompts": len(prompts), "block_size": draft.config.block_size,
+                     "prompt_ids": [p["id"] for p in prompts]},
         "machine": machine_info(target, draft),
+        "skipped": skipped,
         "methods": {m: {"tokens_per_s": rates[m], "ratio_to_plain": rates[m] / rates["plain"],
                         # the median of ratios taken within each repeat: drift between repeats cancels
                         "paired_ratio_to_plain": statistics.median(
@@ -162,9 +177,8 @@ def bench_speed(target, tokenizer, draft, prompts: list[dict], batch_size: int =
                                                                         seconds["plain"])),
                         "acceptance_length": (sum(r.tau for r in rounds[m]) / len(rounds[m])) if rounds[m] else None,
                         "seconds": seconds[m], "tokens": tokens[m],
-                        # greedy only: rows whose output equals plain generate()'s (the last repeat)
-                        "identical_rows": None if temperature > 0 or m == "plain" else identical_rows(
-                            last[m], last["plain"], eos_ids)}
+                        # greedy only: rows whose output equals plain generate()'s, in the repeat with fewest
+                        "identical_rows": min(same[m]) if same[m] else None}
                     for m in methods},
     }
 
@@ -174,6 +188,19 @@ def identical_rows(outputs: list[torch.Tensor], reference: list[torch.Tensor], e
     first EOS; batches padded to different widths still compare row by row."""
     return sum(until_eos(a.tolist(), eos_ids) == until_eos(b.tolist(), eos_ids)
                for x, y in zip(outputs, reference) for a, b in zip(x, y))
+
+
+def check_identity(target, name: str, outputs: list[torch.Tensor], reference: list[torch.Tensor],
+                   eos_ids: set[int]) -> int:
+    """`identical_rows` of greedy `outputs` against plain generate()'s `reference`; raises where all must match: with a
+    float32 target, greedy speculative decoding returns plain generate()'s tokens exactly (in bf16 / fp16 near-ties
+    may round either way, so there the count is only reported)."""
+    same, rows = identical_rows(outputs, reference, eos_ids), sum(len(x) for x in reference)
+    if target.dtype == torch.float32 and same < rows:
+        raise AssertionError(f"{name}: {rows - same} of {rows} greedy rows differ from plain generate()'s with a "
+                             "float32 target: lossless decoding is broken; this is a bug, please report it with the "
+                             "command that showed it.")
+    return same
 
 
 def format_speed_table(report: dict) -> str:
@@ -201,6 +228,10 @@ def summary_table(results: dict) -> str:
     lines = ["| domain | tau | rounds | new tokens | conditional acceptance by position |", "|---|---:|---:|---:|---|"]
     for name, m in rows:
         ca = " ".join("-" if v is None else f"{v:.2f}" for v in m["conditional_acceptance"])
-        lines.append(f"| {name} | {m['acceptance_length']:.2f} | {m['rounds']} | {m['new_tokens']} | {ca} |")
-    lines.append(f"| macro | {results['macro_acceptance_length']:.2f} | | | |")
+        lines.append(f"| {name} | {format_tau(m['acceptance_length'])} | {m['rounds']} | {m['new_tokens']} | {ca} |")
+    lines.append(f"| macro | {format_tau(results['macro_acceptance_length'])} | | | |")
+    left_out = results.get("macro_left_out")  # absent from results written before domains could lack a tau
+    if left_out:
+        lines += ["", f"Note: the macro leaves out {', '.join(left_out)}: no prompt of it had a round (each ended at "
+                  "its first new token, or max_new_tokens is 1), so it has no tau."]
     return "\n".join(lines)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .metrics import format_tau
+
 
 def pyplot():
     """matplotlib.pyplot on the file-only Agg backend (no display needed)."""
@@ -44,9 +46,9 @@ def plot_eval(results: dict | list[tuple[str, dict]], out_dir: str | Path) -> li
     fig, ax = plt.subplots(figsize=(1.6 + 1.4 * len(domains), 3.4))
     width = 0.8 / len(runs)
     for i, (label, r) in enumerate(runs):
-        values = [r["domains"].get(d, {}).get("acceptance_length", 0) for d in domains]
-        bars = ax.bar([j + i * width for j in range(len(domains))], values, width, label=label)
-        ax.bar_label(bars, fmt="%.2f", fontsize=8)
+        taus = [r["domains"].get(d, {}).get("acceptance_length") for d in domains]  # None: no round, no tau
+        bars = ax.bar([j + i * width for j in range(len(domains))], [t or 0 for t in taus], width, label=label)
+        ax.bar_label(bars, labels=[format_tau(t) for t in taus], fontsize=8)
     ax.set_xticks([j + width * (len(runs) - 1) / 2 for j in range(len(domains))], domains)
     ax.set_ylabel("acceptance length tau")
     ax.legend()

@@ -1,10 +1,15 @@
 """`dspark bench serve`: verification policies under load (paper Fig. 7 and 8).
 
-At each concurrency R, R requests decode together in one batch with every policy in turn: no speculation (plain
-generate()), the default policy (auto), the full block, fixed verification lengths, a static confidence threshold
-and, given a profile, the hardware-aware scheduler. Policies are interleaved in one run and repeated, in a rotated
-order each repeat; the median run counts.
-Total throughput is user tokens (up to each row's EOS) per second of the batch; per-user speed is that divided by R.
+At each concurrency R, every one of the N prompts decodes, R requests together, in ceil(N / R) batches; the last
+batch is filled up to R by wrapping around to the first prompts (so R requests always decode together, which is what
+serving at concurrency R means, and a few prompts decode twice), and R > N repeats prompts the same way. The report
+names the prompts of each batch at each R ("prompt_ids"). Every batch decodes with every policy in turn: no
+speculation (plain generate()), the default policy (auto), the full block, fixed verification lengths, a static
+confidence threshold and, given a profile, the hardware-aware scheduler. Policies are interleaved batch by batch in
+one run and repeated, in a rotated order; the median run counts.
+Total throughput is user tokens (up to each row's EOS) over the seconds of all the batches of one run; per-user speed
+is that divided by R. Greedy outputs are compared with no speculation's in every repeat ("identical_rows"): with a
+float32 target any difference raises.
 Shared machines drift by tens of percent within minutes, so each policy's speedup over no speculation is the median
 of ratios taken within the same repeat, and the spread of no speculation's own runs is reported as the noise.
 """
@@ -19,7 +24,7 @@ from typing import Callable
 from ..devices import clock
 from ..generation.eos import eos_token_ids
 from ..scheduling.named import named_policy
-from .evaluate import chat_batch, user_tokens
+from .evaluate import chat_batch, check_identity, user_tokens
 from .machine import machine_info
 
 
@@ -63,36 +68,52 @@ def bench_serve(target, tokenizer, draft, prompts: list[dict], batch_sizes=(1, 2
                              "(scheduled needs a profile).")
         methods = {name: make for name, make in methods.items() if name == "no speculation" or name in only}
     gamma = draft.config.block_size
-    bar = tqdm(total=len(batch_sizes) * repeats * len(methods), desc="bench serve", disable=not progress)
-    results = {}
+    results, prompt_ids = {}, {}
     prompts = _round_robin(prompts)
+    names = list(methods)
+    bar = tqdm(total=len(batch_sizes) * repeats * len(methods), desc="bench serve", disable=not progress)
     for R in batch_sizes:
-        batch = [prompts[i % len(prompts)] for i in range(R)]
-        inputs = chat_batch(tokenizer, batch, target.device)
-        prompt_len = inputs["input_ids"].shape[1]
+        batches = concurrent_batches(prompts, R)
+        prompt_ids[R] = [[p["id"] for p in batch] for batch in batches]
+        inputs = [chat_batch(tokenizer, batch, target.device) for batch in batches]
         for make in methods.values():  # warm-up
-            target.generate(**inputs, max_new_tokens=4, do_sample=False, **make())
+            target.generate(**inputs[0], max_new_tokens=4, do_sample=False, **make())
         runs = defaultdict(list)
-        names = list(methods)
         for i in range(repeats):
-            for name in names[i % len(names):] + names[: i % len(names)]:
-                kwargs = methods[name]()
-                start = clock(target.device)
-                out = target.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False,
-                                      return_dict_in_generate=True, **kwargs)
-                seconds = clock(target.device) - start
-                tokens = user_tokens(out.sequences[:, prompt_len:], eos_ids)
-                rounds = [r for rows in getattr(out, "rounds", None) or [] for r in rows]
-                runs[name].append((tokens / seconds, rounds))
+            tokens, seconds, rounds, outputs = defaultdict(int), defaultdict(float), defaultdict(list), defaultdict(list)
+            for b, batch in enumerate(inputs):
+                # every batch under every policy back to back, in an order rotated by repeat and batch, so that the
+                # machine's drift falls on all policies alike
+                shift = (i + b) % len(names)
+                for name in names[shift:] + names[:shift]:
+                    kwargs = methods[name]()
+                    start = clock(target.device)
+                    out = target.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False,
+                                          return_dict_in_generate=True, **kwargs)
+                    seconds[name] += clock(target.device) - start
+                    new = out.sequences[:, batch["input_ids"].shape[1]:]
+                    tokens[name] += user_tokens(new, eos_ids)
+                    outputs[name].append(new)
+                    rounds[name] += [r for rows in getattr(out, "rounds", None) or [] for r in rows]
+            for name in names:
+                same = None if name == "no speculation" else check_identity(
+                    target, name, outputs[name], outputs["no speculation"], eos_ids)
+                runs[name].append((tokens[name] / seconds[name], rounds[name], same))
                 bar.update(1)
-                bar.set_postfix(R=R, method=name)
-        plain = [t for t, _ in runs["no speculation"]]
+            bar.set_postfix(R=R)
+        plain = [t for t, *_ in runs["no speculation"]]
         results[R] = {name: _summary(runs[name], plain, R, gamma) for name in names}
     bar.close()
     return {"settings": {"batch_sizes": list(batch_sizes), "max_new_tokens": max_new_tokens, "repeats": repeats,
                          "block_size": gamma, "threshold": threshold, "fixed_lengths": list(fixed_lengths),
-                         "profile": profile, "prompts": len(prompts), "greedy": True},
+                         "profile": profile, "prompts": len(prompts), "greedy": True,
+                         "prompt_ids": {R: ids for R, ids in prompt_ids.items()}},
             "machine": machine_info(target, draft), "results": results}
+
+
+def concurrent_batches(prompts: list, R: int) -> list[list]:
+    """ceil(N / R) batches of R that cover the N prompts, the last filled up by wrapping around to the first."""
+    return [[prompts[(start + i) % len(prompts)] for i in range(R)] for start in range(0, len(prompts), R)]
 
 
 def _round_robin(prompts: list[dict]) -> list[dict]:
@@ -104,11 +125,13 @@ def _round_robin(prompts: list[dict]) -> list[dict]:
     return [q[i] for i in range(max(map(len, queues))) for q in queues if i < len(q)]
 
 
-def _summary(runs: list[tuple[float, list]], plain: list[float], R: int, gamma: int) -> dict:
-    """One policy at one concurrency; `plain`: no speculation's throughput in the same repeats."""
-    throughputs = [t for t, _ in runs]
+def _summary(runs: list[tuple[float, list, int | None]], plain: list[float], R: int, gamma: int) -> dict:
+    """One policy at one concurrency from its runs (throughput, rounds, rows identical to no speculation's);
+    `plain`: no speculation's throughput in the same repeats."""
+    throughputs = [t for t, *_ in runs]
     throughput = statistics.median(throughputs)
-    rounds = [r for _, rs in runs for r in rs]
+    rounds = [r for _, rs, _ in runs for r in rs]
+    same = [s for *_, s in runs if s is not None]
     could_draft = [r for r in rounds if not r.one_token_left]  # a last round with one token left verifies nothing
     drafted = [r for r in could_draft if r.drafted]
     return {"throughput": throughput, "per_user": throughput / R, "runs": throughputs,
@@ -117,7 +140,12 @@ def _summary(runs: list[tuple[float, list]], plain: list[float], R: int, gamma: 
             "rounds": len(rounds) // len(runs),
             "mean_verified": statistics.mean(r.verified for r in rounds) if rounds else None,
             "tau": statistics.mean(r.tau for r in rounds) if rounds else None,
-            "drafting_off": (1 - len(drafted) / len(could_draft)) if could_draft else None}
+            "drafting_off": (1 - len(drafted) / len(could_draft)) if could_draft else None,
+            # of every run's rows, in the run with fewest; None for no speculation, the reference
+            "identical_rows": min(same) if same else None}
+
+
+MIN_REPEATS_FOR_SPREAD = 3
 
 
 def best_fixed(by_method: dict) -> str:
@@ -130,14 +158,19 @@ def format_serve_table(report: dict) -> str:
     """Markdown: total tokens/s by policy and concurrency, the best fixed policy, and each speculative policy's
     paired speedup over no speculation next to the run-to-run spread of no speculation (the noise)."""
     methods = list(next(iter(report["results"].values())))
+    # the spread of one or two runs says nothing of the noise (one run: always 0)
+    few = report["settings"]["repeats"] < MIN_REPEATS_FOR_SPREAD
     lines = ["| R | " + " | ".join(methods) + " | best fixed | auto / no spec | noise |",
              "|---:|" + "---:|" * len(methods) + "---|---:|---:|"]
     for R, by_method in report["results"].items():
         cells = [f"{by_method[m]['throughput']:.1f}" for m in methods]
         ratio = by_method.get("auto", {}).get("vs_no_speculation")
         ratio = f"{ratio:.2f}x" if ratio is not None else "-"
-        noise = f"±{by_method['no speculation']['spread'] / 2:.0%}"
+        noise = "n/a" if few else f"±{by_method['no speculation']['spread'] / 2:.0%}"
         lines.append(f"| {R} | " + " | ".join(cells) + f" | {best_fixed(by_method)} | {ratio} | {noise} |")
+    if few:
+        lines += ["", f"Note: noise n/a: {report['settings']['repeats']} repeat(s) give no measure of it; run with "
+                  f"--repeats {MIN_REPEATS_FOR_SPREAD} or more to see it."]
     return "\n".join(lines)
 
 

@@ -34,7 +34,8 @@ def chat_inputs(tokenizer, prompts: list[str], device="cpu"):
     """Left-padded model inputs (B, T) for plain-text user prompts, through the chat template."""
     texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
                                            add_generation_prompt=True) for p in prompts]
-    return tokenizer(texts, return_tensors="pt", padding=True).to(device)
+    # left whatever the tokenizer's own setting: generate() appends after the last column of every row
+    return tokenizer(texts, return_tensors="pt", padding=True, padding_side="left").to(device)
 
 
 def _package_dir(module: str, pip_name: str) -> Path:
