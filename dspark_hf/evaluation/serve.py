@@ -80,7 +80,8 @@ def bench_serve(target, tokenizer, draft, prompts: list[dict], batch_sizes=(1, 2
             target.generate(**inputs[0], max_new_tokens=4, do_sample=False, **make())
         runs = defaultdict(list)
         for i in range(repeats):
-            tokens, seconds, rounds, outputs = defaultdict(int), defaultdict(float), defaultdict(list), defaultdict(list)
+            tokens, seconds = defaultdict(int), defaultdict(float)
+            rounds, outputs = defaultdict(list), defaultdict(list)
             for b, batch in enumerate(inputs):
                 # every batch under every policy back to back, in an order rotated by repeat and batch, so that the
                 # machine's drift falls on all policies alike
