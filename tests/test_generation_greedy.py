@@ -1,12 +1,15 @@
 """Greedy DSpark decoding returns exactly what plain `generate()` returns, whatever the batch looks like."""
 
+import string
 import threading
 import warnings
 
 import pytest
 import torch
-from transformers import DynamicCache, LogitsProcessor, MaxLengthCriteria, StoppingCriteria, StoppingCriteriaList, \
-    SynthIDTextWatermarkingConfig
+from tokenizers import Regex, Tokenizer, decoders, pre_tokenizers
+from tokenizers.models import WordLevel
+from transformers import DynamicCache, GenerationConfig, LogitsProcessor, MaxLengthCriteria, PreTrainedTokenizerFast, \
+    StoppingCriteria, StoppingCriteriaList, SynthIDTextWatermarkingConfig
 from transformers.generation.streamers import BaseStreamer
 
 from conftest import PAD, left_padded_prompts, tiny_draft, tiny_target
@@ -568,3 +571,59 @@ def test_the_custom_generate_route_is_checked_as_the_assistant_model_route():
         target.generate(**route, draft_model=draft, assistant_model=draft, streamer=BaseStreamer())
     with pytest.raises(ValueError, match="past_key_values is not supported"):
         target.generate(**route, draft_model=draft, past_key_values=DynamicCache())
+
+
+def char_tokenizer():
+    """A tokenizer that spells each id of the tiny vocabulary (1..95) as one character, so that any two generated
+    tokens in a row make a stop string."""
+    chars = string.ascii_letters + string.digits + string.punctuation + "§"
+    tok = Tokenizer(WordLevel({"<pad>": PAD, **{c: i for i, c in enumerate(chars, 1)}}, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>")
+
+
+def stop_strings_inside_the_output(target, ids, mask, tokenizer, max_new_tokens=30):
+    """(the free continuation, two stop strings found in the middle of rows 1 and 2 of it)."""
+    free = plain(target, ids, mask, max_new_tokens=max_new_tokens)
+    new = [tokenizer.decode(row[ids.shape[1]:]) for row in free]
+    return free, [new[1][5:7], new[2][11:13]]
+
+
+def test_the_model_s_default_stop_strings_apply_beside_a_passed_generation_config_as_in_plain_generate():
+    target, tokenizer = tiny_target("llama"), char_tokenizer()
+    ids, mask = left_padded_prompts(4)
+    free, stops = stop_strings_inside_the_output(target, ids, mask, tokenizer)
+    target.generation_config.stop_strings = stops
+    config = GenerationConfig(max_new_tokens=30, pad_token_id=PAD, eos_token_id=95, do_sample=False)
+    reference = target.generate(input_ids=ids, attention_mask=mask, generation_config=config, tokenizer=tokenizer)
+    assert reference.shape[1] < free.shape[1] or not torch.equal(reference, free), "the stop strings must end rows"
+    out = target.generate(input_ids=ids, attention_mask=mask, generation_config=config, tokenizer=tokenizer,
+                          assistant_model=oracle(target, tiny_draft(target), free, mask, 0.3),
+                          verification_policy=FullBlock())
+    assert torch.equal(out, reference)
+
+
+def test_the_custom_generate_route_turns_stop_strings_into_a_criterion_as_the_assistant_model_route():
+    target, tokenizer = tiny_target("llama"), char_tokenizer()
+    ids, mask = left_padded_prompts(4)
+    free, stops = stop_strings_inside_the_output(target, ids, mask, tokenizer)
+    kw = dict(max_new_tokens=30, stop_strings=stops, tokenizer=tokenizer, eos_token_id=95)
+    reference = plain(target, ids, mask, **kw)
+    assert not torch.equal(reference, free), "the stop strings must end rows"
+    out = target.generate(input_ids=ids, attention_mask=mask, do_sample=False, custom_generate=dspark_generate,
+                          draft_model=oracle(target, tiny_draft(target), free, mask, 0.3), **kw)
+    assert torch.equal(out, reference)
+
+
+@pytest.mark.parametrize("route", ["assistant_model", "custom_generate"])
+def test_token_healing_from_the_model_s_defaults_is_refused_on_both_routes_beside_a_passed_generation_config(route):
+    target = tiny_target("llama")
+    target.generation_config.token_healing = True
+    ids, mask = left_padded_prompts(1)
+    draft = tiny_draft(target)
+    how = dict(assistant_model=draft) if route == "assistant_model" else \
+        dict(custom_generate=dspark_generate, draft_model=draft)
+    with pytest.raises(ValueError, match="token_healing=True is not supported with a DSpark draft: heal the prompt"):
+        target.generate(input_ids=ids, attention_mask=mask, generation_config=GenerationConfig(max_new_tokens=4),
+                        tokenizer=char_tokenizer(), **how)

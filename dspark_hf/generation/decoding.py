@@ -60,10 +60,10 @@ def dspark_generate(
     see `DSparkRoundStreamer`), verification_policy (a `dspark_hf.scheduling` policy, or a callable(confidences
     (R, gamma) or None, gamma, R) -> verify lengths (R,); default: `AutoScheduled()`, which plans against this
     machine's measured costs and drafts only while drafting pays; with `ssd`, `FullBlock()`), ssd (an
-    [`SSDConfig`]: speculative speculative decoding, the next block prepared while the target verifies). On this
-    route generate() drops `tokenizer`, so pass stop strings as a `StopStringCriteria` in stopping_criteria (the
-    assistant_model route does that for you). Returns what `generate()` returns; with
-    ``return_dict_in_generate=True`` a [`DSparkGenerateOutput`].
+    [`SSDConfig`]: speculative speculative decoding, the next block prepared while the target verifies). Stop
+    strings work on both routes (with `tokenizer=`, which generate() drops on this one, so `import dspark_hf` turns
+    them into a `StopStringCriteria` first). Returns what `generate()` returns; with ``return_dict_in_generate=True``
+    a [`DSparkGenerateOutput`].
     """
     draft_model = unwrap_draft(draft_model)
     input_ids = input_ids.long()  # plain generate() returns int64 ids for any integer prompt
