@@ -550,6 +550,15 @@ def test_families_with_other_config_names_and_their_own_masks_decode_identically
     assert torch.equal(out.sequences, reference)
 
 
+@pytest.mark.parametrize("family", ["gpt2", "llama"])  # GPT-2 embeds positions, Llama rotates by them
+def test_a_floating_point_attention_mask_decodes_like_plain_generate(family):
+    target = other_family(family) if family == "gpt2" else tiny_target(family)
+    ids, mask = left_padded_prompts(3)
+    reference = plain(target, ids, mask.float(), max_new_tokens=12)
+    draft = oracle(target, tiny_draft(target), reference, mask, 0.3)
+    assert torch.equal(dspark(target, draft, ids, mask.float(), max_new_tokens=12).sequences, reference)
+
+
 def test_processors_that_push_a_draft_vocabulary_s_missing_token_to_infinity_leave_the_draft_its_own_distribution():
     """remove_invalid_values turns the -inf of a token outside the draft vocabulary into the dtype's minimum, and an
     exponential decay penalty overflows that to +inf: such rows draft from the draft's own distribution."""

@@ -67,6 +67,8 @@ def dspark_generate(
     """
     draft_model = unwrap_draft(draft_model)
     input_ids = input_ids.long()  # plain generate() returns int64 ids for any integer prompt
+    if model_kwargs.get("attention_mask") is not None:  # a float mask too: positions are sums of it
+        model_kwargs["attention_mask"] = model_kwargs["attention_mask"].bool().long()
     _check_request(model, draft_model, generation_config, synced_gpus, model_kwargs, input_ids, token_streamer)
     _refuse_stateful_processors(logits_processor)
     if not draft_model.is_bound_to(model):
