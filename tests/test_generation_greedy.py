@@ -419,6 +419,38 @@ def test_a_draft_on_another_device_than_its_target_is_refused_with_how_to_move_i
         target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, assistant_model=draft)
 
 
+def test_a_prompt_on_another_device_moves_to_the_target_s_before_generate_builds_its_criteria_beside_it(
+        monkeypatch):
+    """No second device here: the target says it is on "meta", and generate() is stopped where it would begin."""
+    import dspark_hf.generation.integration as integration
+
+    target = tiny_target("llama")
+    draft = tiny_draft(target)
+    target.__class__ = type("OnMeta", (type(target),), {"device": property(lambda self: torch.device("meta"))})
+    ids, mask = left_padded_prompts(2)
+    given = {}
+    monkeypatch.setattr(integration, "_original_generate", lambda model, **kw: given.update(kw) or ids)
+    for prompt in (dict(inputs=ids), dict(input_ids=ids)):
+        given.clear()
+        target.generate(**prompt, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp_min(0),
+                        max_new_tokens=4, assistant_model=draft)
+        moved = [name for name in ("inputs", "input_ids", "attention_mask", "position_ids") if name in given]
+        assert len(moved) == 3 and all(given[name].device.type == "meta" for name in moved)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_prompt_on_the_cpu_decodes_on_a_cuda_target_as_plain_generate_and_comes_back_on_the_cpu():
+    target = tiny_target("llama").cuda()
+    ids, mask = left_padded_prompts(3)
+    options = dict(max_new_tokens=16, eos_token_id=95, min_new_tokens=3)  # EOS ids in a criterion and a processor
+    reference = plain(target, ids, mask, **options)
+    out = dspark(target, tiny_draft(target).cuda(), ids, mask, **options)
+    assert out.sequences.device.type == "cpu" and torch.equal(out.sequences, reference)
+    route = target.generate(input_ids=ids, attention_mask=mask, do_sample=False, custom_generate=dspark_generate,
+                            draft_model=tiny_draft(target).cuda(), **options)
+    assert route.device.type == "cpu" and torch.equal(route, reference)
+
+
 def test_a_target_spread_over_several_devices_is_refused_with_how_to_load_it_on_one():
     target = tiny_target("llama")
     # what accelerate records for device_map="auto" over a GPU and the CPU (no second device is needed to refuse)

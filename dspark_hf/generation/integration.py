@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import inspect
 
+import torch
 from transformers import PreTrainedConfig, StoppingCriteriaList, StopStringCriteria
 from transformers.generation.utils import GenerationMixin
 
@@ -42,9 +43,10 @@ def _generate(self, *args, **kwargs):
     bound.pop("assistant_model")
     streamer = bound.pop("streamer", None)
     policy, ssd = extra.pop("verification_policy", None), extra.pop("ssd", None)
-    _prepare_for_dspark(self, bound, extra)
-    return _original_generate(self, **bound, **extra, custom_generate=dspark_generate, draft_model=draft,
-                              token_streamer=streamer, verification_policy=policy, ssd=ssd)
+    prompt_device = _prepare_for_dspark(self, bound, extra)
+    out = _original_generate(self, **bound, **extra, custom_generate=dspark_generate, draft_model=draft,
+                             token_streamer=streamer, verification_policy=policy, ssd=ssd)
+    return _on_the_prompt_s_device(out, prompt_device)
 
 
 def _dspark_generate_route(model, bound: dict):
@@ -56,21 +58,46 @@ def _dspark_generate_route(model, bound: dict):
         raise ValueError("Pass either assistant_model=<DSpark draft> or custom_generate, not both.")
     extra = bound.pop("kwargs", {})
     bound.pop("self")
-    _prepare_for_dspark(model, bound, extra)
+    prompt_device = _prepare_for_dspark(model, bound, extra)
     streamer = bound.pop("streamer", None)
     if streamer is not None:
         if extra.get("token_streamer") is not None:
             raise ValueError("Pass the streamer once: streamer= or token_streamer=, not both.")
         extra["token_streamer"] = streamer
-    return _original_generate(model, **bound, **extra)
+    return _on_the_prompt_s_device(_original_generate(model, **bound, **extra), prompt_device)
 
 
-def _prepare_for_dspark(model, bound: dict, extra: dict) -> None:
+def _prepare_for_dspark(model, bound: dict, extra: dict) -> torch.device | None:
     """What both routes need before generate() hands the call to dspark_generate, which gets none of generate()'s own
-    parameters (`tokenizer` included)."""
+    parameters (`tokenizer` included). Returns the device the prompt came on."""
     _refuse_a_cache(extra)
     _refuse_token_healing(model, bound, extra)
     _stop_strings_as_criteria(model, bound, extra)
+    return _prompt_on_the_target_s_device(model, bound, extra)
+
+
+def _prompt_on_the_target_s_device(model, bound: dict, extra: dict) -> torch.device | None:
+    """Plain generate() takes a prompt on another device than the model: it moves each forward's inputs there and
+    decodes beside the prompt. DSpark decodes beside the target, so the prompt moves there first: generate() builds
+    its processors and criteria (EOS ids, suppressed tokens...) on the prompt's device, and DSpark calls them with
+    the target's scores."""
+    prompt = bound.get("inputs") if bound.get("inputs") is not None else extra.get("input_ids")
+    if not isinstance(prompt, torch.Tensor):
+        return None
+    for given, name in ((bound, "inputs"), (extra, "input_ids"), (extra, "attention_mask"), (extra, "position_ids")):
+        if isinstance(given.get(name), torch.Tensor):
+            given[name] = given[name].to(model.device)
+    return prompt.device
+
+
+def _on_the_prompt_s_device(out, device: torch.device | None):
+    """The output where plain generate() leaves it: beside the prompt."""
+    if device is None:
+        return out
+    if isinstance(out, torch.Tensor):
+        return out.to(device)
+    out.sequences = out.sequences.to(device)
+    return out
 
 
 def _refuse_a_cache(extra: dict) -> None:
