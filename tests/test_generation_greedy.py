@@ -509,6 +509,33 @@ def test_streamers_need_batch_size_one():
         dspark(target, tiny_draft(target), ids, mask, max_new_tokens=4, streamer=Recorder())
 
 
+def test_a_length_limit_far_beyond_the_output_allocates_only_what_is_generated(monkeypatch):
+    """max_new_tokens=10**12 ("until EOS") for rows that end within a few tokens: as in plain generate(), nothing
+    is allocated for the limit (10**12 tokens a row would not fit in memory); the output buffer stays within twice
+    what was generated."""
+    from dspark_hf.generation.decoding import _Decoder
+
+    widths = []
+    emit = _Decoder._emit
+
+    def recording_emit(self, *args):
+        done = emit(self, *args)
+        widths.append(self.gen.shape[1])
+        return done
+
+    monkeypatch.setattr(_Decoder, "_emit", recording_emit)
+    target = tiny_target("llama")
+    ids, mask = left_padded_prompts(3)
+    free = plain(target, ids, mask, max_new_tokens=12)
+    eos = [int(free[row, ids.shape[1] + i]) for row, i in enumerate((3, 11, 6))]  # rows end at different rounds
+    reference = plain(target, ids, mask, max_new_tokens=10**12, eos_token_id=eos)
+    out = dspark(target, oracle(target, tiny_draft(target), free, mask, 0.3), ids, mask, max_new_tokens=10**12,
+                 eos_token_id=eos)
+    assert torch.equal(out.sequences, reference)
+    generated = reference.shape[1] - ids.shape[1]
+    assert generated <= 12 and max(widths) <= 2 * generated
+
+
 def test_padding_tokens_fill_finished_rows():
     target = tiny_target("llama")
     ids, mask = left_padded_prompts(3)
