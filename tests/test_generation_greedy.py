@@ -1,12 +1,15 @@
 """Greedy DSpark decoding returns exactly what plain `generate()` returns, whatever the batch looks like."""
 
+import string
 import threading
 import warnings
 
 import pytest
 import torch
-from transformers import DynamicCache, LogitsProcessor, MaxLengthCriteria, StoppingCriteria, StoppingCriteriaList, \
-    SynthIDTextWatermarkingConfig
+from tokenizers import Regex, Tokenizer, decoders, pre_tokenizers
+from tokenizers.models import WordLevel
+from transformers import DynamicCache, GenerationConfig, LogitsProcessor, MaxLengthCriteria, PreTrainedTokenizerFast, \
+    StoppingCriteria, StoppingCriteriaList, SynthIDTextWatermarkingConfig
 from transformers.generation.streamers import BaseStreamer
 
 from conftest import PAD, left_padded_prompts, tiny_draft, tiny_target
@@ -416,6 +419,38 @@ def test_a_draft_on_another_device_than_its_target_is_refused_with_how_to_move_i
         target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, assistant_model=draft)
 
 
+def test_a_prompt_on_another_device_moves_to_the_target_s_before_generate_builds_its_criteria_beside_it(
+        monkeypatch):
+    """No second device here: the target says it is on "meta", and generate() is stopped where it would begin."""
+    import dspark_hf.generation.integration as integration
+
+    target = tiny_target("llama")
+    draft = tiny_draft(target)
+    target.__class__ = type("OnMeta", (type(target),), {"device": property(lambda self: torch.device("meta"))})
+    ids, mask = left_padded_prompts(2)
+    given = {}
+    monkeypatch.setattr(integration, "_original_generate", lambda model, **kw: given.update(kw) or ids)
+    for prompt in (dict(inputs=ids), dict(input_ids=ids)):
+        given.clear()
+        target.generate(**prompt, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp_min(0),
+                        max_new_tokens=4, assistant_model=draft)
+        moved = [name for name in ("inputs", "input_ids", "attention_mask", "position_ids") if name in given]
+        assert len(moved) == 3 and all(given[name].device.type == "meta" for name in moved)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_prompt_on_the_cpu_decodes_on_a_cuda_target_as_plain_generate_and_comes_back_on_the_cpu():
+    target = tiny_target("llama").cuda()
+    ids, mask = left_padded_prompts(3)
+    options = dict(max_new_tokens=16, eos_token_id=95, min_new_tokens=3)  # EOS ids in a criterion and a processor
+    reference = plain(target, ids, mask, **options)
+    out = dspark(target, tiny_draft(target).cuda(), ids, mask, **options)
+    assert out.sequences.device.type == "cpu" and torch.equal(out.sequences, reference)
+    route = target.generate(input_ids=ids, attention_mask=mask, do_sample=False, custom_generate=dspark_generate,
+                            draft_model=tiny_draft(target).cuda(), **options)
+    assert route.device.type == "cpu" and torch.equal(route, reference)
+
+
 def test_a_target_spread_over_several_devices_is_refused_with_how_to_load_it_on_one():
     target = tiny_target("llama")
     # what accelerate records for device_map="auto" over a GPU and the CPU (no second device is needed to refuse)
@@ -472,6 +507,33 @@ def test_streamers_need_batch_size_one():
     ids, mask = left_padded_prompts(2)
     with pytest.raises(ValueError, match="batch size 1"):
         dspark(target, tiny_draft(target), ids, mask, max_new_tokens=4, streamer=Recorder())
+
+
+def test_a_length_limit_far_beyond_the_output_allocates_only_what_is_generated(monkeypatch):
+    """max_new_tokens=10**12 ("until EOS") for rows that end within a few tokens: as in plain generate(), nothing
+    is allocated for the limit (10**12 tokens a row would not fit in memory); the output buffer stays within twice
+    what was generated."""
+    from dspark_hf.generation.decoding import _Decoder
+
+    widths = []
+    emit = _Decoder._emit
+
+    def recording_emit(self, *args):
+        done = emit(self, *args)
+        widths.append(self.gen.shape[1])
+        return done
+
+    monkeypatch.setattr(_Decoder, "_emit", recording_emit)
+    target = tiny_target("llama")
+    ids, mask = left_padded_prompts(3)
+    free = plain(target, ids, mask, max_new_tokens=12)
+    eos = [int(free[row, ids.shape[1] + i]) for row, i in enumerate((3, 11, 6))]  # rows end at different rounds
+    reference = plain(target, ids, mask, max_new_tokens=10**12, eos_token_id=eos)
+    out = dspark(target, oracle(target, tiny_draft(target), free, mask, 0.3), ids, mask, max_new_tokens=10**12,
+                 eos_token_id=eos)
+    assert torch.equal(out.sequences, reference)
+    generated = reference.shape[1] - ids.shape[1]
+    assert generated <= 12 and max(widths) <= 2 * generated
 
 
 def test_padding_tokens_fill_finished_rows():
@@ -547,6 +609,15 @@ def test_families_with_other_config_names_and_their_own_masks_decode_identically
     assert torch.equal(out.sequences, reference)
 
 
+@pytest.mark.parametrize("family", ["gpt2", "llama"])  # GPT-2 embeds positions, Llama rotates by them
+def test_a_floating_point_attention_mask_decodes_like_plain_generate(family):
+    target = other_family(family) if family == "gpt2" else tiny_target(family)
+    ids, mask = left_padded_prompts(3)
+    reference = plain(target, ids, mask.float(), max_new_tokens=12)
+    draft = oracle(target, tiny_draft(target), reference, mask, 0.3)
+    assert torch.equal(dspark(target, draft, ids, mask.float(), max_new_tokens=12).sequences, reference)
+
+
 def test_processors_that_push_a_draft_vocabulary_s_missing_token_to_infinity_leave_the_draft_its_own_distribution():
     """remove_invalid_values turns the -inf of a token outside the draft vocabulary into the dtype's minimum, and an
     exponential decay penalty overflows that to +inf: such rows draft from the draft's own distribution."""
@@ -568,3 +639,59 @@ def test_the_custom_generate_route_is_checked_as_the_assistant_model_route():
         target.generate(**route, draft_model=draft, assistant_model=draft, streamer=BaseStreamer())
     with pytest.raises(ValueError, match="past_key_values is not supported"):
         target.generate(**route, draft_model=draft, past_key_values=DynamicCache())
+
+
+def char_tokenizer():
+    """A tokenizer that spells each id of the tiny vocabulary (1..95) as one character, so that any two generated
+    tokens in a row make a stop string."""
+    chars = string.ascii_letters + string.digits + string.punctuation + "§"
+    tok = Tokenizer(WordLevel({"<pad>": PAD, **{c: i for i, c in enumerate(chars, 1)}}, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>")
+
+
+def stop_strings_inside_the_output(target, ids, mask, tokenizer, max_new_tokens=30):
+    """(the free continuation, two stop strings found in the middle of rows 1 and 2 of it)."""
+    free = plain(target, ids, mask, max_new_tokens=max_new_tokens)
+    new = [tokenizer.decode(row[ids.shape[1]:]) for row in free]
+    return free, [new[1][5:7], new[2][11:13]]
+
+
+def test_the_model_s_default_stop_strings_apply_beside_a_passed_generation_config_as_in_plain_generate():
+    target, tokenizer = tiny_target("llama"), char_tokenizer()
+    ids, mask = left_padded_prompts(4)
+    free, stops = stop_strings_inside_the_output(target, ids, mask, tokenizer)
+    target.generation_config.stop_strings = stops
+    config = GenerationConfig(max_new_tokens=30, pad_token_id=PAD, eos_token_id=95, do_sample=False)
+    reference = target.generate(input_ids=ids, attention_mask=mask, generation_config=config, tokenizer=tokenizer)
+    assert reference.shape[1] < free.shape[1] or not torch.equal(reference, free), "the stop strings must end rows"
+    out = target.generate(input_ids=ids, attention_mask=mask, generation_config=config, tokenizer=tokenizer,
+                          assistant_model=oracle(target, tiny_draft(target), free, mask, 0.3),
+                          verification_policy=FullBlock())
+    assert torch.equal(out, reference)
+
+
+def test_the_custom_generate_route_turns_stop_strings_into_a_criterion_as_the_assistant_model_route():
+    target, tokenizer = tiny_target("llama"), char_tokenizer()
+    ids, mask = left_padded_prompts(4)
+    free, stops = stop_strings_inside_the_output(target, ids, mask, tokenizer)
+    kw = dict(max_new_tokens=30, stop_strings=stops, tokenizer=tokenizer, eos_token_id=95)
+    reference = plain(target, ids, mask, **kw)
+    assert not torch.equal(reference, free), "the stop strings must end rows"
+    out = target.generate(input_ids=ids, attention_mask=mask, do_sample=False, custom_generate=dspark_generate,
+                          draft_model=oracle(target, tiny_draft(target), free, mask, 0.3), **kw)
+    assert torch.equal(out, reference)
+
+
+@pytest.mark.parametrize("route", ["assistant_model", "custom_generate"])
+def test_token_healing_from_the_model_s_defaults_is_refused_on_both_routes_beside_a_passed_generation_config(route):
+    target = tiny_target("llama")
+    target.generation_config.token_healing = True
+    ids, mask = left_padded_prompts(1)
+    draft = tiny_draft(target)
+    how = dict(assistant_model=draft) if route == "assistant_model" else \
+        dict(custom_generate=dspark_generate, draft_model=draft)
+    with pytest.raises(ValueError, match="token_healing=True is not supported with a DSpark draft: heal the prompt"):
+        target.generate(input_ids=ids, attention_mask=mask, generation_config=GenerationConfig(max_new_tokens=4),
+                        tokenizer=char_tokenizer(), **how)

@@ -60,13 +60,15 @@ def dspark_generate(
     see `DSparkRoundStreamer`), verification_policy (a `dspark_hf.scheduling` policy, or a callable(confidences
     (R, gamma) or None, gamma, R) -> verify lengths (R,); default: `AutoScheduled()`, which plans against this
     machine's measured costs and drafts only while drafting pays; with `ssd`, `FullBlock()`), ssd (an
-    [`SSDConfig`]: speculative speculative decoding, the next block prepared while the target verifies). On this
-    route generate() drops `tokenizer`, so pass stop strings as a `StopStringCriteria` in stopping_criteria (the
-    assistant_model route does that for you). Returns what `generate()` returns; with
-    ``return_dict_in_generate=True`` a [`DSparkGenerateOutput`].
+    [`SSDConfig`]: speculative speculative decoding, the next block prepared while the target verifies). Stop
+    strings work on both routes (with `tokenizer=`, which generate() drops on this one, so `import dspark_hf` turns
+    them into a `StopStringCriteria` first). Returns what `generate()` returns; with ``return_dict_in_generate=True``
+    a [`DSparkGenerateOutput`].
     """
     draft_model = unwrap_draft(draft_model)
     input_ids = input_ids.long()  # plain generate() returns int64 ids for any integer prompt
+    if model_kwargs.get("attention_mask") is not None:  # a float mask too: positions are sums of it
+        model_kwargs["attention_mask"] = model_kwargs["attention_mask"].bool().long()
     _check_request(model, draft_model, generation_config, synced_gpus, model_kwargs, input_ids, token_streamer)
     _refuse_stateful_processors(logits_processor)
     if not draft_model.is_bound_to(model):
@@ -238,7 +240,7 @@ class _Decoder:
         self.max_new = max(min(limits) - P, 1) if limits else cfg.max_length - P
         pad = cfg._pad_token_tensor
         self.pad_id = int(pad) if pad is not None else 0
-        self.gen = prompt.new_full((B, max(self.max_new, 0)), self.pad_id)
+        self.gen = prompt.new_full((B, 0), self.pad_id)  # grows with the output, never to the limit ahead of it
         self.n_gen = prompt.new_zeros(B)
         self.stopped_at = prompt.new_zeros(B)  # output length at which a criterion first fired, 0 if none yet
         self.rounds: list[list[DSparkRound]] = [[] for _ in range(B)]
@@ -257,13 +259,26 @@ class _Decoder:
         if rows.numel() == B and bool((lengths == lengths[0]).all()):  # no row finished, none ahead: nothing to fill
             yield torch.arange(B, device=rows.device), torch.cat([self.prompt, self.gen[:, :int(lengths[0])], extra], 1)
             return
-        history = torch.cat([self.prompt, self.gen, self.gen.new_full((B, extra.shape[1]), self.pad_id)], 1)
-        for g in lengths.unique().tolist():
+        groups = lengths.unique().tolist()
+        history = torch.cat([self.prompt, self._generated(max(groups) + extra.shape[1])], 1)
+        for g in groups:
             sel = (lengths == g).nonzero().squeeze(1)
             r = rows[sel]
             ids = history[:, :P + g + extra.shape[1]].clone()
             ids[r] = torch.cat([self.prompt[r], self.gen[r, :g], extra[sel]], dim=1)
             yield sel, ids
+
+    def _generated(self, width: int) -> torch.Tensor:
+        """(B, width): each row's first `width` generated tokens, padded where it has fewer."""
+        part = self.gen[:, :width]
+        missing = width - part.shape[1]
+        return torch.cat([part, part.new_full((part.shape[0], missing), self.pad_id)], 1) if missing else part
+
+    def _make_room(self, width: int) -> None:
+        """Widen `gen` to at least `width` columns, doubling (up to the length limit) so that a limit far beyond
+        the output costs nothing and the copies add up to O(output)."""
+        if width > self.gen.shape[1]:
+            self.gen = self._generated(max(width, min(2 * self.gen.shape[1], self.max_new)))
 
     def _full(self, rows, sel, values):
         full = values.new_zeros(self.prompt.shape[0], *values.shape[1:])
@@ -301,6 +316,7 @@ class _Decoder:
         k = torch.arange(chunk.shape[1], device=chunk.device)
         take = k < counts[:, None]
         slots = self.n_gen[rows][:, None] + k
+        self._make_room(int((self.n_gen[rows] + counts).max()))
         self.gen[rows[:, None].expand_as(chunk)[take], slots[take]] = chunk[take]
         self.n_gen[rows] += counts
         if self.streamer is not None:  # batch size 1: the output ends where a criterion fired, even without EOS

@@ -4,8 +4,8 @@ transformers chooses candidate generators from a hard-coded chain and its assist
 so DSpark runs as a ``custom_generate`` callable (the public extension point). This module wraps
 ``GenerationMixin.generate`` once, at ``import dspark_hf``: when ``assistant_model`` is a DSpark draft (or a peft
 wrapper of one) the call is forwarded with ``custom_generate=dspark_generate``; a call that names
-``custom_generate=dspark_generate`` itself gets the same refusals and its streamer passed on; every other call goes to
-the original method untouched.
+``custom_generate=dspark_generate`` itself gets the same refusals, its stop strings turned into a criterion and its
+streamer passed on; every other call goes to the original method untouched.
 The wrapper keeps no state and patches no model instance, so concurrent generate() calls are independent.
 """
 
@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import inspect
 
+import torch
 from transformers import PreTrainedConfig, StoppingCriteriaList, StopStringCriteria
 from transformers.generation.utils import GenerationMixin
 
@@ -42,11 +43,10 @@ def _generate(self, *args, **kwargs):
     bound.pop("assistant_model")
     streamer = bound.pop("streamer", None)
     policy, ssd = extra.pop("verification_policy", None), extra.pop("ssd", None)
-    _refuse_a_cache(extra)
-    _refuse_token_healing(self, bound, extra)
-    _stop_strings_as_criteria(self, bound, extra)
-    return _original_generate(self, **bound, **extra, custom_generate=dspark_generate, draft_model=draft,
-                              token_streamer=streamer, verification_policy=policy, ssd=ssd)
+    prompt_device = _prepare_for_dspark(self, bound, extra)
+    out = _original_generate(self, **bound, **extra, custom_generate=dspark_generate, draft_model=draft,
+                             token_streamer=streamer, verification_policy=policy, ssd=ssd)
+    return _on_the_prompt_s_device(out, prompt_device)
 
 
 def _dspark_generate_route(model, bound: dict):
@@ -58,13 +58,46 @@ def _dspark_generate_route(model, bound: dict):
         raise ValueError("Pass either assistant_model=<DSpark draft> or custom_generate, not both.")
     extra = bound.pop("kwargs", {})
     bound.pop("self")
-    _refuse_a_cache(extra)
+    prompt_device = _prepare_for_dspark(model, bound, extra)
     streamer = bound.pop("streamer", None)
     if streamer is not None:
         if extra.get("token_streamer") is not None:
             raise ValueError("Pass the streamer once: streamer= or token_streamer=, not both.")
         extra["token_streamer"] = streamer
-    return _original_generate(model, **bound, **extra)
+    return _on_the_prompt_s_device(_original_generate(model, **bound, **extra), prompt_device)
+
+
+def _prepare_for_dspark(model, bound: dict, extra: dict) -> torch.device | None:
+    """What both routes need before generate() hands the call to dspark_generate, which gets none of generate()'s own
+    parameters (`tokenizer` included). Returns the device the prompt came on."""
+    _refuse_a_cache(extra)
+    _refuse_token_healing(model, bound, extra)
+    _stop_strings_as_criteria(model, bound, extra)
+    return _prompt_on_the_target_s_device(model, bound, extra)
+
+
+def _prompt_on_the_target_s_device(model, bound: dict, extra: dict) -> torch.device | None:
+    """Plain generate() takes a prompt on another device than the model: it moves each forward's inputs there and
+    decodes beside the prompt. DSpark decodes beside the target, so the prompt moves there first: generate() builds
+    its processors and criteria (EOS ids, suppressed tokens...) on the prompt's device, and DSpark calls them with
+    the target's scores."""
+    prompt = bound.get("inputs") if bound.get("inputs") is not None else extra.get("input_ids")
+    if not isinstance(prompt, torch.Tensor):
+        return None
+    for given, name in ((bound, "inputs"), (extra, "input_ids"), (extra, "attention_mask"), (extra, "position_ids")):
+        if isinstance(given.get(name), torch.Tensor):
+            given[name] = given[name].to(model.device)
+    return prompt.device
+
+
+def _on_the_prompt_s_device(out, device: torch.device | None):
+    """The output where plain generate() leaves it: beside the prompt."""
+    if device is None:
+        return out
+    if isinstance(out, torch.Tensor):
+        return out.to(device)
+    out.sequences = out.sequences.to(device)
+    return out
 
 
 def _refuse_a_cache(extra: dict) -> None:
@@ -98,25 +131,32 @@ def _refuse_dspark_options_without_a_draft(bound: dict) -> None:
 
 def _refuse_token_healing(model, bound: dict, extra: dict) -> None:
     """generate() heals tokens with the tokenizer, which it drops on the custom_generate route."""
-    config = bound.get("generation_config") or model.generation_config
-    if extra.get("token_healing", getattr(config, "token_healing", None)):
+    if _effective(model, bound, extra, "token_healing"):
         raise ValueError("token_healing=True is not supported with a DSpark draft: heal the prompt first, "
                          "input_ids = target.heal_tokens(input_ids, tokenizer), and generate without token_healing.")
 
 
 def _stop_strings_as_criteria(model, bound: dict, extra: dict) -> None:
     """generate() drops `tokenizer` on the custom_generate route, so stop strings become a criterion here."""
-    tokenizer = extra.pop("tokenizer", None)
-    config = bound.get("generation_config") or model.generation_config
-    stop_strings = extra.get("stop_strings", getattr(config, "stop_strings", None))
+    stop_strings = _effective(model, bound, extra, "stop_strings")
     if not stop_strings:
         return
+    tokenizer = extra.pop("tokenizer", None)
     if tokenizer is None:
         raise ValueError("stop_strings need the tokenizer: pass tokenizer=<the target's tokenizer> to generate().")
     criteria = StoppingCriteriaList(bound.get("stopping_criteria") or [])
     criteria.append(StopStringCriteria(tokenizer, stop_strings))
     bound["stopping_criteria"] = criteria
-    extra["stop_strings"] = None
+    extra["stop_strings"] = None  # a keyword argument outranks the passed and the model's generation config
+
+
+def _effective(model, bound: dict, extra: dict, option: str):
+    """The value of a generation option that generate() decodes with, merged as its _prepare_generation_config
+    merges them: a keyword argument, else the passed generation_config's value, else the model's default."""
+    if option in extra:
+        return extra[option]
+    passed = getattr(bound.get("generation_config"), option, None)
+    return passed if passed is not None else getattr(model.generation_config, option, None)
 
 
 def install() -> None:
