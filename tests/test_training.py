@@ -464,11 +464,17 @@ def test_a_short_training_run_lowers_the_loss_and_saves_a_loadable_draft(tmp_pat
     assert loss_of(loaded) == pytest.approx(after, rel=1e-3)
 
 
+def checkpointed_run(tmp_path, target, **settings) -> dict:
+    """TrainConfig settings of a small run into tmp_path/run on 8 sequences, 2 steps an epoch, a checkpoint every 2."""
+    data = tiny_dataset(tmp_path, target, n=8)
+    return dict(dataset=str(data), output_dir=str(tmp_path / "run"), batch_size=4, anchors_per_sequence=4,
+                heldout_fraction=0.0, save_every=2, draft=dict(num_hidden_layers=1, markov_rank=4, block_size=3),
+                **settings)
+
+
 def test_training_resumes_from_the_last_checkpoint(tmp_path):
     target = tiny_target("llama")
-    data = tiny_dataset(tmp_path, target, n=8)
-    kw = dict(dataset=str(data), output_dir=str(tmp_path / "run"), batch_size=4, anchors_per_sequence=4,
-              heldout_fraction=0.0, save_every=2, draft=dict(num_hidden_layers=1, markov_rank=4, block_size=3))
+    kw = checkpointed_run(tmp_path, target)
     train(TrainConfig(epochs=2, **kw), target=target, progress=False)  # 4 steps, checkpoints at 2 and 4
     assert (tmp_path / "run" / "checkpoint-4" / "trainer_state.pt").exists()
     resumed = train(TrainConfig(epochs=3, **kw), target=target, progress=False)  # continues at step 4
@@ -848,9 +854,7 @@ def test_a_checkpoint_killed_while_saving_leaves_the_one_before_to_resume_from(t
     import dspark_hf.training.checkpoints as checkpoints
 
     target = tiny_target("llama")
-    data = tiny_dataset(tmp_path, target, n=8)
-    kw = dict(dataset=str(data), output_dir=str(tmp_path / "run"), batch_size=4, anchors_per_sequence=4,
-              heldout_fraction=0.0, save_every=2, draft=dict(num_hidden_layers=1, markov_rank=4, block_size=3))
+    kw = checkpointed_run(tmp_path, target)
     train(TrainConfig(max_steps=4, **kw), target=target, progress=False)
     real_save = torch.save
 
@@ -932,10 +936,7 @@ def _as_saved_on_a_gpu(state_file: Path) -> None:
 
 def test_a_checkpoint_saved_on_a_gpu_resumes_on_a_cpu(tmp_path):
     target = tiny_target("llama")
-    data = tiny_dataset(tmp_path, target, n=8)
-    kw = dict(dataset=str(data), output_dir=str(tmp_path / "run"), batch_size=4, anchors_per_sequence=4,
-              heldout_fraction=0.0, save_every=2, device="cpu", draft=dict(num_hidden_layers=1, markov_rank=4,
-                                                                           block_size=3))
+    kw = checkpointed_run(tmp_path, target, device="cpu")
     train(TrainConfig(max_steps=2, **kw), target=target, progress=False)
     _as_saved_on_a_gpu(tmp_path / "run" / "checkpoint-2" / "trainer_state.pt")
     with warnings.catch_warnings():
@@ -949,9 +950,7 @@ def test_a_whole_checkpoint_that_fails_to_load_is_reported_not_passed_over_as_to
     import dspark_hf.training.checkpoints as checkpoints
 
     target = tiny_target("llama")
-    data = tiny_dataset(tmp_path, target, n=8)
-    kw = dict(dataset=str(data), output_dir=str(tmp_path / "run"), batch_size=4, anchors_per_sequence=4,
-              heldout_fraction=0.0, save_every=2, draft=dict(num_hidden_layers=1, markov_rank=4, block_size=3))
+    kw = checkpointed_run(tmp_path, target)
     train(TrainConfig(max_steps=4, **kw), target=target, progress=False)
 
     def unloadable(*args, **kwargs):
@@ -1155,9 +1154,7 @@ def test_training_stops_in_one_line_at_a_loss_that_is_not_finite(tmp_path, monke
 def test_a_run_resumes_only_with_the_target_it_was_trained_for(tmp_path):
     target = tiny_target("llama")
     target.config._name_or_path = "first-target"
-    data = tiny_dataset(tmp_path, target, n=8)
-    kw = dict(dataset=str(data), output_dir=str(tmp_path / "run"), batch_size=4, anchors_per_sequence=4,
-              heldout_fraction=0.0, save_every=2, draft=dict(num_hidden_layers=1, markov_rank=4, block_size=3))
+    kw = checkpointed_run(tmp_path, target)
     train(TrainConfig(max_steps=2, **kw), target=target, progress=False)
     other = tiny_target("llama", seed=1)  # the same shape, other weights
     other.config._name_or_path = "other-target"
