@@ -812,6 +812,35 @@ def test_the_serve_tables_noise_is_not_applicable_below_three_repeats(tiny_model
     assert "| ±0% |" in format_serve_table(report(3))
 
 
+def test_the_speedup_equation_compares_rounds_and_plain_steps_both_without_their_prefill(monkeypatch):
+    """Theorem 7 weighs a round against plain decoding's step: a prefill in one and not the other would tilt it."""
+    import dspark_hf.evaluation.bench_ssd as bench_ssd
+
+    now = [0.0]
+    monkeypatch.setattr(bench_ssd, "clock", lambda device: now[0])
+
+    class Plain:  # a prefill of 0.5 s (and the first token), then 0.01 s per further token
+        device = "cpu"
+
+        def generate(self, input_ids, attention_mask, max_new_tokens, do_sample):
+            now[0] += 0.5 + 0.01 * (max_new_tokens - 1)
+            return torch.cat([input_ids, torch.zeros(1, max_new_tokens, dtype=torch.long)], 1)
+
+    class Tokenizer:
+        def apply_chat_template(self, messages, tokenize, add_generation_prompt):
+            return "text"
+
+        def __call__(self, texts, **kwargs):
+            from transformers import BatchEncoding
+
+            return BatchEncoding({"input_ids": torch.ones(1, 3, dtype=torch.long), "attention_mask": torch.ones(1, 3)})
+
+    prompts = [{"messages": [{"role": "user", "content": "hi"}]}] * 2
+    assert bench_ssd.plain_step_seconds(Plain(), Tokenizer(), prompts, 11) == pytest.approx(0.01)
+    totals = {"total": 2.0, "prefill": 0.5, "draft": 0.3, "speculate": 0.2, "wait": 0.0}
+    assert bench_ssd.round_seconds_without_drafting(totals) == pytest.approx(1.0)
+
+
 def test_bench_oracle_refuses_fewer_than_two_new_tokens_before_loading_models(tmp_path, capsys):
     assert "max_new_tokens=1: the oracle benchmark times speculative rounds" in cli_error(
         capsys, ["bench", "oracle", "--target", str(tmp_path / "no-target"), "--max-new-tokens", "1"])
@@ -828,9 +857,8 @@ def test_configurations_a_bench_or_eval_cannot_measure_are_said_and_recorded(tin
 
     assert main(["bench", "ssd", *models, *prompts, "--cache-sizes", "2", "--saguaro-c", "1.0", "--batch-sizes",
                  "2", "--max-new-tokens", "6", "--repeats", "1", "--output", str(out)]) == 0
-    report = json.loads(out.read_text())
-    assert report["equation"] is None and "add 1 to --batch-sizes" in report["skipped"]["equation"]
-    assert "note: equation not measured: the speedup equation is at batch 1" in capsys.readouterr().out
+    report = json.loads(out.read_text())  # the equation times its own batch-1 decodes, whatever --batch-sizes says
+    assert report["equation"]["t_plain"] > 0 and "equation" not in report["skipped"]
 
     no_head = tmp_path / "no_head"
     tiny_draft(tiny_target("llama"), confidence_head=False).save_pretrained(no_head)
