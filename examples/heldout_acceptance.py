@@ -5,10 +5,10 @@
 
 By default only the held-out split of DATASET (by hashed prompt id, as `dspark train` chooses it, at the share the
 draft's train_config.json records, else 5%) is measured, so a draft trained on DATASET is measured on sequences it
-never saw; --all measures every sequence, for a dataset the
-draft was not trained on. The figures are what `dspark train` writes to heldout.json, on the embedded target, per
-domain where the dataset names them; --feature-cache reads the target's features from a cache that holds them;
---lag L measures blocks that see their last L context tokens without target features (SSD's lagged context).
+never saw; --all measures every sequence, for a dataset the draft was not trained on. The figures are what `dspark
+train` writes to heldout.json, on the embedded target, per domain where the dataset names them; --feature-cache reads
+the target's features from a cache that holds them; --lag L measures blocks that see their last L context tokens
+without target features (SSD's lagged context).
 """
 
 import argparse

@@ -35,6 +35,7 @@ def _new_tokens(sequences: torch.Tensor, prompt_len: int, pad_id: int, eos_ids: 
 
 
 def check_max_new_tokens(max_new_tokens: int) -> None:
+    """Refuse a length with no round to time (the CLI calls it before the models load)."""
     if max_new_tokens < 2:  # the first new token comes from the prefill: no round would be left to time
         raise ValueError(f"max_new_tokens={max_new_tokens}: the oracle benchmark times speculative rounds, and the "
                          "first new token comes from the prefill; give at least 2.")

@@ -5,10 +5,9 @@
   (`committed` counts what reached the output; over a whole evaluation the two differ by about 0.1%), and a last
   round with one token left before max_new_tokens verifies nothing and counts 1. So tau depends a little on
   max_new_tokens, the more the shorter the outputs: a prompt has at most one such last round, which moves the mean
-  of its n other rounds by about (tau - 1) / (n + 1). With an oracle draft (block 4, every token accepted) tau is
-  4.50, 5.00, 3.67, 4.00 and 4.33 at max_new_tokens 10 to 14; at 128 tokens and tau near 1.5 the effect is under
-  1%. The definition stays as published (every tau in docs/results.md uses it). A prompt with no round at all (EOS
-  first, or max_new_tokens 1) has no tau (None), and averages leave it out;
+  of its n other rounds by about (tau - 1) / (n + 1): large for a good draft on short outputs, about 0.006 (0.4%) at
+  128 tokens and tau near 1.5. The definition stays as published (every tau in docs/results.md uses it). A prompt with
+  no round at all (EOS first, or max_new_tokens 1) has no tau (None), and averages leave it out;
 - conditional acceptance at position k (paper Fig. 2): among rounds that verified position k and accepted
   positions 1..k-1, the share that also accepted position k;
 - prefix survival at position k: among rounds that verified position k, the share that accepted 1..k.
