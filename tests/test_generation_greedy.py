@@ -14,6 +14,7 @@ from transformers.generation.streamers import BaseStreamer
 
 from conftest import PAD, left_padded_prompts, tiny_draft, tiny_target
 from dspark_hf import FixedLength, FullBlock, HalfPrecisionGreedyWarning, dspark_generate, fast_draft_dtype
+from dspark_hf.internals import CACHE_ARG
 from dspark_hf.evaluation import OracleDraft
 from dspark_hf.generation.ragged import Commit
 
@@ -340,7 +341,7 @@ def test_the_verification_forward_gets_one_mask_column_per_key():
     seen = []
 
     def check(module, args, kwargs):
-        cache = kwargs["past_key_values"]
+        cache = kwargs[CACHE_ARG]
         seen.append(kwargs["attention_mask"].shape[1] == cache.get_seq_length() + kwargs["input_ids"].shape[1])
 
     hook = target.model.register_forward_pre_hook(check, with_kwargs=True)
@@ -381,6 +382,7 @@ def test_two_models_generate_at_the_same_time():
     (dict(inputs_embeds=torch.zeros(1, 4, 64)), "inputs_embeds is not supported.*pass input_ids instead"),
     (dict(position_ids=torch.arange(1, 10)[None]), "Custom position_ids are not supported"),
     (dict(past_key_values=DynamicCache()), "past_key_values is not supported.*would not be filled for reuse"),
+    (dict(cache=DynamicCache()), "cache is not supported.*would not be filled for reuse. Drop cache"),
     (dict(watermarking_config=SynthIDTextWatermarkingConfig(keys=[1, 2, 3], ngram_len=2)),
      "SynthIDTextWatermarkLogitsProcessor keeps state across calls"),
 ])
@@ -637,8 +639,9 @@ def test_the_custom_generate_route_is_checked_as_the_assistant_model_route():
     route = dict(input_ids=ids, attention_mask=mask, max_new_tokens=4, custom_generate=dspark_generate)
     with pytest.raises(ValueError, match="Pass either assistant_model=<DSpark draft> or custom_generate, not both"):
         target.generate(**route, draft_model=draft, assistant_model=draft, streamer=BaseStreamer())
-    with pytest.raises(ValueError, match="past_key_values is not supported"):
-        target.generate(**route, draft_model=draft, past_key_values=DynamicCache())
+    for name in ("past_key_values", "cache"):  # the name of transformers <= 5.23, and of 5.24 on
+        with pytest.raises(ValueError, match=f"{name} is not supported"):
+            target.generate(**route, draft_model=draft, **{name: DynamicCache()})
 
 
 def char_tokenizer():

@@ -17,6 +17,7 @@ from transformers.generation import logits_process as lp
 from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.stopping_criteria import MaxLengthCriteria
 
+from .. import internals
 from ..devices import clock
 from ..model.modeling_dspark import DSparkDraftModel
 from ..scheduling.auto import AutoScheduled
@@ -33,7 +34,7 @@ _UNSUPPORTED_OUTPUTS = ("output_scores", "output_logits", "output_attentions", "
 _IDS_FREE_PROCESSORS = VOCAB_FREE_PROCESSORS + (lp.SuppressTokensLogitsProcessor,)
 # processors that count their calls (one per generated token in plain generate())
 _STATEFUL_PROCESSORS = (lp.SynthIDTextWatermarkLogitsProcessor,)
-_KNOWN_MODEL_KWARGS = {"attention_mask", "position_ids", "past_key_values", "use_cache", "logits_to_keep"}
+_KNOWN_MODEL_KWARGS = {"attention_mask", "position_ids", internals.CACHE_ARG, "use_cache", "logits_to_keep"}
 # generation-config options that choose a decoding mode other than greedy search or sampling
 _MODE_OPTIONS = ("num_beams", "num_beam_groups", "penalty_alpha", "dola_layers", "prompt_lookup_num_tokens",
                  "constraints", "force_words_ids")
@@ -162,9 +163,10 @@ def _check_request(model, draft, cfg, synced_gpus, model_kwargs, input_ids, stre
     if cfg.cache_implementation not in (None, "dynamic"):
         raise ValueError(f"cache_implementation={cfg.cache_implementation!r} is not supported with a DSpark draft: "
                          "it keeps its own dynamic cache (rows are re-aligned every round).")
-    cache = model_kwargs.get("past_key_values")
-    if cache is not None and (not isinstance(cache, DynamicCache) or cache.get_seq_length() > 0):
-        raise ValueError("Passing past_key_values is not supported with a DSpark draft: the prompt is prefilled "
+    # generate() hands over the empty cache it prepared; a caller's own was refused by name on the way in
+    given = internals.cache_given(model_kwargs)
+    if given is not None and (not isinstance(given[1], DynamicCache) or given[1].get_seq_length() > 0):
+        raise ValueError(f"Passing {given[0]} is not supported with a DSpark draft: the prompt is prefilled "
                          "inside the DSpark loop.")
     if model_kwargs.get("inputs_embeds") is not None:
         raise ValueError("inputs_embeds is not supported with a DSpark draft, which reads token ids: pass input_ids "
@@ -238,8 +240,8 @@ class _Decoder:
         limits = [c.max_length for c in criteria if isinstance(c, MaxLengthCriteria)]
         # (plain generate() decodes one token before it first asks the criteria, however low the limit)
         self.max_new = max(min(limits) - P, 1) if limits else cfg.max_length - P
-        pad = cfg._pad_token_tensor
-        self.pad_id = int(pad) if pad is not None else 0
+        pad = internals.pad_token_id(cfg)
+        self.pad_id = pad if pad is not None else 0
         self.gen = prompt.new_full((B, 0), self.pad_id)  # grows with the output, never to the limit ahead of it
         self.n_gen = prompt.new_zeros(B)
         self.stopped_at = prompt.new_zeros(B)  # output length at which a criterion first fired, 0 if none yet
@@ -326,9 +328,9 @@ class _Decoder:
     def _forward(self, input_ids, mask, positions, cache, logits_to_keep, timing: str | None = "target"):
         """Target forward returning only the hidden states the draft reads; its time is added to `timing`."""
         start = self._clock()
-        out = self.target(input_ids=input_ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                          use_cache=True, output_hidden_states=self.draft.hidden_states_request,
-                          logits_to_keep=logits_to_keep)
+        out = self.target(input_ids=input_ids, attention_mask=mask, position_ids=positions,
+                          **internals.with_cache(cache), use_cache=True,
+                          output_hidden_states=self.draft.hidden_states_request, logits_to_keep=logits_to_keep)
         if timing is not None:
             self.timings[timing] += self._clock() - start
         return out

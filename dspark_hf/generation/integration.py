@@ -1,9 +1,9 @@
-"""The one hook into transformers: route ``generate(assistant_model=<DSparkDraftModel>)`` to DSpark decoding.
+"""Route ``generate(assistant_model=<DSparkDraftModel>)`` to DSpark decoding.
 
 transformers chooses candidate generators from a hard-coded chain and its assisted loop refuses batch size > 1,
-so DSpark runs as a ``custom_generate`` callable (the public extension point). This module wraps
-``GenerationMixin.generate`` once, at ``import dspark_hf``: when ``assistant_model`` is a DSpark draft (or a peft
-wrapper of one) the call is forwarded with ``custom_generate=dspark_generate``; a call that names
+so DSpark runs as a ``custom_generate`` callable (the public extension point). ``import dspark_hf`` has
+`dspark_hf.internals` wrap ``GenerationMixin.generate`` with `_generate` once: when ``assistant_model`` is a DSpark
+draft (or a peft wrapper of one) the call is forwarded with ``custom_generate=dspark_generate``; a call that names
 ``custom_generate=dspark_generate`` itself gets the same refusals, its stop strings turned into a criterion and its
 streamer passed on; every other call goes to the original method untouched.
 The wrapper keeps no state and patches no model instance, so concurrent generate() calls are independent.
@@ -12,18 +12,17 @@ The wrapper keeps no state and patches no model instance, so concurrent generate
 from __future__ import annotations
 
 import functools
-import inspect
 
 import torch
 from transformers import PreTrainedConfig, StoppingCriteriaList, StopStringCriteria
-from transformers.generation.utils import GenerationMixin
 
+from .. import internals
 from ..model.configuration_dspark import DSparkConfig
 from ..model.modeling_dspark import DSparkDraftModel
 from .decoding import dspark_generate, unwrap_draft
 
-_original_generate = GenerationMixin.generate
-_signature = inspect.signature(_original_generate)
+_original_generate = internals.original_generate
+_signature = internals.generate_signature
 
 
 @functools.wraps(_original_generate)
@@ -101,10 +100,13 @@ def _on_the_prompt_s_device(out, device: torch.device | None):
 
 
 def _refuse_a_cache(extra: dict) -> None:
-    """Plain generate() fills a caller's cache for reuse; DSpark keeps its own."""
-    if extra.get("past_key_values") is not None:
-        raise ValueError("past_key_values is not supported with a DSpark draft: it keeps its own cache, re-aligned "
-                         "every round, so a cache passed in would not be filled for reuse. Drop past_key_values.")
+    """Plain generate() fills a caller's cache for reuse; DSpark keeps its own. Refused under every name a
+    transformers release accepts, so the message is the same on all of them."""
+    given = internals.cache_given(extra)
+    if given is not None:
+        name = given[0]
+        raise ValueError(f"{name} is not supported with a DSpark draft: it keeps its own cache, re-aligned every "
+                         f"round, so a cache passed in would not be filled for reuse. Drop {name}.")
 
 
 def _refuse_a_draft_of_another_class(model) -> None:
@@ -161,5 +163,4 @@ def _effective(model, bound: dict, extra: dict, option: str):
 
 def install() -> None:
     """Install the routing wrapper (idempotent)."""
-    if GenerationMixin.generate is not _generate:
-        GenerationMixin.generate = _generate
+    internals.install_generate_hook(_generate)

@@ -28,6 +28,7 @@ import transformers
 from transformers import DynamicCache
 
 from ..devices import clock
+from ..internals import with_cache
 from ..evaluation.machine import machine_info
 from ..files import write_atomic
 
@@ -75,7 +76,7 @@ def profile_sps(target, rows: int | Sequence[int] = 1, max_tokens_per_row: int =
     for R in rows:
         prompt = torch.randint(0, vocab, (R, context), generator=g, device="cpu").to(device)
         cache = DynamicCache()
-        out = target(input_ids=prompt, past_key_values=cache, use_cache=True, logits_to_keep=1,
+        out = target(input_ids=prompt, **with_cache(cache), use_cache=True, logits_to_keep=1,
                      output_hidden_states=draft.hidden_states_request if draft is not None else None)
         runs = {n: _verification(target, cache, context, n, torch.randint(0, vocab, (R, n), generator=g,
                                                                           device="cpu").to(device))
@@ -107,7 +108,7 @@ def _verification(target, cache, context: int, n: int, tokens: torch.Tensor):
     R, device = tokens.shape[0], tokens.device
     mask = torch.ones(R, context + n, dtype=torch.long, device=device)
     positions = torch.arange(context, context + n, device=device).expand(R, -1)
-    return (lambda: target(input_ids=tokens, attention_mask=mask, position_ids=positions, past_key_values=cache,
+    return (lambda: target(input_ids=tokens, attention_mask=mask, position_ids=positions, **with_cache(cache),
                            use_cache=True, logits_to_keep=0),
             lambda: cache.crop(-n))
 
