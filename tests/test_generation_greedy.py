@@ -561,6 +561,23 @@ def test_an_empty_prompt_is_refused_with_a_message_that_says_so():
 
 
 @pytest.mark.parametrize("do_sample", [False, True])
+def test_a_right_padded_batch_is_refused_saying_to_pad_on_the_left(do_sample):
+    """Plain generate() only warns and decodes on from the padding; DSpark would return other tokens."""
+    target = tiny_target("llama")
+    draft = tiny_draft(target)
+    ids = torch.randint(1, 96, (3, 8), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, 5:], mask[2, :2] = 0, 0  # row 0 has no padding, row 1 is padded on the right, row 2 on the left
+    with pytest.raises(ValueError, match=r"rows \[1\] .*padded on the right.*padding_side = 'left'"):
+        target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=do_sample,
+                        assistant_model=draft)
+    mask[1] = 1
+    mask[1, 2:4] = 0  # a gap inside the prompt still ends flush right, and decodes as plain generate() does
+    assert torch.equal(dspark(target, draft, ids, mask, max_new_tokens=6).sequences,
+                       plain(target, ids, mask, max_new_tokens=6))
+
+
+@pytest.mark.parametrize("do_sample", [False, True])
 def test_a_draft_whose_weights_went_non_finite_says_so_instead_of_failing_inside_sampling(do_sample):
     target = tiny_target("llama")
     draft = tiny_draft(target)

@@ -180,6 +180,11 @@ def _check_request(model, draft, cfg, synced_gpus, model_kwargs, input_ids, stre
             f"rows {mask.bool().any(1).logical_not().nonzero().flatten().tolist()} of the prompt are all padding"
         raise ValueError(f"DSpark decoding needs at least one prompt token in every row, but {empty}: start each "
                          "prompt with a token (e.g. the BOS token, or apply the chat template).")
+    if mask is not None and not bool(mask[:, -1].all()):
+        # each round's tokens go after the last column, so a row padded on the right would continue from its padding
+        rows = mask[:, -1].logical_not().nonzero().flatten().tolist()
+        raise ValueError(f"rows {rows} of the prompt are padded on the right (their attention mask ends in 0): DSpark "
+                         "decoding needs left padding. Set tokenizer.padding_side = 'left' and tokenize again.")
     positions = model_kwargs.get("position_ids")
     if positions is not None:  # generate() passes the mask's own positions; others change plain generate()'s output
         real = mask.bool() if mask is not None else torch.ones_like(input_ids, dtype=torch.bool)
