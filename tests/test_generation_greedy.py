@@ -589,6 +589,19 @@ def test_a_draft_whose_weights_went_non_finite_says_so_instead_of_failing_inside
                         assistant_model=draft, verification_policy=FullBlock())
 
 
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_a_draft_whose_confidence_head_went_non_finite_says_so_instead_of_planning_on_nan(do_sample):
+    """The output would stay lossless, but every policy would plan on NaN confidences without a word."""
+    target = tiny_target("llama")
+    draft = tiny_draft(target)
+    with torch.no_grad():
+        draft.confidence.weight.fill_(float("nan"))
+    ids, mask = left_padded_prompts(2)
+    with pytest.raises(FloatingPointError, match="non-finite confidences.*confidence head.*Reload the draft"):
+        target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=do_sample,
+                        assistant_model=draft, verification_policy=FullBlock())
+
+
 def test_a_commit_keeps_each_rows_accepted_entries_flush_right():
     appended = torch.tensor([[1, 2, 3], [4, 5, 6], [7, 8, 9]])
     commit = Commit(3, keep=torch.tensor([2, 1, 2]))
