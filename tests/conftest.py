@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import logging
 
 import pytest
 import torch
@@ -72,6 +73,22 @@ def profile_cache(tmp_path_factory):
     path = tmp_path_factory.mktemp("profiles")
     os.environ["DSPARK_HF_PROFILE_CACHE"] = str(path)
     return path
+
+
+@pytest.fixture
+def transformers_log():
+    """What transformers logs while the test runs, its once-only warnings included (its library logger does not
+    propagate, and `warning_once` remembers what an earlier test already logged)."""
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    root = logging.getLogger("transformers")
+    root.addHandler(handler)
+    logging.Logger.warning_once.cache_clear()
+    try:
+        yield records
+    finally:
+        root.removeHandler(handler)
 
 
 def has_smollm2() -> bool:

@@ -1,5 +1,6 @@
 """Greedy DSpark decoding returns exactly what plain `generate()` returns, whatever the batch looks like."""
 
+import logging
 import string
 import threading
 import warnings
@@ -558,6 +559,30 @@ def test_an_empty_prompt_is_refused_with_a_message_that_says_so():
     mask[1] = 0
     with pytest.raises(ValueError, match=r"rows \[1\] of the prompt are all padding"):
         target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, assistant_model=draft)
+
+
+@pytest.mark.parametrize("prompt_length, max_new_tokens", [(20, 6), (12, 8), (12, 4), (16, 1)])
+def test_a_sequence_past_the_target_s_max_position_embeddings_is_warned_of_as_plain_generate_does(
+        transformers_log, prompt_length, max_new_tokens):
+    """Past 16 positions: a prompt longer than that, an output that grows past it, one that stays within it, and a
+    prompt past it with one token to generate (its only length is the limit, where plain generate() says nothing)."""
+    target = tiny_target("llama", max_position_embeddings=16)
+    draft = tiny_draft(target)
+    ids, mask = left_padded_prompts(2, length=prompt_length)
+
+    def logged(**kw):
+        transformers_log.clear()
+        logging.Logger.warning_once.cache_clear()  # the second run may log what the first did
+        out = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
+                              **kw)
+        return out, [(r.levelno, r.getMessage()) for r in transformers_log if "maximum length" in r.getMessage()]
+
+    reference, said = logged()
+    out, ours = logged(assistant_model=draft, verification_policy=FullBlock())
+    assert torch.equal(out, reference)
+    assert ours == said
+    # plain generate() shows its criterion the lengths P + 1 .. P + max_new_tokens, the last one at the limit
+    assert bool(said) == (max_new_tokens > 1 and prompt_length + max_new_tokens - 1 > 16), said
 
 
 @pytest.mark.parametrize("do_sample", [False, True])
