@@ -44,12 +44,18 @@ def load_target(name_or_path: str | None = None, dtype: torch.dtype = torch.floa
 
 def load_target_model(name_or_path: str, dtype: torch.dtype = torch.float32):
     """The causal LM of a Hub id or local path, in `dtype` on the CPU, without a tokenizer (training needs none). A
-    missing folder, or a model that is no causal LM (a DSpark draft passed as the target), is refused in one line."""
+    missing folder, damaged weights, or a model that is no causal LM (a DSpark draft passed as the target), is refused
+    in one line."""
+    from safetensors import SafetensorError
     from transformers import AutoConfig, AutoModelForCausalLM
+
+    from .model.modeling_dspark import damaged_weights_error
 
     _check_name(name_or_path, "the target")
     try:
         return AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype)
+    except SafetensorError as error:
+        raise damaged_weights_error(name_or_path, error) from error
     except ValueError as error:  # transformers' message lists every causal-LM config class: thousands of characters
         if not str(error).startswith("Unrecognized configuration class"):
             raise

@@ -62,6 +62,14 @@ def left_padded_prompts(batch: int, vocab: int = VOCAB, length: int = 9, seed: i
     return ids, mask
 
 
+def cut_in_half(path) -> None:
+    """Leave the first half of a file, as an interrupted download or copy does."""
+    from pathlib import Path
+
+    data = Path(path).read_bytes()
+    Path(path).write_bytes(data[: len(data) // 2])
+
+
 FAMILIES = ["llama", "qwen3", "gemma3"]
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from conftest import left_padded_prompts, tiny_draft, tiny_target
+from conftest import cut_in_half, left_padded_prompts, tiny_draft, tiny_target
 from dspark_hf import DSparkDraftModel, FullBlock
 from dspark_hf.model.convert import convert_checkpoint
 from dspark_hf.generation.drafting import sample_block
@@ -254,6 +254,15 @@ def test_unknown_missing_and_misshaped_keys_are_all_reported_by_name(tmp_path, t
     assert "unknown keys: layers.0.self_attn.sinks" in message
     assert "missing keys: layers.1.mlp.up_proj.weight" in message
     assert "fc.weight (32, 64) -> fc.weight (32, 32)" in message
+    assert not (tmp_path / "dst").exists()
+
+
+def test_a_source_checkpoint_cut_short_is_refused_as_damaged(tmp_path, target):
+    original = tiny_draft(target, head_type="markov")
+    src = write_checkpoint(tmp_path / "src", deepspec_config(original, target), public_state_dict(original, target))
+    cut_in_half(src / "model.safetensors")
+    with pytest.raises(OSError, match=r"model\.safetensors are damaged or cut short.*download them again"):
+        convert_checkpoint(src, tmp_path / "dst", "deepspec", target=target)
     assert not (tmp_path / "dst").exists()
 
 

@@ -12,7 +12,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, AutoModel
 
-from conftest import VOCAB, tiny_draft, tiny_target
+from conftest import VOCAB, cut_in_half, tiny_draft, tiny_target
 import dspark_hf
 from dspark_hf import DSparkConfig, DSparkDraftModel
 from dspark_hf.generation.drafting import sample_block
@@ -349,6 +349,22 @@ def test_a_checkpoint_missing_any_tensor_is_refused_naming_them(tmp_path, droppe
         DSparkDraftModel.from_pretrained(tmp_path)
     with pytest.raises(ValueError, match=message):
         AutoModel.from_pretrained(tmp_path)
+
+
+def test_a_checkpoint_cut_short_is_refused_as_damaged_saying_to_download_or_save_it_again(tmp_path):
+    """safetensors' own error says only 'incomplete metadata'; a target's weights are read by the same rule."""
+    from dspark_hf.loading import load_target_model
+
+    target = tiny_target("llama")
+    tiny_draft(target).save_pretrained(tmp_path / "draft")
+    target.save_pretrained(tmp_path / "target")
+    for folder in ("draft", "target"):
+        cut_in_half(tmp_path / folder / "model.safetensors")
+    message = r"weights of .*{} are damaged or cut short \(.*incomplete.*\).*download them again.*save_pretrained"
+    with pytest.raises(OSError, match=message.format("draft")):
+        DSparkDraftModel.from_pretrained(tmp_path / "draft")
+    with pytest.raises(OSError, match=message.format("target")):
+        load_target_model(str(tmp_path / "target"))
 
 
 def test_a_checkpoint_that_does_not_match_its_config_is_refused_in_one_line(tmp_path):

@@ -33,12 +33,13 @@ import json
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from transformers import PreTrainedModel
 
 from ..files import check_output_folder, written_by_dspark
 from .configuration_dspark import DSparkConfig
-from .modeling_dspark import DSparkDraftModel
+from .modeling_dspark import DSparkDraftModel, damaged_weights_error
 
 SOURCES = ("deepspec", "specforge", "dflash")
 
@@ -226,7 +227,10 @@ def load_safetensors(src: Path) -> dict[str, torch.Tensor]:
                                 "with save_pretrained(..., safe_serialization=True).")
     tensors: dict[str, torch.Tensor] = {}
     for name in files:
-        shard = load_file(src / name)
+        try:
+            shard = load_file(src / name)
+        except SafetensorError as error:
+            raise damaged_weights_error(src / name, error) from error
         if tensors.keys() & shard.keys():
             raise ValueError(f"{name} repeats keys of an earlier shard: {sorted(tensors.keys() & shard.keys())[:5]}")
         # fresh storage: load_file's tensors can sit at unaligned offsets, which changes CPU matmul rounding

@@ -26,6 +26,7 @@ from typing import Any, Callable, ClassVar
 
 import torch
 import torch.nn.functional as F
+from safetensors import SafetensorError
 from torch import nn
 from transformers import PreTrainedModel
 from transformers.activations import ACT2FN
@@ -395,6 +396,8 @@ class DSparkDraftModel(DSparkPreTrainedModel):
         try:
             model, info = super().from_pretrained(pretrained_model_name_or_path, *args, output_loading_info=True,
                                                   **kwargs)
+        except SafetensorError as error:
+            raise damaged_weights_error(pretrained_model_name_or_path, error) from error
         except OSError as error:
             clearer = None if cls.sharing is None else cls.sharing.offline_load_error(pretrained_model_name_or_path,
                                                                                        kwargs)
@@ -647,6 +650,14 @@ def same_fingerprint(a: list[float], b: list[float]) -> bool:
         return False
     x, y = x - x.mean(), y - y.mean()
     return float((x * y).sum()) >= 0.9 * float(x.norm() * y.norm())
+
+
+def damaged_weights_error(name_or_path, error: Exception) -> OSError:
+    """The error for a model whose safetensors weights do not read (`error`, safetensors' own): a file cut short by
+    an interrupted download, copy or save, or overwritten."""
+    return OSError(f"The weights of {name_or_path} are damaged or cut short ({' '.join(str(error).split())}), as an "
+                   "interrupted download, copy or save leaves them: download them again (for a Hub id, "
+                   "from_pretrained(..., force_download=True)) or save the model again with save_pretrained.")
 
 
 def _first_five(names: list[str]) -> str:
