@@ -810,10 +810,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-# What a user can fix (a missing or malformed file, a bad value, a draft built for another target, a checkpoint whose
-# semantics are not supported) ends the command with one line and status 2, as argparse does for bad flags; a bug
-# anywhere else keeps its traceback.
-USER_ERRORS = (ValueError, TypeError, OSError, ImportError, NotImplementedError)
+# What a user can fix (a missing, damaged or malformed file, a bad value, a draft built for another target, a
+# checkpoint whose semantics are not supported, a draft whose weights are not finite) ends the command with one line
+# and status 2, as argparse does for bad flags; a bug anywhere else keeps its traceback.
+USER_ERRORS = (ValueError, TypeError, OSError, ImportError, NotImplementedError, FloatingPointError)
 
 
 def _connection_errors() -> tuple[type[BaseException], ...]:

@@ -2,12 +2,13 @@
 
 import json
 import re
+import shutil
 
 import pytest
 import torch
 from transformers import PreTrainedTokenizerFast
 
-from conftest import VOCAB, cli_error, tiny_draft, tiny_target
+from conftest import VOCAB, cli_error, cut_in_half, tiny_draft, tiny_target
 from dspark_hf import DSparkDraftModel
 from dspark_hf.cli import main
 from dspark_hf.evaluation.evaluate import threshold_sweep
@@ -370,8 +371,6 @@ def test_dspark_calibrate_saves_temperatures_a_report_and_a_diagram(tiny_models,
 
 def test_calibrate_rolls_out_each_held_out_prompt_once_and_never_past_the_training_split(tiny_models, tmp_path,
                                                                                           capsys):
-    import shutil
-
     data = tmp_path / "data.jsonl"
     with data.open("w") as f:  # three prompts, two answers each
         for i in range(6):
@@ -406,6 +405,34 @@ def test_cli_errors_a_user_can_fix_are_one_line_with_status_2_and_the_traceback_
     assert "does not fit" in error and "hidden size 48" in error
     with pytest.raises(ValueError, match="no such file"):  # --debug: the exception itself
         main([*missing, "--debug"])
+
+
+def nan_weight(folder):
+    draft = DSparkDraftModel.from_pretrained(folder)
+    with torch.no_grad():
+        draft.layers[0].mlp.down_proj.weight.fill_(float("nan"))
+    draft.save_pretrained(folder)
+
+
+def nan_confidence_head(folder):
+    draft = DSparkDraftModel.from_pretrained(folder)
+    with torch.no_grad():
+        draft.confidence.weight.fill_(float("nan"))
+    draft.save_pretrained(folder)
+
+
+@pytest.mark.parametrize("damage, message", [
+    (nan_weight, "non-finite probabilities.*Reload the draft"),
+    (nan_confidence_head, "non-finite confidences.*Reload the draft"),
+    (lambda folder: cut_in_half(folder / "model.safetensors"), "damaged or cut short.*download them again"),
+], ids=["nan weight", "nan confidence head", "truncated weights"])
+def test_dspark_generate_with_a_broken_draft_ends_in_one_line(tiny_models, tmp_path, capsys, damage, message):
+    broken = tmp_path / "draft"
+    shutil.copytree(tiny_models / "draft", broken)
+    damage(broken)
+    error = cli_error(capsys, ["generate", "--target", str(tiny_models / "target"), "--draft", str(broken),
+                               "--prompt", "w4 w5 w6", "--max-new-tokens", "8"])
+    assert re.search(message, error), error
 
 
 @pytest.mark.parametrize("argv, message", [
