@@ -12,6 +12,8 @@ from pathlib import Path
 
 import torch
 
+from .hub import connection_errors, unreachable_hub_error
+
 
 def _load(args, draft: bool = True):
     """(target, tokenizer, draft or None) from the --target / --draft / --dtype / --draft-dtype / --device flags."""
@@ -816,19 +818,6 @@ def build_parser() -> argparse.ArgumentParser:
 USER_ERRORS = (ValueError, TypeError, OSError, ImportError, NotImplementedError, FloatingPointError)
 
 
-def _connection_errors() -> tuple[type[BaseException], ...]:
-    """The transport errors of the HTTP client huggingface_hub uses (httpx2, httpx or requests, by its version)."""
-    import importlib
-
-    found = []
-    for module, name in (("httpx2", "TransportError"), ("httpx", "TransportError"), ("requests", "ConnectionError")):
-        try:
-            found.append(getattr(importlib.import_module(module), name))
-        except (ImportError, AttributeError):
-            pass
-    return tuple(found)
-
-
 # list flags whose values are each measured (or collected) once: a value given twice would be run twice and kept once
 _DISTINCT_FLAGS = ("batch_sizes", "cache_sizes", "saguaro_c", "fixed_lengths", "rows", "policy", "policies", "suite")
 
@@ -855,9 +844,8 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except USER_ERRORS as e:
         message = " ".join(str(e).split()) or type(e).__name__
-    except _connection_errors() as e:
-        message = (f"could not reach the Hub ({e}): check the network or HF_ENDPOINT (HF_HUB_OFFLINE=1 loads from the "
-                   "local cache)")
+    except connection_errors() as e:  # Hub calls other than our own pushes, which say it themselves
+        message = str(unreachable_hub_error(e))
     print(f"dspark {command}: error: {message} (run with --debug for the traceback)", file=sys.stderr)
     return 2
 

@@ -483,6 +483,17 @@ def test_a_push_that_cannot_reach_the_hub_says_so_in_one_line(tmp_path):
     assert out.splitlines()[-1].startswith("2 dspark push: error: could not reach the Hub")
 
 
+def test_a_python_push_that_cannot_reach_the_hub_says_so_and_keeps_the_transport_error_as_its_cause(monkeypatch,
+                                                                                                       tmp_path):
+    use_hub(monkeypatch, "http://127.0.0.1:9")  # nothing listens there
+    draft = make_draft()
+    for push in (lambda: draft.push_to_hub("alice/draft", token=TOKEN),
+                 lambda: draft.save_pretrained(tmp_path, push_to_hub=True, repo_id="alice/draft", token=TOKEN)):
+        with pytest.raises(ConnectionError, match="could not reach the Hub .*check the network or HF_ENDPOINT") as e:
+            push()
+        assert type(e.value.__cause__).__name__ == "ConnectError"  # of huggingface_hub's HTTP client
+
+
 def test_remote_code_without_dspark_hf_saves_without_a_card_and_says_what_decoding_needs(tmp_path):
     """modeling_dspark.py is copied next to the weights and imports dspark_hf lazily: where dspark_hf is absent a
     draft loaded with trust_remote_code still saves (no card), and asking for a card, or passing the draft to
