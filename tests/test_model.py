@@ -232,6 +232,14 @@ def test_binding_to_a_different_target_raises_a_clear_error(change, message):
     assert "from_target" in str(err.value)
 
 
+def test_a_draft_asked_to_generate_says_to_generate_with_its_target():
+    draft = tiny_draft(tiny_target("llama"))
+    with pytest.raises(AttributeError, match=r"does not generate on its own.*target\.generate\(\*\*inputs, "
+                                             r"assistant_model=draft\)"):
+        draft.generate(torch.ones(1, 3, dtype=torch.long))
+    assert not hasattr(draft, "generate") and not DSparkDraftModel.can_generate()
+
+
 def test_config_rejects_the_final_layer_and_bad_head_types():
     with pytest.raises(ValueError, match="never the last layer"):
         DSparkConfig(target_layer_ids=[3], target_num_hidden_layers=4, target_vocab_size=10)

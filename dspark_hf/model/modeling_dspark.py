@@ -465,6 +465,14 @@ class DSparkDraftModel(DSparkPreTrainedModel):
     def generation_config(self, value) -> None:
         self.__dict__["_generation_config"] = value
 
+    def __getattr__(self, name: str):
+        # refused here rather than by a generate() method: transformers adds generation machinery to a remote-code
+        # class that has one, and hasattr(draft, "generate") stays False as for any model that cannot generate
+        if name == "generate":
+            raise AttributeError("A DSpark draft does not generate on its own: it drafts for its target. Call "
+                                 "target.generate(**inputs, assistant_model=draft) after import dspark_hf.")
+        return super().__getattr__(name)
+
     def _check_config(self) -> None:
         # fields set after construction (calibration sets confidence_temperatures) were never validated
         try:
