@@ -232,6 +232,17 @@ def test_binding_to_a_different_target_raises_a_clear_error(change, message):
     assert "from_target" in str(err.value)
 
 
+def test_a_model_without_an_lm_head_is_refused_as_a_target_saying_what_a_target_is():
+    """A draft borrows its target's LM head: a draft, or a base model loaded with AutoModel, has none."""
+    target = tiny_target("llama")
+    draft = tiny_draft(target)
+    for bind in (DSparkDraftModel.from_target, tiny_draft(target).bind_target):
+        with pytest.raises(ValueError, match=r"is a DSpark draft, not a target: pass the causal LM it drafts for"):
+            bind(draft)
+        with pytest.raises(ValueError, match=r"LlamaModel has no LM head.*AutoModelForCausalLM"):
+            bind(target.model)
+
+
 def test_a_draft_asked_to_generate_says_to_generate_with_its_target():
     draft = tiny_draft(tiny_target("llama"))
     with pytest.raises(AttributeError, match=r"does not generate on its own.*target\.generate\(\*\*inputs, "

@@ -264,6 +264,7 @@ class DSparkDraftModel(DSparkPreTrainedModel):
         DSparkConfig's defaults (the one default shape: 2 layers, a Markov head of rank 128, blocks of 7); every
         config field can be overridden, e.g. ``from_target(target, num_hidden_layers=1, markov_rank=16)``.
         """
+        _refuse_a_model_without_an_lm_head(target)
         t = target.config.get_text_config()
         _refuse_unreadable_target(t)
         n_layers = overrides.get("num_hidden_layers", DSparkConfig.num_hidden_layers)
@@ -334,13 +335,12 @@ class DSparkDraftModel(DSparkPreTrainedModel):
 
     def check_target(self, target: PreTrainedModel) -> None:
         """Raise a ValueError that says what differs if this draft was not built for `target`."""
+        _refuse_a_model_without_an_lm_head(target)
         c, t = self.config, target.config.get_text_config()
         _refuse_unreadable_target(t)
         out = target.get_output_embeddings()
         problems = []
-        if out is None:
-            problems.append("the target has no LM head (get_output_embeddings() is None)")
-        elif out.weight.shape[0] != c.target_vocab_size:
+        if out.weight.shape[0] != c.target_vocab_size:
             problems.append(f"vocabulary size {out.weight.shape[0]} != {c.target_vocab_size} the draft was built for")
         if t.hidden_size != c.hidden_size:
             problems.append(f"hidden size {t.hidden_size} != {c.hidden_size}")
@@ -686,6 +686,17 @@ _STATEFUL_LAYER_TYPES = {"linear_attention", "conv", "hybrid", "hybrid_sliding",
 # targets whose decoder layers pass more than one hidden stream between them, so no single layer output is the
 # "hidden state" a draft reads (Gemma3n's AltUp predicts and corrects several streams, plus per-layer inputs)
 _MULTI_STREAM_MODEL_TYPES = {"gemma3n_text": "AltUp layers that carry several hidden streams and per-layer inputs"}
+
+
+def _refuse_a_model_without_an_lm_head(target) -> None:
+    """A draft borrows its target's LM head: a model without one (a DSpark draft, a base model) is no target."""
+    if isinstance(target, DSparkPreTrainedModel):
+        raise ValueError("This model is a DSpark draft, not a target: pass the causal LM it drafts for, e.g. "
+                         "AutoModelForCausalLM.from_pretrained(...), as the target.")
+    if target.get_output_embeddings() is None:
+        raise ValueError(f"A {type(target).__name__} has no LM head (get_output_embeddings() is None), so it cannot "
+                         "be a DSpark target: load the causal LM with its head, e.g. with "
+                         "AutoModelForCausalLM.from_pretrained (not AutoModel).")
 
 
 def _refuse_unreadable_target(t) -> None:
