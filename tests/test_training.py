@@ -2,6 +2,7 @@
 
 import json
 import math
+import re
 import warnings
 from pathlib import Path
 
@@ -472,13 +473,15 @@ def checkpointed_run(tmp_path, target, **settings) -> dict:
                 **settings)
 
 
-def test_training_resumes_from_the_last_checkpoint(tmp_path):
+def test_training_resumes_from_the_last_checkpoint_and_says_from_which_step(tmp_path, capsys):
     target = tiny_target("llama")
     kw = checkpointed_run(tmp_path, target)
     train(TrainConfig(epochs=2, **kw), target=target, progress=False)  # 4 steps, checkpoints at 2 and 4
     assert (tmp_path / "run" / "checkpoint-4" / "trainer_state.pt").exists()
+    assert "resuming" not in capsys.readouterr().out
     resumed = train(TrainConfig(epochs=3, **kw), target=target, progress=False)  # continues at step 4
     assert (tmp_path / "run" / "checkpoint-6").exists() and resumed is not None
+    assert re.search(r"resuming .*run from checkpoint-4 at step 4 of 6", capsys.readouterr().out)
 
 
 class FakeClock:
