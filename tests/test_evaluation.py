@@ -468,7 +468,11 @@ def test_cli_values_that_cannot_work_get_one_line(tiny_models, tmp_path, capsys)
                                                 "--loss-ce", "nan"])
 
 
-def test_dspark_bench_ssd_compares_fan_out_shapes_saguaro_and_speed(tiny_models, tmp_path, capsys):
+def test_dspark_bench_ssd_compares_fan_out_shapes_saguaro_and_speed(tiny_models, tmp_path, capsys, monkeypatch):
+    import dspark_hf.evaluation.bench_ssd as bench_ssd
+
+    # plain decoding's step is timing noise on a tiny model; the equation is checked on a step of 10 ms
+    monkeypatch.setattr(bench_ssd, "plain_step_seconds", lambda *args: 0.01)
     out = tmp_path / "ssd.json"
     assert main(["bench", "ssd", "--target", str(tiny_models / "target"), "--draft", str(tiny_models / "draft"),
                  "--prompts", str(tiny_models / "prompts.jsonl"), "--limit", "2", "--max-new-tokens", "8",
@@ -873,7 +877,10 @@ def test_bench_oracle_refuses_fewer_than_two_new_tokens_before_loading_models(tm
         capsys, ["bench", "oracle", "--target", str(tmp_path / "no-target"), "--max-new-tokens", "1"])
 
 
-def test_configurations_a_bench_or_eval_cannot_measure_are_said_and_recorded(tiny_models, tmp_path, capsys):
+def test_configurations_a_bench_or_eval_cannot_measure_are_said_and_recorded(tiny_models, tmp_path, capsys,
+                                                                             monkeypatch):
+    import dspark_hf.evaluation.bench_ssd as bench_ssd
+
     models = ["--target", str(tiny_models / "target"), "--draft", str(tiny_models / "draft")]
     prompts = ["--prompts", str(tiny_models / "prompts.jsonl"), "--limit", "1"]
     out = tmp_path / "out.json"
@@ -882,10 +889,19 @@ def test_configurations_a_bench_or_eval_cannot_measure_are_said_and_recorded(tin
     assert "prompt lookup decoding refuses batch size > 1" in json.loads(out.read_text())["skipped"]["prompt_lookup"]
     assert "note: prompt_lookup not measured: transformers' prompt lookup" in capsys.readouterr().out
 
+    # plain decoding's step is the difference of two timed decodes, which noise can make negative on a tiny model
+    # (the equation times its own batch-1 decodes, whatever --batch-sizes says)
+    monkeypatch.setattr(bench_ssd, "plain_step_seconds", lambda *args: -0.002)
     assert main(["bench", "ssd", *models, *prompts, "--cache-sizes", "2", "--saguaro-c", "1.0", "--batch-sizes",
                  "2", "--max-new-tokens", "6", "--repeats", "1", "--output", str(out)]) == 0
-    report = json.loads(out.read_text())  # the equation times its own batch-1 decodes, whatever --batch-sizes says
-    assert report["equation"]["t_plain"] > 0 and "equation" not in report["skipped"]
+    report = json.loads(out.read_text())
+    assert report["equation"] is None
+    assert re.search(r"plain generate\(\)'s step came out at -2 ms: timing noise, not a measurement; raise "
+                     r"--max-new-tokens", report["skipped"]["equation"])
+    assert "note: equation not measured: plain generate()'s step came out at -2 ms" in capsys.readouterr().out
+    assert bench_ssd.unmeasured_times({"a step": 0.0, "a round": float("nan")}).startswith(
+        "a step came out at 0 ms; a round came out at nan ms")
+    assert bench_ssd.unmeasured_times({"a step": 1e-6, "a round": 0.2}) is None
 
     no_head = tmp_path / "no_head"
     tiny_draft(tiny_target("llama"), confidence_head=False).save_pretrained(no_head)
