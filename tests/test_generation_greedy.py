@@ -561,6 +561,20 @@ def test_an_empty_prompt_is_refused_with_a_message_that_says_so():
         target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, assistant_model=draft)
 
 
+@pytest.mark.parametrize("malform, message", [
+    (lambda ids, mask: (ids, mask[:, 1:]), r"attention_mask has shape \(2, 8\) but input_ids \(2, 9\): pass the mask"),
+    (lambda ids, mask: (ids + 200, mask), r"ids outside the target's vocabulary of 96 tokens \(min 200, max \d+\): "
+                                          r"tokenize with the target's tokenizer"),
+    (lambda ids, mask: (ids - 1, mask), r"outside the target's vocabulary of 96 tokens \(min -1"),
+], ids=["mask of another shape", "ids past the vocabulary", "negative ids"])
+def test_a_malformed_prompt_is_refused_saying_what_to_pass_instead_of_failing_inside_the_target(malform, message):
+    """Plain generate() fails inside the model (a shape mismatch, an index error; on a GPU, a device-side assert)."""
+    target = tiny_target("llama")
+    ids, mask = malform(*left_padded_prompts(2))
+    with pytest.raises(ValueError, match=message):
+        target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, assistant_model=tiny_draft(target))
+
+
 @pytest.mark.parametrize("prompt_length, max_new_tokens", [(20, 6), (12, 8), (12, 4), (16, 1)])
 def test_a_sequence_past_the_target_s_max_position_embeddings_is_warned_of_as_plain_generate_does(
         transformers_log, prompt_length, max_new_tokens):

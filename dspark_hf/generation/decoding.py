@@ -175,6 +175,13 @@ def _check_request(model, draft, cfg, synced_gpus, model_kwargs, input_ids, stre
     if unknown:
         raise ValueError(f"DSpark decoding does not accept these generate() arguments: {sorted(unknown)}.")
     mask = model_kwargs.get("attention_mask")
+    if mask is not None and mask.shape != input_ids.shape:
+        raise ValueError(f"attention_mask has shape {tuple(mask.shape)} but input_ids {tuple(input_ids.shape)}: pass "
+                         "the mask the tokenizer returned with these ids (one entry per token).")
+    vocab = getattr(model.get_input_embeddings(), "num_embeddings", None)
+    if vocab is not None and input_ids.numel() and not bool(((input_ids >= 0) & (input_ids < vocab)).all()):
+        raise ValueError(f"input_ids hold ids outside the target's vocabulary of {vocab} tokens (min "
+                         f"{int(input_ids.min())}, max {int(input_ids.max())}): tokenize with the target's tokenizer.")
     if input_ids.shape[1] == 0 or (mask is not None and not bool(mask.bool().any(1).all())):
         empty = "the prompt is empty" if input_ids.shape[1] == 0 else \
             f"rows {mask.bool().any(1).logical_not().nonzero().flatten().tolist()} of the prompt are all padding"
