@@ -292,8 +292,12 @@ def map_state_dict(tensors: dict[str, torch.Tensor], draft: DSparkDraftModel, so
 
 # ---------------------------------------------------------------------------------------------------------------
 def check_conversion_folder(src: str | Path, dst: str | Path) -> None:
-    """Refuse a `dst` that is `src`, or that holds anything but an earlier conversion (a dspark-hf draft): saving
-    there would replace the checkpoint being converted, or a downloaded one."""
+    """Refuse a `src` without a config.json, and a `dst` that is `src` or that holds anything but an earlier
+    conversion (a dspark-hf draft): saving there would replace the checkpoint being converted, or a downloaded one."""
+    if not (Path(src) / "config.json").is_file():
+        missing = "no config.json in it" if Path(src).is_dir() else "no such folder"
+        raise FileNotFoundError(f"{src}: {missing}: give the folder of the checkpoint to convert (its config.json and "
+                                "*.safetensors, as downloaded).")
     if Path(dst).resolve() == Path(src).resolve():
         raise ValueError(f"{dst} is the checkpoint being converted: write the conversion to another folder.")
     check_output_folder(dst, "conversion", ours=("draft",))
@@ -312,7 +316,11 @@ def convert_checkpoint(src: str | Path, dst: str | Path, source: str,
         raise ValueError(f"source must be one of {SOURCES}, got {source!r}.")
     check_conversion_folder(src, dst)
     src = Path(src)
-    raw = json.loads((src / "config.json").read_text())
+    try:
+        raw = json.loads((src / "config.json").read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"{src}/config.json does not read as JSON ({error}): download the checkpoint again.") \
+            from error
     if target is not None:
         t = target.config.get_text_config()
         raw.setdefault("num_target_layers", t.num_hidden_layers)
