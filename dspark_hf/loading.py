@@ -33,13 +33,30 @@ def load_target(name_or_path: str | None = None, dtype: torch.dtype = torch.floa
     on `device` ("auto": a CUDA GPU when present, else the CPU). The tokenizer pads on the left, for batches."""
     if name_or_path is None:
         return default_target(dtype=dtype, device=device)
-    from transformers import AutoTokenizer
-
-    model = load_target_model(name_or_path, dtype)
-    tokenizer = AutoTokenizer.from_pretrained(name_or_path, padding_side="left")
+    model = load_target_model(name_or_path, dtype)  # first: it says what else a folder holds (a draft, say)
+    tokenizer = _target_tokenizer(name_or_path)
     if tokenizer.pad_token is None:  # Llama-3 style tokenizers: a batch pads with EOS, as plain generate() does
         tokenizer.pad_token = tokenizer.eos_token
     return model.to(resolve_device(device)).eval(), tokenizer
+
+
+# what a saved tokenizer leaves in its folder, one file or another by its kind
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                    "spiece.model", "tekken.json")
+
+
+def _target_tokenizer(name_or_path: str):
+    """The target's tokenizer; a local folder saved without one says so, not that a converter package is missing."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(name_or_path, padding_side="left")
+    except (ValueError, OSError) as error:
+        folder = Path(name_or_path).expanduser()
+        if not folder.is_dir() or any((folder / name).exists() for name in _TOKENIZER_FILES):
+            raise
+        raise ValueError(f"the target {name_or_path} has no tokenizer (no tokenizer.json or tokenizer_config.json in "
+                         "it): save the target's tokenizer beside it, tokenizer.save_pretrained(folder).") from error
 
 
 def load_target_model(name_or_path: str, dtype: torch.dtype = torch.float32):

@@ -592,6 +592,13 @@ def test_a_draft_given_as_the_target_is_named_as_such(tiny_models, capsys):
         capsys, ["eval", "--target", str(tiny_models / "draft"), "--suite", "gsm"])
 
 
+def test_a_target_saved_without_its_tokenizer_is_told_to_save_it_beside_the_model(tmp_path, capsys):
+    """transformers' own error speaks of sentencepiece and tiktoken, which would not help."""
+    tiny_target("llama").save_pretrained(tmp_path / "target")
+    assert re.search(r"target .*target has no tokenizer .*tokenizer\.save_pretrained", cli_error(
+        capsys, ["eval", "--target", str(tmp_path / "target"), "--suite", "gsm"]))
+
+
 def test_a_target_whose_tokenizer_has_no_pad_token_pads_batches_with_eos(tiny_models, tmp_path):
     from dspark_hf.loading import load_target
 
