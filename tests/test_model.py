@@ -243,6 +243,13 @@ def test_a_model_without_an_lm_head_is_refused_as_a_target_saying_what_a_target_
             bind(target.model)
 
 
+def test_a_teacher_forced_forward_without_the_target_s_context_says_what_to_pass():
+    draft = tiny_draft(tiny_target("llama"))
+    ids = torch.ones(1, 1, dtype=torch.long)
+    with pytest.raises(ValueError, match="pass context= .*or context_features, context_positions and context_valid"):
+        draft(ids, ids, block_tokens=torch.ones(1, 1, GAMMA, dtype=torch.long))
+
+
 def test_a_draft_asked_to_generate_says_to_generate_with_its_target():
     draft = tiny_draft(tiny_target("llama"))
     with pytest.raises(AttributeError, match=r"does not generate on its own.*target\.generate\(\*\*inputs, "

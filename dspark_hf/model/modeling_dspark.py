@@ -610,6 +610,9 @@ class DSparkDraftModel(DSparkPreTrainedModel):
         anchor for k = 1). known (N, A, lag): tokens before each anchor seen without their features (see
         [`backbone`]). Returns draft-vocabulary logits; use [`to_target_vocab`] for target-vocabulary ones."""
         if context is None:
+            if context_features is None or context_positions is None or context_valid is None:
+                raise ValueError("A draft's forward reads its target's context: pass context= (from encode_context), "
+                                 "or context_features, context_positions and context_valid.")
             context = self.encode_context(context_features, context_positions, context_valid)
         h = self.backbone(anchor_ids, anchor_positions, context, known)
         logits = self.base_logits(h)
