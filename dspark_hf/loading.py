@@ -88,7 +88,10 @@ def load_draft(name_or_path: str | None, target, dtype: torch.dtype | str = "aut
     """A draft bound to `target`, on its device: a saved draft (Hub id or path), a LoRA adapter (`dspark train
     --lora`; a folder or Hub id) merged into its base, or the draft shipped for SmolLM2 when None. dtype "auto":
     [`fast_draft_dtype`]; a draft's dtype changes speed only, never what generate() returns."""
+    from safetensors import SafetensorError
+
     from .model import DSparkDraftModel
+    from .model.modeling_dspark import damaged_weights_error
 
     dtype = fast_draft_dtype(target) if dtype == "auto" else dtype
     if name_or_path is None:
@@ -104,7 +107,10 @@ def load_draft(name_or_path: str | None, target, dtype: torch.dtype | str = "aut
                              "apply the adapter with peft.PeftModel.from_pretrained(draft, adapter_folder).")
         draft = _adapter_base(name_or_path, base, dtype).to(target.device)
         # merged, every caller sees a plain draft (calibrate and export save a full one); same function
-        draft = PeftModel.from_pretrained(draft, name_or_path).merge_and_unload()
+        try:
+            draft = PeftModel.from_pretrained(draft, name_or_path).merge_and_unload()
+        except SafetensorError as error:
+            raise damaged_weights_error(name_or_path, error) from error
     else:
         draft = DSparkDraftModel.from_pretrained(name_or_path, dtype=dtype).to(target.device)
     return draft.bind_target(target).eval()
