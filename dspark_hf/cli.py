@@ -33,13 +33,20 @@ def _check_outputs(args) -> None:
     they would hold (a benchmark's hours are lost if writing fails at the end)."""
     output, plot = Path(args.output), getattr(args, "plot", None)
     if output.is_dir():
-        raise ValueError(f"--output {args.output} is a folder: give the path of the JSON file to write.")
+        raise ValueError(f"--output {args.output} is a folder: give the path of the file to write.")
     if plot is not None and Path(plot).exists() and not Path(plot).is_dir():
         raise ValueError(f"--plot {plot} is a file: give a folder for the PNGs.")
     for flag, path in (("--output", output), ("--plot", None if plot is None else Path(plot))):
         blocked = None if path is None else next((p for p in path.parents if p.exists() and not p.is_dir()), None)
         if blocked is not None:
             raise ValueError(f"{flag} {path}: {blocked} is a file, not a folder: give another path.")
+
+
+def _read_text(path: str, flag: str) -> str:
+    """The text of the file a flag names, or a ValueError that says there is no such file."""
+    if not Path(path).is_file():
+        raise ValueError(f"{flag} {path}: no such file.")
+    return Path(path).read_text()
 
 
 def _write_report(args, report: dict) -> None:
@@ -125,6 +132,7 @@ def cmd_prompts(args) -> int:
     from .defaults import default_target_path
     from .training.prompts import collect_prompts, write_prompts
 
+    _check_outputs(args)  # before the prompts are collected
     sources = {}
     for spec in args.source:
         name, _, count = spec.partition("=")
@@ -161,6 +169,7 @@ def cmd_prepare_data(args) -> int:
     from .training.data import GenerationSettings, manifest_path, prepare_data
     from .training.prompts import read_prompts, read_sharegpt
 
+    _check_outputs(args)
     target, tokenizer, _ = _load(args, draft=False)
     prompts = read_prompts(args.prompts) if args.prompts else read_sharegpt()
     if args.skip:
@@ -346,8 +355,10 @@ def cmd_push(args) -> int:
     """Push a trained (or calibrated) draft folder to the Hub with a generated model card."""
     from .hub import push_draft
 
+    # a --recipe read here: push_draft takes a string that names no file for the recipe's markdown itself
+    recipe = _read_text(args.recipe, "--recipe") if args.recipe else None
     info = push_draft(args.draft, args.repo_id, base_model=args.base_model, eval_results=args.eval,
-                      calibration=args.calibration, recipe=args.recipe, license=args.license, private=args.private,
+                      calibration=args.calibration, recipe=recipe, license=args.license, private=args.private,
                       token=args.token, revision=args.revision, commit_message=args.commit_message, dtype=args.dtype)
     print(f"pushed {info.commit_url} (load it with revision={info.oid!r})")
     return 0
@@ -387,7 +398,7 @@ def cmd_export(args) -> int:
     draft = DSparkDraftModel.from_pretrained(args.draft).to(getattr(torch, args.dtype))
     draft.config.target_name_or_path = args.base_model  # not the path the target was trained from on some machine
     eval_results = read_json(args.eval)
-    recipe = Path(args.recipe).read_text() if args.recipe else None
+    recipe = _read_text(args.recipe, "--recipe") if args.recipe else None
     calibration = folder_calibration(args.draft, args.calibration)
     shipped = Path(args.output).resolve() == SHIPPED_DRAFT_DIR.resolve()  # the card of the draft the package ships
     # the card checks the result files against the draft: render it before anything is written

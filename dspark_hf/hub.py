@@ -158,6 +158,9 @@ def push_draft(folder: str | Path, repo_id: str, base_model: str | None = None,
     from .loading import refuse_adapter
 
     folder = Path(folder)
+    if not folder.is_dir():  # (else refuse_adapter would look it up as a Hub id)
+        raise FileNotFoundError(f"{folder}: no such folder: pass the --output-dir of `dspark train` or the --output of "
+                                "`dspark calibrate`.")
     refuse_adapter(str(folder), "dspark push")
     if not (folder / "config.json").is_file():
         raise FileNotFoundError(f"{folder} holds no saved draft (no config.json): pass the --output-dir of "
@@ -290,6 +293,8 @@ def read_json(value: str | Path | dict | None) -> dict | None:
     that is not JSON."""
     if value is None or isinstance(value, dict):
         return value
+    if not Path(value).is_file():
+        raise FileNotFoundError(f"{value}: no such file.")
     try:
         return json.loads(Path(value).read_text())
     except (UnicodeDecodeError, json.JSONDecodeError) as error:

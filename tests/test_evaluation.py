@@ -592,6 +592,15 @@ def test_a_draft_given_as_the_target_is_named_as_such(tiny_models, capsys):
         capsys, ["eval", "--target", str(tiny_models / "draft"), "--suite", "gsm"])
 
 
+@pytest.mark.parametrize("command", [["prompts", "--source", "stdlib=3"],
+                                     ["prepare-data", "--prompts", "prompts.jsonl", "--num-examples", "1"]],
+                         ids=lambda c: c[0])
+def test_an_output_that_is_a_folder_is_refused_before_any_work(tiny_models, tmp_path, capsys, command):
+    argv = [*command, "--target", str(tiny_models / "target"), "--output", str(tmp_path)]
+    argv = [str(tiny_models / a) if a == "prompts.jsonl" else a for a in argv]
+    assert f"--output {tmp_path} is a folder: give the path of the file to write" in cli_error(capsys, argv)
+
+
 def test_a_target_saved_without_its_tokenizer_is_told_to_save_it_beside_the_model(tmp_path, capsys):
     """transformers' own error speaks of sentencepiece and tiktoken, which would not help."""
     tiny_target("llama").save_pretrained(tmp_path / "target")

@@ -418,6 +418,21 @@ def test_a_result_file_of_another_command_is_refused_in_one_line_naming_the_righ
     assert hub.requests == [] and not (tmp_path / "out").exists()
 
 
+def test_a_file_or_folder_a_flag_names_that_does_not_exist_is_refused_before_anything_reaches_the_hub(hub, tmp_path,
+                                                                                                       capsys):
+    """A --recipe that names no file was pushed as the recipe's text."""
+    folder, _, _ = trained_folder(tmp_path)
+    missing = str(tmp_path / "nope.md")
+    for argv in (["push", str(folder), "alice/draft", "--token", TOKEN],
+                 ["export", str(folder), "--output", str(tmp_path / "out"), "--base-model", TARGET]):
+        assert f"--recipe {missing}: no such file" in cli_error(capsys, argv + ["--recipe", missing])
+        assert f"{tmp_path / 'nope.json'}: no such file" in cli_error(capsys, argv + ["--eval",
+                                                                                    str(tmp_path / "nope.json")])
+    assert re.search(r"nope: no such folder: pass the --output-dir of `dspark train`", cli_error(
+        capsys, ["push", str(tmp_path / "nope"), "alice/draft", "--token", TOKEN]))
+    assert hub.requests == [] and not (tmp_path / "out").exists()
+
+
 def test_dspark_push_records_the_base_model_as_the_target_in_the_pushed_config(hub, tmp_path, capsys):
     from dspark_hf.cli import main
 
