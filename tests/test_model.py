@@ -377,6 +377,14 @@ def test_a_checkpoint_missing_any_tensor_is_refused_naming_them(tmp_path, droppe
         AutoModel.from_pretrained(tmp_path)
 
 
+def test_a_folder_that_does_not_exist_is_refused_as_such_not_looked_up_on_the_hub(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for missing in (tmp_path / "nope", Path("runs/nope"), "./runs/nope", "~/no-such-dspark-draft"):
+        with pytest.raises(OSError, match=r"nope: no such folder: give the folder a draft was saved to|"
+                                          r"no-such-dspark-draft: no such folder"):
+            DSparkDraftModel.from_pretrained(missing)
+
+
 def test_a_checkpoint_cut_short_is_refused_as_damaged_saying_to_download_or_save_it_again(tmp_path):
     """safetensors' own error says only 'incomplete metadata'; a target's weights are read by the same rule."""
     from dspark_hf.loading import load_target_model

@@ -19,9 +19,11 @@ This file imports nothing from dspark_hf but its configuration, so a saved draft
 from __future__ import annotations
 
 import math
+import os
 import warnings
 from dataclasses import dataclass
 from dataclasses import fields as dataclass_fields
+from pathlib import Path
 from typing import Any, Callable, ClassVar
 
 import torch
@@ -393,6 +395,12 @@ class DSparkDraftModel(DSparkPreTrainedModel):
         lacks any of the draft's tensors is refused: a draft has no optional weights, and transformers would start
         the missing ones random (or, for the draft-vocabulary buffers, uninitialised). So is one with tensors its
         config has no place for, or of other shapes (even with ``ignore_mismatched_sizes=True``)."""
+        given = pretrained_model_name_or_path
+        # a path is looked up on the Hub when it does not exist: a minute of retries offline, then a network error
+        if (isinstance(given, os.PathLike) or str(given).startswith(("/", ".", "~"))) \
+                and not Path(given).expanduser().exists():
+            raise OSError(f"{given}: no such folder: give the folder a draft was saved to (save_pretrained), or a "
+                          "Hub id.")
         try:
             model, info = super().from_pretrained(pretrained_model_name_or_path, *args, output_loading_info=True,
                                                   **kwargs)
