@@ -857,6 +857,10 @@ def main(argv: list[str] | None = None) -> int:
         message = " ".join(str(e).split()) or type(e).__name__
     except connection_errors() as e:  # Hub calls other than our own pushes, which say it themselves
         message = str(unreachable_hub_error(e))
+    except torch.OutOfMemoryError as e:  # a RuntimeError, as bugs are: told apart by its class
+        message = (f"the device ran out of memory ({str(e).strip().splitlines()[0][:160]}): give the command less "
+                   "to hold at once (a smaller --batch-size or --batch-sizes, fewer --rows, fewer --max-new-tokens, "
+                   "--dtype bfloat16) or run it on a device with more memory")
     print(f"dspark {command}: error: {message} (run with --debug for the traceback)", file=sys.stderr)
     return 2
 

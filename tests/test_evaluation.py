@@ -407,6 +407,26 @@ def test_cli_errors_a_user_can_fix_are_one_line_with_status_2_and_the_traceback_
         main([*missing, "--debug"])
 
 
+def test_running_out_of_device_memory_is_one_line_saying_what_to_lower_and_other_runtime_errors_keep_the_traceback(
+        tiny_models, monkeypatch, capsys):
+    import dspark_hf.cli as cli
+
+    def out_of_memory(args):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.\nGPU 0 has a total capacity")
+
+    argv = ["eval", "--target", str(tiny_models / "target"), "--suite", "gsm"]
+    monkeypatch.setattr(cli, "cmd_eval", out_of_memory)
+    assert re.search(r"ran out of memory \(CUDA out of memory. Tried to allocate 2.00 GiB.\): .*smaller --batch-size",
+                     cli_error(capsys, argv))
+
+    def bug(args):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(cli, "cmd_eval", bug)
+    with pytest.raises(RuntimeError, match="a bug"):
+        main(argv)
+
+
 def nan_weight(folder):
     draft = DSparkDraftModel.from_pretrained(folder)
     with torch.no_grad():
