@@ -293,8 +293,6 @@ def read_json(value: str | Path | dict | None) -> dict | None:
     that is not JSON."""
     if value is None or isinstance(value, dict):
         return value
-    if not Path(value).is_file():
-        raise FileNotFoundError(f"{value}: no such file.")
     try:
         return json.loads(Path(value).read_text())
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
