@@ -426,7 +426,8 @@ def test_a_file_or_folder_a_flag_names_that_does_not_exist_is_refused_before_any
     for argv in (["push", str(folder), "alice/draft", "--token", TOKEN],
                  ["export", str(folder), "--output", str(tmp_path / "out"), "--base-model", TARGET]):
         assert f"--recipe {missing}: no such file" in cli_error(capsys, argv + ["--recipe", missing])
-        assert re.search(r"No such file .*nope\.json", cli_error(capsys, argv + ["--eval", str(tmp_path / "nope.json")]))
+        no_eval = cli_error(capsys, argv + ["--eval", str(tmp_path / "nope.json")])
+        assert re.search(r"No such file .*nope\.json", no_eval)
     assert re.search(r"nope: no such folder: pass the --output-dir of `dspark train`", cli_error(
         capsys, ["push", str(tmp_path / "nope"), "alice/draft", "--token", TOKEN]))
     assert hub.requests == [] and not (tmp_path / "out").exists()
