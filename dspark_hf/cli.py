@@ -14,6 +14,8 @@ from pathlib import Path
 
 import torch
 
+from .hub import connection_errors, unreachable_hub_error
+
 
 def _load(args, draft: bool = True):
     """(target, tokenizer, draft or None) from the --target / --draft / --dtype / --draft-dtype / --device flags."""
@@ -33,13 +35,20 @@ def _check_outputs(args) -> None:
     they would hold (a benchmark's hours are lost if writing fails at the end)."""
     output, plot = Path(args.output), getattr(args, "plot", None)
     if output.is_dir():
-        raise ValueError(f"--output {args.output} is a folder: give the path of the JSON file to write.")
+        raise ValueError(f"--output {args.output} is a folder: give the path of the file to write.")
     if plot is not None and Path(plot).exists() and not Path(plot).is_dir():
         raise ValueError(f"--plot {plot} is a file: give a folder for the PNGs.")
     for flag, path in (("--output", output), ("--plot", None if plot is None else Path(plot))):
         blocked = None if path is None else next((p for p in path.parents if p.exists() and not p.is_dir()), None)
         if blocked is not None:
             raise ValueError(f"{flag} {path}: {blocked} is a file, not a folder: give another path.")
+
+
+def _read_text(path: str, flag: str) -> str:
+    """The text of the file a flag names, or a ValueError that says there is no such file."""
+    if not Path(path).is_file():
+        raise ValueError(f"{flag} {path}: no such file.")
+    return Path(path).read_text()
 
 
 def _write_report(args, report: dict) -> None:
@@ -125,6 +134,7 @@ def cmd_prompts(args) -> int:
     from .defaults import default_target_path
     from .training.prompts import collect_prompts, write_prompts
 
+    _check_outputs(args)  # before the prompts are collected
     sources = {}
     for spec in args.source:
         name, _, count = spec.partition("=")
@@ -161,6 +171,7 @@ def cmd_prepare_data(args) -> int:
     from .training.data import GenerationSettings, manifest_path, prepare_data
     from .training.prompts import read_prompts, read_sharegpt
 
+    _check_outputs(args)
     target, tokenizer, _ = _load(args, draft=False)
     prompts = read_prompts(args.prompts) if args.prompts else read_sharegpt()
     if args.skip:
@@ -346,8 +357,10 @@ def cmd_push(args) -> int:
     """Push a trained (or calibrated) draft folder to the Hub with a generated model card."""
     from .hub import push_draft
 
+    # a --recipe read here: push_draft takes a string that names no file for the recipe's markdown itself
+    recipe = _read_text(args.recipe, "--recipe") if args.recipe else None
     info = push_draft(args.draft, args.repo_id, base_model=args.base_model, eval_results=args.eval,
-                      calibration=args.calibration, recipe=args.recipe, license=args.license, private=args.private,
+                      calibration=args.calibration, recipe=recipe, license=args.license, private=args.private,
                       token=args.token, revision=args.revision, commit_message=args.commit_message, dtype=args.dtype)
     print(f"pushed {info.commit_url} (load it with revision={info.oid!r})")
     return 0
@@ -387,7 +400,7 @@ def cmd_export(args) -> int:
     draft = DSparkDraftModel.from_pretrained(args.draft).to(getattr(torch, args.dtype))
     draft.config.target_name_or_path = args.base_model  # not the path the target was trained from on some machine
     eval_results = read_json(args.eval)
-    recipe = Path(args.recipe).read_text() if args.recipe else None
+    recipe = _read_text(args.recipe, "--recipe") if args.recipe else None
     calibration = folder_calibration(args.draft, args.calibration)
     shipped = Path(args.output).resolve() == SHIPPED_DRAFT_DIR.resolve()  # the card of the draft the package ships
     # the card checks the result files against the draft: render it before anything is written
@@ -827,23 +840,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-# What a user can fix (a missing or malformed file, a bad value, a draft built for another target, a checkpoint whose
-# semantics are not supported) ends the command with one line and status 2, as argparse does for bad flags; a bug
-# anywhere else keeps its traceback.
-USER_ERRORS = (ValueError, TypeError, OSError, ImportError, NotImplementedError)
-
-
-def _connection_errors() -> tuple[type[BaseException], ...]:
-    """The transport errors of the HTTP client huggingface_hub uses (httpx2, httpx or requests, by its version)."""
-    import importlib
-
-    found = []
-    for module, name in (("httpx2", "TransportError"), ("httpx", "TransportError"), ("requests", "ConnectionError")):
-        try:
-            found.append(getattr(importlib.import_module(module), name))
-        except (ImportError, AttributeError):
-            pass
-    return tuple(found)
+# What a user can fix (a missing, damaged or malformed file, a bad value, a draft built for another target, a
+# checkpoint whose semantics are not supported, a draft whose weights are not finite) ends the command with one line
+# and status 2, as argparse does for bad flags; a bug anywhere else keeps its traceback.
+USER_ERRORS = (ValueError, TypeError, OSError, ImportError, NotImplementedError, FloatingPointError)
 
 
 # list flags whose values are each measured (or collected) once: a value given twice would be run twice and kept once
@@ -872,9 +872,12 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except USER_ERRORS as e:
         message = " ".join(str(e).split()) or type(e).__name__
-    except _connection_errors() as e:
-        message = (f"could not reach the Hub ({e}): check the network or HF_ENDPOINT (HF_HUB_OFFLINE=1 loads from the "
-                   "local cache)")
+    except connection_errors() as e:  # Hub calls other than our own pushes, which say it themselves
+        message = str(unreachable_hub_error(e))
+    except torch.OutOfMemoryError as e:  # a RuntimeError, as bugs are: told apart by its class
+        message = (f"the device ran out of memory ({str(e).strip().splitlines()[0][:160]}): give the command less "
+                   "to hold at once (a smaller --batch-size or --batch-sizes, fewer --rows, fewer --max-new-tokens, "
+                   "--dtype bfloat16) or run it on a device with more memory")
     print(f"dspark {command}: error: {message} (run with --debug for the traceback)", file=sys.stderr)
     return 2
 

@@ -50,6 +50,35 @@ def write_model_card(draft, folder: str | Path, card_data: CardData | dict | Non
     return readme
 
 
+def connection_errors() -> tuple[type[BaseException], ...]:
+    """The transport errors of the HTTP client huggingface_hub uses (httpx2, httpx or requests, by its version)."""
+    import importlib
+
+    found = []
+    for module, name in (("httpx2", "TransportError"), ("httpx", "TransportError"), ("requests", "ConnectionError")):
+        try:
+            found.append(getattr(importlib.import_module(module), name))
+        except (ImportError, AttributeError):
+            pass
+    return tuple(found)
+
+
+def unreachable_hub_error(error: BaseException) -> ConnectionError:
+    """What to raise for a Hub call that failed in transport (`error`, one of [`connection_errors`])."""
+    return ConnectionError(f"could not reach the Hub ({error}): check the network or HF_ENDPOINT (HF_HUB_OFFLINE=1 "
+                           "loads from the local cache)")
+
+
+@contextlib.contextmanager
+def _reaching_the_hub():
+    """Turn the HTTP client's bare transport error ("ConnectError [Errno -2]") into one that says what failed."""
+    try:
+        yield
+    except connection_errors() as error:
+        raise unreachable_hub_error(error) from error
+
+
+@_reaching_the_hub()
 def save_pretrained(draft, base_save, save_directory: str | Path, *args, model_card: bool = True,
                     card_data: CardData | dict | None = None, push_to_hub: bool = False, **kwargs):
     """`base_save` (transformers' `save_pretrained`), then the model card (see [`write_model_card`]); with
@@ -84,6 +113,7 @@ def save_pretrained(draft, base_save, save_directory: str | Path, *args, model_c
     return result
 
 
+@_reaching_the_hub()
 def push_to_hub(draft, repo_id: str, *, commit_message: str | None = None, commit_description: str | None = None,
                 private: bool | None = None, token: bool | str | None = None, revision: str | None = None,
                 create_pr: bool = False, max_shard_size: int | str = "50GB", tags: list[str] | None = None,
@@ -128,6 +158,9 @@ def push_draft(folder: str | Path, repo_id: str, base_model: str | None = None,
     from .loading import refuse_adapter
 
     folder = Path(folder)
+    if not folder.is_dir():  # (else refuse_adapter would look it up as a Hub id)
+        raise FileNotFoundError(f"{folder}: no such folder: pass the --output-dir of `dspark train` or the --output of "
+                                "`dspark calibrate`.")
     refuse_adapter(str(folder), "dspark push")
     if not (folder / "config.json").is_file():
         raise FileNotFoundError(f"{folder} holds no saved draft (no config.json): pass the --output-dir of "

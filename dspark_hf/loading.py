@@ -33,23 +33,46 @@ def load_target(name_or_path: str | None = None, dtype: torch.dtype = torch.floa
     on `device` ("auto": a CUDA GPU when present, else the CPU). The tokenizer pads on the left, for batches."""
     if name_or_path is None:
         return default_target(dtype=dtype, device=device)
-    from transformers import AutoTokenizer
-
-    model = load_target_model(name_or_path, dtype)
-    tokenizer = AutoTokenizer.from_pretrained(name_or_path, padding_side="left")
+    model = load_target_model(name_or_path, dtype)  # first: it says what else a folder holds (a draft, say)
+    tokenizer = _target_tokenizer(name_or_path)
     if tokenizer.pad_token is None:  # Llama-3 style tokenizers: a batch pads with EOS, as plain generate() does
         tokenizer.pad_token = tokenizer.eos_token
     return model.to(resolve_device(device)).eval(), tokenizer
 
 
+# what a saved tokenizer leaves in its folder, one file or another by its kind
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                    "spiece.model", "tekken.json")
+
+
+def _target_tokenizer(name_or_path: str):
+    """The target's tokenizer; a local folder saved without one says so, not that a converter package is missing."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(name_or_path, padding_side="left")
+    except (ValueError, OSError) as error:
+        folder = Path(name_or_path).expanduser()
+        if not folder.is_dir() or any((folder / name).exists() for name in _TOKENIZER_FILES):
+            raise
+        raise ValueError(f"the target {name_or_path} has no tokenizer (no tokenizer.json or tokenizer_config.json in "
+                         "it): save the target's tokenizer beside it, tokenizer.save_pretrained(folder).") from error
+
+
 def load_target_model(name_or_path: str, dtype: torch.dtype = torch.float32):
     """The causal LM of a Hub id or local path, in `dtype` on the CPU, without a tokenizer (training needs none). A
-    missing folder, or a model that is no causal LM (a DSpark draft passed as the target), is refused in one line."""
+    missing folder, damaged weights, or a model that is no causal LM (a DSpark draft passed as the target), is refused
+    in one line."""
+    from safetensors import SafetensorError
     from transformers import AutoConfig, AutoModelForCausalLM
+
+    from .model.modeling_dspark import damaged_weights_error
 
     _check_name(name_or_path, "the target")
     try:
         return AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype)
+    except SafetensorError as error:
+        raise damaged_weights_error(name_or_path, error) from error
     except ValueError as error:  # transformers' message lists every causal-LM config class: thousands of characters
         if not str(error).startswith("Unrecognized configuration class"):
             raise
@@ -65,7 +88,10 @@ def load_draft(name_or_path: str | None, target, dtype: torch.dtype | str = "aut
     """A draft bound to `target`, on its device: a saved draft (Hub id or path), a LoRA adapter (`dspark train
     --lora`; a folder or Hub id) merged into its base, or the draft shipped for SmolLM2 when None. dtype "auto":
     [`fast_draft_dtype`]; a draft's dtype changes speed only, never what generate() returns."""
+    from safetensors import SafetensorError
+
     from .model import DSparkDraftModel
+    from .model.modeling_dspark import damaged_weights_error
 
     dtype = fast_draft_dtype(target) if dtype == "auto" else dtype
     if name_or_path is None:
@@ -81,7 +107,10 @@ def load_draft(name_or_path: str | None, target, dtype: torch.dtype | str = "aut
                              "apply the adapter with peft.PeftModel.from_pretrained(draft, adapter_folder).")
         draft = _adapter_base(name_or_path, base, dtype).to(target.device)
         # merged, every caller sees a plain draft (calibrate and export save a full one); same function
-        draft = PeftModel.from_pretrained(draft, name_or_path).merge_and_unload()
+        try:
+            draft = PeftModel.from_pretrained(draft, name_or_path).merge_and_unload()
+        except SafetensorError as error:
+            raise damaged_weights_error(name_or_path, error) from error
     else:
         draft = DSparkDraftModel.from_pretrained(name_or_path, dtype=dtype).to(target.device)
     return draft.bind_target(target).eval()

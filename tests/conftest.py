@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import logging
 
 import pytest
 import torch
@@ -61,6 +62,14 @@ def left_padded_prompts(batch: int, vocab: int = VOCAB, length: int = 9, seed: i
     return ids, mask
 
 
+def cut_in_half(path) -> None:
+    """Leave the first half of a file, as an interrupted download or copy does."""
+    from pathlib import Path
+
+    data = Path(path).read_bytes()
+    Path(path).write_bytes(data[: len(data) // 2])
+
+
 FAMILIES = ["llama", "qwen3", "gemma3"]
 
 
@@ -72,6 +81,22 @@ def profile_cache(tmp_path_factory):
     path = tmp_path_factory.mktemp("profiles")
     os.environ["DSPARK_HF_PROFILE_CACHE"] = str(path)
     return path
+
+
+@pytest.fixture
+def transformers_log():
+    """What transformers logs while the test runs, its once-only warnings included (its library logger does not
+    propagate, and `warning_once` remembers what an earlier test already logged)."""
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    root = logging.getLogger("transformers")
+    root.addHandler(handler)
+    logging.Logger.warning_once.cache_clear()
+    try:
+        yield records
+    finally:
+        root.removeHandler(handler)
 
 
 def has_smollm2() -> bool:

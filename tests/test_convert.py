@@ -7,12 +7,14 @@ drafts, and generation with it must stay identical to plain generate().
 """
 
 import json
+import re
+import shutil
 
 import pytest
 import torch
 from safetensors.torch import save_file
 
-from conftest import left_padded_prompts, tiny_draft, tiny_target
+from conftest import cli_error, cut_in_half, left_padded_prompts, tiny_draft, tiny_target
 from dspark_hf import DSparkDraftModel, FullBlock
 from dspark_hf.model.convert import convert_checkpoint
 from dspark_hf.generation.drafting import sample_block
@@ -254,6 +256,26 @@ def test_unknown_missing_and_misshaped_keys_are_all_reported_by_name(tmp_path, t
     assert "unknown keys: layers.0.self_attn.sinks" in message
     assert "missing keys: layers.1.mlp.up_proj.weight" in message
     assert "fc.weight (32, 64) -> fc.weight (32, 32)" in message
+    assert not (tmp_path / "dst").exists()
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda src: cut_in_half(src / "model.safetensors"), r"model\.safetensors are damaged or cut short.*download them "
+                                                         r"again"),
+    (lambda src: cut_in_half(src / "config.json"), r"config\.json does not read as JSON .*download the checkpoint "
+                                                   r"again"),
+    (lambda src: (src / "config.json").unlink(), r"src: no config\.json in it: give the folder of the checkpoint"),
+    (lambda src: shutil.rmtree(src), r"src: no such folder: give the folder of the checkpoint"),
+], ids=["weights cut short", "config cut short", "no config", "no folder"])
+def test_a_source_checkpoint_missing_or_damaged_is_refused_in_one_line(tmp_path, target, capsys, damage, message):
+    from dspark_hf.cli import main
+
+    original = tiny_draft(target, head_type="markov")
+    src = write_checkpoint(tmp_path / "src", deepspec_config(original, target), public_state_dict(original, target))
+    damage(src)
+    with pytest.raises((OSError, ValueError), match=message):
+        convert_checkpoint(src, tmp_path / "dst", "deepspec", target=target)
+    assert re.search(message, cli_error(capsys, ["convert", "--from", "deepspec", str(src), str(tmp_path / "dst")]))
     assert not (tmp_path / "dst").exists()
 
 

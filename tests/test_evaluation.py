@@ -2,12 +2,13 @@
 
 import json
 import re
+import shutil
 
 import pytest
 import torch
 from transformers import PreTrainedTokenizerFast
 
-from conftest import VOCAB, cli_error, tiny_draft, tiny_target
+from conftest import VOCAB, cli_error, cut_in_half, tiny_draft, tiny_target
 from dspark_hf import DSparkDraftModel
 from dspark_hf.cli import main
 from dspark_hf.evaluation.evaluate import threshold_sweep
@@ -370,8 +371,6 @@ def test_dspark_calibrate_saves_temperatures_a_report_and_a_diagram(tiny_models,
 
 def test_calibrate_rolls_out_each_held_out_prompt_once_and_never_past_the_training_split(tiny_models, tmp_path,
                                                                                           capsys):
-    import shutil
-
     data = tmp_path / "data.jsonl"
     with data.open("w") as f:  # three prompts, two answers each
         for i in range(6):
@@ -408,6 +407,54 @@ def test_cli_errors_a_user_can_fix_are_one_line_with_status_2_and_the_traceback_
         main([*missing, "--debug"])
 
 
+def test_running_out_of_device_memory_is_one_line_saying_what_to_lower_and_other_runtime_errors_keep_the_traceback(
+        tiny_models, monkeypatch, capsys):
+    import dspark_hf.cli as cli
+
+    def out_of_memory(args):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.\nGPU 0 has a total capacity")
+
+    argv = ["eval", "--target", str(tiny_models / "target"), "--suite", "gsm"]
+    monkeypatch.setattr(cli, "cmd_eval", out_of_memory)
+    assert re.search(r"ran out of memory \(CUDA out of memory. Tried to allocate 2.00 GiB.\): .*smaller --batch-size",
+                     cli_error(capsys, argv))
+
+    def bug(args):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(cli, "cmd_eval", bug)
+    with pytest.raises(RuntimeError, match="a bug"):
+        main(argv)
+
+
+def nan_weight(folder):
+    draft = DSparkDraftModel.from_pretrained(folder)
+    with torch.no_grad():
+        draft.layers[0].mlp.down_proj.weight.fill_(float("nan"))
+    draft.save_pretrained(folder)
+
+
+def nan_confidence_head(folder):
+    draft = DSparkDraftModel.from_pretrained(folder)
+    with torch.no_grad():
+        draft.confidence.weight.fill_(float("nan"))
+    draft.save_pretrained(folder)
+
+
+@pytest.mark.parametrize("damage, message", [
+    (nan_weight, "non-finite probabilities.*Reload the draft"),
+    (nan_confidence_head, "non-finite confidences.*Reload the draft"),
+    (lambda folder: cut_in_half(folder / "model.safetensors"), "damaged or cut short.*download them again"),
+], ids=["nan weight", "nan confidence head", "truncated weights"])
+def test_dspark_generate_with_a_broken_draft_ends_in_one_line(tiny_models, tmp_path, capsys, damage, message):
+    broken = tmp_path / "draft"
+    shutil.copytree(tiny_models / "draft", broken)
+    damage(broken)
+    error = cli_error(capsys, ["generate", "--target", str(tiny_models / "target"), "--draft", str(broken),
+                               "--prompt", "w4 w5 w6", "--max-new-tokens", "8"])
+    assert re.search(message, error), error
+
+
 @pytest.mark.parametrize("argv, message", [
     (["generate", "--temperature", "nan"], "argument --temperature: give a finite number in [0, inf), got nan"),
     (["eval", "--suite", "gsm", "--batch-size", "0"], "argument --batch-size: give a whole number >= 1, got 0"),
@@ -441,7 +488,11 @@ def test_cli_values_that_cannot_work_get_one_line(tiny_models, tmp_path, capsys)
                                                 "--loss-ce", "nan"])
 
 
-def test_dspark_bench_ssd_compares_fan_out_shapes_saguaro_and_speed(tiny_models, tmp_path, capsys):
+def test_dspark_bench_ssd_compares_fan_out_shapes_saguaro_and_speed(tiny_models, tmp_path, capsys, monkeypatch):
+    import dspark_hf.evaluation.bench_ssd as bench_ssd
+
+    # plain decoding's step is timing noise on a tiny model; the equation is checked on a step of 10 ms
+    monkeypatch.setattr(bench_ssd, "plain_step_seconds", lambda *args: 0.01)
     out = tmp_path / "ssd.json"
     assert main(["bench", "ssd", "--target", str(tiny_models / "target"), "--draft", str(tiny_models / "draft"),
                  "--prompts", str(tiny_models / "prompts.jsonl"), "--limit", "2", "--max-new-tokens", "8",
@@ -559,6 +610,22 @@ def test_prompt_files_with_a_non_string_domain_or_that_are_not_text_are_refused_
 def test_a_draft_given_as_the_target_is_named_as_such(tiny_models, capsys):
     assert "is a DSpark draft: pass it as the draft (--draft)" in cli_error(
         capsys, ["eval", "--target", str(tiny_models / "draft"), "--suite", "gsm"])
+
+
+@pytest.mark.parametrize("command", [["prompts", "--source", "stdlib=3"],
+                                     ["prepare-data", "--prompts", "prompts.jsonl", "--num-examples", "1"]],
+                         ids=lambda c: c[0])
+def test_an_output_that_is_a_folder_is_refused_before_any_work(tiny_models, tmp_path, capsys, command):
+    argv = [*command, "--target", str(tiny_models / "target"), "--output", str(tmp_path)]
+    argv = [str(tiny_models / a) if a == "prompts.jsonl" else a for a in argv]
+    assert f"--output {tmp_path} is a folder: give the path of the file to write" in cli_error(capsys, argv)
+
+
+def test_a_target_saved_without_its_tokenizer_is_told_to_save_it_beside_the_model(tmp_path, capsys):
+    """transformers' own error speaks of sentencepiece and tiktoken, which would not help."""
+    tiny_target("llama").save_pretrained(tmp_path / "target")
+    assert re.search(r"target .*target has no tokenizer .*tokenizer\.save_pretrained", cli_error(
+        capsys, ["eval", "--target", str(tmp_path / "target"), "--suite", "gsm"]))
 
 
 def test_a_target_whose_tokenizer_has_no_pad_token_pads_batches_with_eos(tiny_models, tmp_path):
@@ -846,7 +913,10 @@ def test_bench_oracle_refuses_fewer_than_two_new_tokens_before_loading_models(tm
         capsys, ["bench", "oracle", "--target", str(tmp_path / "no-target"), "--max-new-tokens", "1"])
 
 
-def test_configurations_a_bench_or_eval_cannot_measure_are_said_and_recorded(tiny_models, tmp_path, capsys):
+def test_configurations_a_bench_or_eval_cannot_measure_are_said_and_recorded(tiny_models, tmp_path, capsys,
+                                                                             monkeypatch):
+    import dspark_hf.evaluation.bench_ssd as bench_ssd
+
     models = ["--target", str(tiny_models / "target"), "--draft", str(tiny_models / "draft")]
     prompts = ["--prompts", str(tiny_models / "prompts.jsonl"), "--limit", "1"]
     out = tmp_path / "out.json"
@@ -855,10 +925,19 @@ def test_configurations_a_bench_or_eval_cannot_measure_are_said_and_recorded(tin
     assert "prompt lookup decoding refuses batch size > 1" in json.loads(out.read_text())["skipped"]["prompt_lookup"]
     assert "note: prompt_lookup not measured: transformers' prompt lookup" in capsys.readouterr().out
 
+    # plain decoding's step is the difference of two timed decodes, which noise can make negative on a tiny model
+    # (the equation times its own batch-1 decodes, whatever --batch-sizes says)
+    monkeypatch.setattr(bench_ssd, "plain_step_seconds", lambda *args: -0.002)
     assert main(["bench", "ssd", *models, *prompts, "--cache-sizes", "2", "--saguaro-c", "1.0", "--batch-sizes",
                  "2", "--max-new-tokens", "6", "--repeats", "1", "--output", str(out)]) == 0
-    report = json.loads(out.read_text())  # the equation times its own batch-1 decodes, whatever --batch-sizes says
-    assert report["equation"]["t_plain"] > 0 and "equation" not in report["skipped"]
+    report = json.loads(out.read_text())
+    assert report["equation"] is None
+    assert re.search(r"plain generate\(\)'s step came out at -2 ms: timing noise, not a measurement; raise "
+                     r"--max-new-tokens", report["skipped"]["equation"])
+    assert "note: equation not measured: plain generate()'s step came out at -2 ms" in capsys.readouterr().out
+    assert bench_ssd.unmeasured_times({"a step": 0.0, "a round": float("nan")}).startswith(
+        "a step came out at 0 ms; a round came out at nan ms")
+    assert bench_ssd.unmeasured_times({"a step": 1e-6, "a round": 0.2}) is None
 
     no_head = tmp_path / "no_head"
     tiny_draft(tiny_target("llama"), confidence_head=False).save_pretrained(no_head)

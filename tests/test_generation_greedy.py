@@ -1,5 +1,6 @@
 """Greedy DSpark decoding returns exactly what plain `generate()` returns, whatever the batch looks like."""
 
+import logging
 import string
 import threading
 import warnings
@@ -560,6 +561,61 @@ def test_an_empty_prompt_is_refused_with_a_message_that_says_so():
         target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, assistant_model=draft)
 
 
+@pytest.mark.parametrize("malform, message", [
+    (lambda ids, mask: (ids, mask[:, 1:]), r"attention_mask has shape \(2, 8\) but input_ids \(2, 9\): pass the mask"),
+    (lambda ids, mask: (ids + 200, mask), r"ids outside the target's vocabulary of 96 tokens \(min 200, max \d+\): "
+                                          r"tokenize with the target's tokenizer"),
+    (lambda ids, mask: (ids - 1, mask), r"outside the target's vocabulary of 96 tokens \(min -1"),
+], ids=["mask of another shape", "ids past the vocabulary", "negative ids"])
+def test_a_malformed_prompt_is_refused_saying_what_to_pass_instead_of_failing_inside_the_target(malform, message):
+    """Plain generate() fails inside the model (a shape mismatch, an index error; on a GPU, a device-side assert)."""
+    target = tiny_target("llama")
+    ids, mask = malform(*left_padded_prompts(2))
+    with pytest.raises(ValueError, match=message):
+        target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, assistant_model=tiny_draft(target))
+
+
+@pytest.mark.parametrize("prompt_length, max_new_tokens", [(20, 6), (12, 8), (12, 4), (16, 1)])
+def test_a_sequence_past_the_target_s_max_position_embeddings_is_warned_of_as_plain_generate_does(
+        transformers_log, prompt_length, max_new_tokens):
+    """Past 16 positions: a prompt longer than that, an output that grows past it, one that stays within it, and a
+    prompt past it with one token to generate (its only length is the limit, where plain generate() says nothing)."""
+    target = tiny_target("llama", max_position_embeddings=16)
+    draft = tiny_draft(target)
+    ids, mask = left_padded_prompts(2, length=prompt_length)
+
+    def logged(**kw):
+        transformers_log.clear()
+        logging.Logger.warning_once.cache_clear()  # the second run may log what the first did
+        out = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
+                              **kw)
+        return out, [(r.levelno, r.getMessage()) for r in transformers_log if "maximum length" in r.getMessage()]
+
+    reference, said = logged()
+    out, ours = logged(assistant_model=draft, verification_policy=FullBlock())
+    assert torch.equal(out, reference)
+    assert ours == said
+    # plain generate() shows its criterion the lengths P + 1 .. P + max_new_tokens, the last one at the limit
+    assert bool(said) == (max_new_tokens > 1 and prompt_length + max_new_tokens - 1 > 16), said
+
+
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_a_right_padded_batch_is_refused_saying_to_pad_on_the_left(do_sample):
+    """Plain generate() only warns and decodes on from the padding; DSpark would return other tokens."""
+    target = tiny_target("llama")
+    draft = tiny_draft(target)
+    ids = torch.randint(1, 96, (3, 8), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, 5:], mask[2, :2] = 0, 0  # row 0 has no padding, row 1 is padded on the right, row 2 on the left
+    with pytest.raises(ValueError, match=r"rows \[1\] .*padded on the right.*padding_side = 'left'"):
+        target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=do_sample,
+                        assistant_model=draft)
+    mask[1] = 1
+    mask[1, 2:4] = 0  # a gap inside the prompt still ends flush right, and decodes as plain generate() does
+    assert torch.equal(dspark(target, draft, ids, mask, max_new_tokens=6).sequences,
+                       plain(target, ids, mask, max_new_tokens=6))
+
+
 @pytest.mark.parametrize("do_sample", [False, True])
 def test_a_draft_whose_weights_went_non_finite_says_so_instead_of_failing_inside_sampling(do_sample):
     target = tiny_target("llama")
@@ -568,6 +624,19 @@ def test_a_draft_whose_weights_went_non_finite_says_so_instead_of_failing_inside
         next(p for name, p in draft.named_parameters() if name.endswith("weight")).fill_(float("nan"))
     ids, mask = left_padded_prompts(2)
     with pytest.raises(FloatingPointError, match="non-finite probabilities"):
+        target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=do_sample,
+                        assistant_model=draft, verification_policy=FullBlock())
+
+
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_a_draft_whose_confidence_head_went_non_finite_says_so_instead_of_planning_on_nan(do_sample):
+    """The output would stay lossless, but every policy would plan on NaN confidences without a word."""
+    target = tiny_target("llama")
+    draft = tiny_draft(target)
+    with torch.no_grad():
+        draft.confidence.weight.fill_(float("nan"))
+    ids, mask = left_padded_prompts(2)
+    with pytest.raises(FloatingPointError, match="non-finite confidences.*confidence head.*Reload the draft"):
         target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=do_sample,
                         assistant_model=draft, verification_policy=FullBlock())
 

@@ -429,6 +429,21 @@ def test_a_result_file_of_another_command_is_refused_in_one_line_naming_the_righ
     assert hub.requests == [] and not (tmp_path / "out").exists()
 
 
+def test_a_file_or_folder_a_flag_names_that_does_not_exist_is_refused_before_anything_reaches_the_hub(hub, tmp_path,
+                                                                                                       capsys):
+    """A --recipe that names no file was pushed as the recipe's text."""
+    folder, _, _ = trained_folder(tmp_path)
+    missing = str(tmp_path / "nope.md")
+    for argv in (["push", str(folder), "alice/draft", "--token", TOKEN],
+                 ["export", str(folder), "--output", str(tmp_path / "out"), "--base-model", TARGET]):
+        assert f"--recipe {missing}: no such file" in cli_error(capsys, argv + ["--recipe", missing])
+        no_eval = cli_error(capsys, argv + ["--eval", str(tmp_path / "nope.json")])
+        assert re.search(r"No such file .*nope\.json", no_eval)
+    assert re.search(r"nope: no such folder: pass the --output-dir of `dspark train`", cli_error(
+        capsys, ["push", str(tmp_path / "nope"), "alice/draft", "--token", TOKEN]))
+    assert hub.requests == [] and not (tmp_path / "out").exists()
+
+
 def test_dspark_push_records_the_base_model_as_the_target_in_the_pushed_config(hub, tmp_path, capsys):
     from dspark_hf.cli import main
 
@@ -492,6 +507,17 @@ def test_a_push_that_cannot_reach_the_hub_says_so_in_one_line(tmp_path):
               "print(status, err.getvalue().strip().splitlines()[-1])\n")
     out = run_python(script, {"HF_ENDPOINT": "http://127.0.0.1:9"}, tmp_path, str(folder))  # nothing listens there
     assert out.splitlines()[-1].startswith("2 dspark push: error: could not reach the Hub")
+
+
+def test_a_python_push_that_cannot_reach_the_hub_says_so_and_keeps_the_transport_error_as_its_cause(monkeypatch,
+                                                                                                       tmp_path):
+    use_hub(monkeypatch, "http://127.0.0.1:9")  # nothing listens there
+    draft = make_draft()
+    for push in (lambda: draft.push_to_hub("alice/draft", token=TOKEN),
+                 lambda: draft.save_pretrained(tmp_path, push_to_hub=True, repo_id="alice/draft", token=TOKEN)):
+        with pytest.raises(ConnectionError, match="could not reach the Hub .*check the network or HF_ENDPOINT") as e:
+            push()
+        assert type(e.value.__cause__).__name__ == "ConnectError"  # of huggingface_hub's HTTP client
 
 
 def test_remote_code_without_dspark_hf_saves_without_a_card_and_says_what_decoding_needs(tmp_path):

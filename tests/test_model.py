@@ -12,7 +12,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, AutoModel
 
-from conftest import VOCAB, tiny_draft, tiny_target
+from conftest import VOCAB, cut_in_half, tiny_draft, tiny_target
 import dspark_hf
 from dspark_hf import DSparkConfig, DSparkDraftModel
 from dspark_hf.generation.drafting import sample_block
@@ -232,6 +232,32 @@ def test_binding_to_a_different_target_raises_a_clear_error(change, message):
     assert "from_target" in str(err.value)
 
 
+def test_a_model_without_an_lm_head_is_refused_as_a_target_saying_what_a_target_is():
+    """A draft borrows its target's LM head: a draft, or a base model loaded with AutoModel, has none."""
+    target = tiny_target("llama")
+    draft = tiny_draft(target)
+    for bind in (DSparkDraftModel.from_target, tiny_draft(target).bind_target):
+        with pytest.raises(ValueError, match=r"is a DSpark draft, not a target: pass the causal LM it drafts for"):
+            bind(draft)
+        with pytest.raises(ValueError, match=r"LlamaModel has no LM head.*AutoModelForCausalLM"):
+            bind(target.model)
+
+
+def test_a_teacher_forced_forward_without_the_target_s_context_says_what_to_pass():
+    draft = tiny_draft(tiny_target("llama"))
+    ids = torch.ones(1, 1, dtype=torch.long)
+    with pytest.raises(ValueError, match="pass context= .*or context_features, context_positions and context_valid"):
+        draft(ids, ids, block_tokens=torch.ones(1, 1, GAMMA, dtype=torch.long))
+
+
+def test_a_draft_asked_to_generate_says_to_generate_with_its_target():
+    draft = tiny_draft(tiny_target("llama"))
+    with pytest.raises(AttributeError, match=r"does not generate on its own.*target\.generate\(\*\*inputs, "
+                                             r"assistant_model=draft\)"):
+        draft.generate(torch.ones(1, 3, dtype=torch.long))
+    assert not hasattr(draft, "generate") and not DSparkDraftModel.can_generate()
+
+
 def test_config_rejects_the_final_layer_and_bad_head_types():
     with pytest.raises(ValueError, match="never the last layer"):
         DSparkConfig(target_layer_ids=[3], target_num_hidden_layers=4, target_vocab_size=10)
@@ -349,6 +375,30 @@ def test_a_checkpoint_missing_any_tensor_is_refused_naming_them(tmp_path, droppe
         DSparkDraftModel.from_pretrained(tmp_path)
     with pytest.raises(ValueError, match=message):
         AutoModel.from_pretrained(tmp_path)
+
+
+def test_a_folder_that_does_not_exist_is_refused_as_such_not_looked_up_on_the_hub(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for missing in (tmp_path / "nope", Path("runs/nope"), "./runs/nope", "~/no-such-dspark-draft"):
+        with pytest.raises(OSError, match=r"nope: no such folder: give the folder a draft was saved to|"
+                                          r"no-such-dspark-draft: no such folder"):
+            DSparkDraftModel.from_pretrained(missing)
+
+
+def test_a_checkpoint_cut_short_is_refused_as_damaged_saying_to_download_or_save_it_again(tmp_path):
+    """safetensors' own error says only 'incomplete metadata'; a target's weights are read by the same rule."""
+    from dspark_hf.loading import load_target_model
+
+    target = tiny_target("llama")
+    tiny_draft(target).save_pretrained(tmp_path / "draft")
+    target.save_pretrained(tmp_path / "target")
+    for folder in ("draft", "target"):
+        cut_in_half(tmp_path / folder / "model.safetensors")
+    message = r"weights of .*{} are damaged or cut short \(.*incomplete.*\).*download them again.*save_pretrained"
+    with pytest.raises(OSError, match=message.format("draft")):
+        DSparkDraftModel.from_pretrained(tmp_path / "draft")
+    with pytest.raises(OSError, match=message.format("target")):
+        load_target_model(str(tmp_path / "target"))
 
 
 def test_a_checkpoint_that_does_not_match_its_config_is_refused_in_one_line(tmp_path):

@@ -9,7 +9,7 @@ import pytest
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 
-from conftest import left_padded_prompts, tiny_draft, tiny_target
+from conftest import cut_in_half, left_padded_prompts, tiny_draft, tiny_target
 from dspark_hf import DSparkDraftModel, FullBlock, dspark_generate
 from dspark_hf.evaluation import OracleDraft
 from dspark_hf.training import load_dataset
@@ -138,6 +138,16 @@ def test_an_adapter_that_names_no_base_draft_says_how_to_load_it(tmp_path, targe
     get_peft_model(tiny_draft(target), lora).save_pretrained(tmp_path)  # a draft never saved: no base path
     with pytest.raises(ValueError, match=r"does not name its base draft.*PeftModel.from_pretrained\(draft"):
         load_draft(str(tmp_path), target, torch.float32)
+
+
+def test_an_adapter_whose_weights_are_cut_short_is_refused_as_damaged(tmp_path, target, base_dir):
+    from dspark_hf import load_draft
+
+    base = DSparkDraftModel.from_pretrained(base_dir)
+    get_peft_model(base, LoraConfig(r=2, target_modules=["q_proj"])).save_pretrained(tmp_path / "adapter")
+    cut_in_half(tmp_path / "adapter" / "adapter_model.safetensors")
+    with pytest.raises(OSError, match=r"adapter are damaged or cut short.*download them again"):
+        load_draft(str(tmp_path / "adapter"), target, torch.float32)
 
 
 def test_the_saved_adapter_loads_onto_its_base_with_peft_and_drafts_the_same_blocks(tmp_path, target, base_dir):

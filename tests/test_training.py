@@ -2,6 +2,8 @@
 
 import json
 import math
+import re
+import shutil
 import warnings
 from pathlib import Path
 
@@ -9,7 +11,7 @@ import pytest
 import torch
 from transformers import BatchEncoding
 
-from conftest import VOCAB, cli_error, tiny_draft, tiny_target
+from conftest import VOCAB, cli_error, cut_in_half, tiny_draft, tiny_target
 from dspark_hf import DSparkDraftModel
 from dspark_hf.training import DataFileError, GenerationSettings, load_dataset, prepare_data, read_prompts
 from dspark_hf.training.prompts import write_prompts
@@ -472,13 +474,15 @@ def checkpointed_run(tmp_path, target, **settings) -> dict:
                 **settings)
 
 
-def test_training_resumes_from_the_last_checkpoint(tmp_path):
+def test_training_resumes_from_the_last_checkpoint_and_says_from_which_step(tmp_path, capsys):
     target = tiny_target("llama")
     kw = checkpointed_run(tmp_path, target)
     train(TrainConfig(epochs=2, **kw), target=target, progress=False)  # 4 steps, checkpoints at 2 and 4
     assert (tmp_path / "run" / "checkpoint-4" / "trainer_state.pt").exists()
+    assert "resuming" not in capsys.readouterr().out
     resumed = train(TrainConfig(epochs=3, **kw), target=target, progress=False)  # continues at step 4
     assert (tmp_path / "run" / "checkpoint-6").exists() and resumed is not None
+    assert re.search(r"resuming .*run from checkpoint-4 at step 4 of 6", capsys.readouterr().out)
 
 
 class FakeClock:
@@ -961,6 +965,21 @@ def test_a_whole_checkpoint_that_fails_to_load_is_reported_not_passed_over_as_to
             as refused:
         train(TrainConfig(max_steps=6, **kw), target=target, progress=False)
     assert "\n" not in str(refused.value)
+
+
+def test_a_checkpoint_whose_weights_were_damaged_after_its_state_says_to_remove_it_and_the_one_before_resumes(
+        tmp_path):
+    target = tiny_target("llama")
+    kw = checkpointed_run(tmp_path, target)
+    train(TrainConfig(max_steps=4, **kw), target=target, progress=False)
+    damaged = tmp_path / "run" / "checkpoint-4"
+    cut_in_half(damaged / "model.safetensors")
+    with pytest.raises(ValueError, match=rf"weights of {damaged} do not load \(.*incomplete metadata.*\): remove "
+                                         rf"{damaged} to resume from the checkpoint before it"):
+        train(TrainConfig(max_steps=6, **kw), target=target, progress=False)
+    shutil.rmtree(damaged)
+    train(TrainConfig(max_steps=6, **kw), target=target, progress=False)
+    assert (tmp_path / "run" / "checkpoint-6").exists()
 
 
 def test_heldout_json_is_written_last_and_whole_so_a_run_killed_while_saving_its_draft_does_not_read_as_finished(

@@ -2,7 +2,6 @@
 we declare and on the newest): 5.24 renamed the KV cache argument from `past_key_values` to `cache`."""
 
 import inspect
-import logging
 import warnings
 
 import pytest
@@ -19,22 +18,6 @@ from dspark_hf.scheduling.profile import profile_sps
 def test_the_cache_goes_by_the_name_the_installed_models_take():
     assert CACHE_ARG in inspect.signature(LlamaForCausalLM.forward).parameters
     assert CACHE_ARG in inspect.signature(transformers.GenerationMixin.prepare_inputs_for_generation).parameters
-
-
-@pytest.fixture
-def transformers_log():
-    """What transformers logs while the test runs, its once-only warnings included (its library logger does not
-    propagate, and `warning_once` remembers what an earlier test already logged)."""
-    records = []
-    handler = logging.Handler()
-    handler.emit = records.append
-    root = logging.getLogger("transformers")
-    root.addHandler(handler)
-    logging.Logger.warning_once.cache_clear()
-    try:
-        yield records
-    finally:
-        root.removeHandler(handler)
 
 
 def test_our_own_calls_raise_no_deprecation_warning(transformers_log):

@@ -80,6 +80,16 @@ def plain_step_seconds(target, tokenizer, prompts, max_new_tokens: int) -> float
     return seconds / tokens
 
 
+def unmeasured_times(times: dict[str, float]) -> str | None:
+    """Why `times` ({what: seconds}) cannot enter a report as measurements, or None when they can: a time of zero or
+    less (a difference of two timed runs, which noise decides on a model this fast) is no measurement."""
+    noise = [f"{what} came out at {seconds * 1e3:.3g} ms" for what, seconds in times.items() if not seconds > 0]
+    if not noise:
+        return None
+    return (f"{'; '.join(noise)}: timing noise, not a measurement; raise --max-new-tokens or give more prompts "
+            "(--limit)")
+
+
 def _pooled(bonus_ranks: list[dict]) -> dict:
     """Several decodes' `ssd_stats["bonus_ranks"]` ({k: {rank: rounds}}) added up."""
     pooled = {}
@@ -195,15 +205,17 @@ def bench_ssd(target, tokenizer, draft, prompts: list[dict], cache_sizes=(2, 4, 
     rates = _rates(measured)
     equation = None
     skipped = {f"{what} at batch {b}": why for b, report in speed.items() for what, why in report["skipped"].items()}
+    t_plain = plain_step_seconds(target, tokenizer, prompts, max_new_tokens) if rounds else None
     if not rounds:
         skipped["equation"] = "no drafted round (one new token per prompt): raise --max-new-tokens"
+    elif noise := unmeasured_times({"plain generate()'s step": t_plain, "a round without drafting": t_verify}):
+        skipped["equation"] = noise
     else:
         equation = {
             "hit_rate": rates["hit_rate"],
             "tokens_after_hit": measured["tokens_hit"] / max(measured["rounds_hit"], 1),
             "tokens_after_miss": measured["tokens_miss"] / max(measured["rounds_miss"], 1),
-            "t_verify": t_verify, "t_fallback": t_fallback,
-            "t_plain": plain_step_seconds(target, tokenizer, prompts, max_new_tokens),
+            "t_verify": t_verify, "t_fallback": t_fallback, "t_plain": t_plain,
             "speculate_seconds_per_round": measured["speculate"] / max(rounds, 1),
         }
         equation["speedup_speculator_apart"] = ssd_speedup(

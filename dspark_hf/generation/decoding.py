@@ -175,11 +175,23 @@ def _check_request(model, draft, cfg, synced_gpus, model_kwargs, input_ids, stre
     if unknown:
         raise ValueError(f"DSpark decoding does not accept these generate() arguments: {sorted(unknown)}.")
     mask = model_kwargs.get("attention_mask")
+    if mask is not None and mask.shape != input_ids.shape:
+        raise ValueError(f"attention_mask has shape {tuple(mask.shape)} but input_ids {tuple(input_ids.shape)}: pass "
+                         "the mask the tokenizer returned with these ids (one entry per token).")
+    vocab = getattr(model.get_input_embeddings(), "num_embeddings", None)
+    if vocab is not None and input_ids.numel() and not bool(((input_ids >= 0) & (input_ids < vocab)).all()):
+        raise ValueError(f"input_ids hold ids outside the target's vocabulary of {vocab} tokens (min "
+                         f"{int(input_ids.min())}, max {int(input_ids.max())}): tokenize with the target's tokenizer.")
     if input_ids.shape[1] == 0 or (mask is not None and not bool(mask.bool().any(1).all())):
         empty = "the prompt is empty" if input_ids.shape[1] == 0 else \
             f"rows {mask.bool().any(1).logical_not().nonzero().flatten().tolist()} of the prompt are all padding"
         raise ValueError(f"DSpark decoding needs at least one prompt token in every row, but {empty}: start each "
                          "prompt with a token (e.g. the BOS token, or apply the chat template).")
+    if mask is not None and not bool(mask[:, -1].all()):
+        # each round's tokens go after the last column, so a row padded on the right would continue from its padding
+        rows = mask[:, -1].logical_not().nonzero().flatten().tolist()
+        raise ValueError(f"rows {rows} of the prompt are padded on the right (their attention mask ends in 0): DSpark "
+                         "decoding needs left padding. Set tokenizer.padding_side = 'left' and tokenize again.")
     positions = model_kwargs.get("position_ids")
     if positions is not None:  # generate() passes the mask's own positions; others change plain generate()'s output
         real = mask.bool() if mask is not None else torch.ones_like(input_ids, dtype=torch.bool)
@@ -231,6 +243,8 @@ class _Decoder:
         self.prompt_mask = prompt_mask if prompt_mask is not None else torch.ones_like(prompt)
         self.processors = processors
         self.criteria = StoppingCriteriaList(c for c in criteria if not isinstance(c, MaxLengthCriteria))
+        self.length_criteria = [c for c in criteria if isinstance(c, MaxLengthCriteria)]
+        self.longest = 0  # generated tokens of the longest row so far: plain generate()'s sequence length, less P
         # as in plain generate(): rows stopped by a criterion are padded only when an EOS criterion is present;
         # otherwise they keep generating until every row has stopped, and the output ends where the last one did
         self.pads_finished = any(hasattr(c, "eos_token_id") for c in criteria)
@@ -318,12 +332,26 @@ class _Decoder:
         k = torch.arange(chunk.shape[1], device=chunk.device)
         take = k < counts[:, None]
         slots = self.n_gen[rows][:, None] + k
-        self._make_room(int((self.n_gen[rows] + counts).max()))
+        end = int((self.n_gen[rows] + counts).max())
+        self._make_room(end)
+        if end > self.longest:
+            self._pass_lengths_to_the_length_criteria(self.longest, end)
+            self.longest = end
         self.gen[rows[:, None].expand_as(chunk)[take], slots[take]] = chunk[take]
         self.n_gen[rows] += counts
         if self.streamer is not None:  # batch size 1: the output ends where a criterion fired, even without EOS
             self.streamer.put(chunk[0, : int(stop_at[0]) or int(counts[0])].cpu())
         return self.n_gen[rows] >= self.max_new
+
+    def _pass_lengths_to_the_length_criteria(self, before: int, after: int) -> None:
+        """Call the length criteria as plain generate() would have between `before` and `after` generated tokens: the
+        limit is kept here, but transformers' criterion also warns (once) when a sequence grows past the target's
+        max_position_embeddings short of the limit. The longest such length stands for all of them."""
+        P = self.prompt.shape[1]
+        for criterion in self.length_criteria:
+            length = min(P + after, criterion.max_length - 1)
+            if length > P + before:
+                criterion(self.prompt.new_empty(1, length), None)
 
     def _forward(self, input_ids, mask, positions, cache, logits_to_keep, timing: str | None = "target"):
         """Target forward returning only the hidden states the draft reads; its time is added to `timing`."""

@@ -150,13 +150,18 @@ def sample_block(
         probs.append(p)
         prev = x
     finite = torch.stack(finite, 1)
-    if not bool(finite.all()):
-        position = int((~finite).any(0).float().argmax()) + 1
-        raise FloatingPointError(f"The draft produced non-finite probabilities (NaN or inf) at block position "
-                                 f"{position}: its weights or the logits processors' output are not finite. "
-                                 "Reload the draft (or check training for divergence).")
     shape = (N, gamma) if one_per_row else (N, A, gamma)
     confidences = draft.calibrated(torch.stack(conf_logits, 1).float()).view(shape) if conf_logits else None
+    # the policies plan on the confidences: NaN ones would make every plan arbitrary (one sync for both checks)
+    usable = finite.all() if confidences is None else finite.all() & torch.isfinite(confidences).all()
+    if not bool(usable):
+        if not bool(finite.all()):
+            position = int((~finite).any(0).float().argmax()) + 1
+            raise FloatingPointError(f"The draft produced non-finite probabilities (NaN or inf) at block position "
+                                     f"{position}: its weights or the logits processors' output are not finite. "
+                                     "Reload the draft (or check training for divergence).")
+        raise FloatingPointError("The draft produced non-finite confidences (NaN): its confidence head's weights are "
+                                 "not finite. Reload the draft (or check training for divergence).")
     return DraftBlock(torch.stack(tokens, 1).view(shape), torch.stack(probs, 1).view(*shape, -1), confidences,
                       torch.stack(unweighted, 1).view(*shape, -1) if unweighted else None, vocab)
 

@@ -33,12 +33,13 @@ import json
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from transformers import PreTrainedModel
 
 from ..files import check_output_folder, written_by_dspark
 from .configuration_dspark import DSparkConfig
-from .modeling_dspark import DSparkDraftModel
+from .modeling_dspark import DSparkDraftModel, damaged_weights_error
 
 SOURCES = ("deepspec", "specforge", "dflash")
 
@@ -226,7 +227,10 @@ def load_safetensors(src: Path) -> dict[str, torch.Tensor]:
                                 "with save_pretrained(..., safe_serialization=True).")
     tensors: dict[str, torch.Tensor] = {}
     for name in files:
-        shard = load_file(src / name)
+        try:
+            shard = load_file(src / name)
+        except SafetensorError as error:
+            raise damaged_weights_error(src / name, error) from error
         if tensors.keys() & shard.keys():
             raise ValueError(f"{name} repeats keys of an earlier shard: {sorted(tensors.keys() & shard.keys())[:5]}")
         # fresh storage: load_file's tensors can sit at unaligned offsets, which changes CPU matmul rounding
@@ -288,8 +292,12 @@ def map_state_dict(tensors: dict[str, torch.Tensor], draft: DSparkDraftModel, so
 
 # ---------------------------------------------------------------------------------------------------------------
 def check_conversion_folder(src: str | Path, dst: str | Path) -> None:
-    """Refuse a `dst` that is `src`, or that holds anything but an earlier conversion (a dspark-hf draft): saving
-    there would replace the checkpoint being converted, or a downloaded one."""
+    """Refuse a `src` without a config.json, and a `dst` that is `src` or that holds anything but an earlier
+    conversion (a dspark-hf draft): saving there would replace the checkpoint being converted, or a downloaded one."""
+    if not (Path(src) / "config.json").is_file():
+        missing = "no config.json in it" if Path(src).is_dir() else "no such folder"
+        raise FileNotFoundError(f"{src}: {missing}: give the folder of the checkpoint to convert (its config.json and "
+                                "*.safetensors, as downloaded).")
     if Path(dst).resolve() == Path(src).resolve():
         raise ValueError(f"{dst} is the checkpoint being converted: write the conversion to another folder.")
     check_output_folder(dst, "conversion", ours=("draft",))
@@ -308,7 +316,11 @@ def convert_checkpoint(src: str | Path, dst: str | Path, source: str,
         raise ValueError(f"source must be one of {SOURCES}, got {source!r}.")
     check_conversion_folder(src, dst)
     src = Path(src)
-    raw = json.loads((src / "config.json").read_text())
+    try:
+        raw = json.loads((src / "config.json").read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"{src}/config.json does not read as JSON ({error}): download the checkpoint again.") \
+            from error
     if target is not None:
         t = target.config.get_text_config()
         raw.setdefault("num_target_layers", t.num_hidden_layers)

@@ -19,13 +19,16 @@ This file imports nothing from dspark_hf but its configuration, so a saved draft
 from __future__ import annotations
 
 import math
+import os
 import warnings
 from dataclasses import dataclass
 from dataclasses import fields as dataclass_fields
+from pathlib import Path
 from typing import Any, Callable, ClassVar
 
 import torch
 import torch.nn.functional as F
+from safetensors import SafetensorError
 from torch import nn
 from transformers import PreTrainedModel
 from transformers.activations import ACT2FN
@@ -263,6 +266,7 @@ class DSparkDraftModel(DSparkPreTrainedModel):
         DSparkConfig's defaults (the one default shape: 2 layers, a Markov head of rank 128, blocks of 7); every
         config field can be overridden, e.g. ``from_target(target, num_hidden_layers=1, markov_rank=16)``.
         """
+        _refuse_a_model_without_an_lm_head(target)
         t = target.config.get_text_config()
         _refuse_unreadable_target(t)
         n_layers = overrides.get("num_hidden_layers", DSparkConfig.num_hidden_layers)
@@ -333,13 +337,12 @@ class DSparkDraftModel(DSparkPreTrainedModel):
 
     def check_target(self, target: PreTrainedModel) -> None:
         """Raise a ValueError that says what differs if this draft was not built for `target`."""
+        _refuse_a_model_without_an_lm_head(target)
         c, t = self.config, target.config.get_text_config()
         _refuse_unreadable_target(t)
         out = target.get_output_embeddings()
         problems = []
-        if out is None:
-            problems.append("the target has no LM head (get_output_embeddings() is None)")
-        elif out.weight.shape[0] != c.target_vocab_size:
+        if out.weight.shape[0] != c.target_vocab_size:
             problems.append(f"vocabulary size {out.weight.shape[0]} != {c.target_vocab_size} the draft was built for")
         if t.hidden_size != c.hidden_size:
             problems.append(f"hidden size {t.hidden_size} != {c.hidden_size}")
@@ -392,9 +395,17 @@ class DSparkDraftModel(DSparkPreTrainedModel):
         lacks any of the draft's tensors is refused: a draft has no optional weights, and transformers would start
         the missing ones random (or, for the draft-vocabulary buffers, uninitialised). So is one with tensors its
         config has no place for, or of other shapes (even with ``ignore_mismatched_sizes=True``)."""
+        given = pretrained_model_name_or_path
+        # a path is looked up on the Hub when it does not exist: a minute of retries offline, then a network error
+        if (isinstance(given, os.PathLike) or str(given).startswith(("/", ".", "~"))) \
+                and not Path(given).expanduser().exists():
+            raise OSError(f"{given}: no such folder: give the folder a draft was saved to (save_pretrained), or a "
+                          "Hub id.")
         try:
             model, info = super().from_pretrained(pretrained_model_name_or_path, *args, output_loading_info=True,
                                                   **kwargs)
+        except SafetensorError as error:
+            raise damaged_weights_error(pretrained_model_name_or_path, error) from error
         except OSError as error:
             clearer = None if cls.sharing is None else cls.sharing.offline_load_error(pretrained_model_name_or_path,
                                                                                        kwargs)
@@ -461,6 +472,14 @@ class DSparkDraftModel(DSparkPreTrainedModel):
     @generation_config.setter
     def generation_config(self, value) -> None:
         self.__dict__["_generation_config"] = value
+
+    def __getattr__(self, name: str):
+        # refused here rather than by a generate() method: transformers adds generation machinery to a remote-code
+        # class that has one, and hasattr(draft, "generate") stays False as for any model that cannot generate
+        if name == "generate":
+            raise AttributeError("A DSpark draft does not generate on its own: it drafts for its target. Call "
+                                 "target.generate(**inputs, assistant_model=draft) after import dspark_hf.")
+        return super().__getattr__(name)
 
     def _check_config(self) -> None:
         # fields set after construction (calibration sets confidence_temperatures) were never validated
@@ -599,6 +618,9 @@ class DSparkDraftModel(DSparkPreTrainedModel):
         anchor for k = 1). known (N, A, lag): tokens before each anchor seen without their features (see
         [`backbone`]). Returns draft-vocabulary logits; use [`to_target_vocab`] for target-vocabulary ones."""
         if context is None:
+            if context_features is None or context_positions is None or context_valid is None:
+                raise ValueError("A draft's forward reads its target's context: pass context= (from encode_context), "
+                                 "or context_features, context_positions and context_valid.")
             context = self.encode_context(context_features, context_positions, context_valid)
         h = self.backbone(anchor_ids, anchor_positions, context, known)
         logits = self.base_logits(h)
@@ -649,6 +671,14 @@ def same_fingerprint(a: list[float], b: list[float]) -> bool:
     return float((x * y).sum()) >= 0.9 * float(x.norm() * y.norm())
 
 
+def damaged_weights_error(name_or_path, error: Exception) -> OSError:
+    """The error for a model whose safetensors weights do not read (`error`, safetensors' own): a file cut short by
+    an interrupted download, copy or save, or overwritten."""
+    return OSError(f"The weights of {name_or_path} are damaged or cut short ({' '.join(str(error).split())}), as an "
+                   "interrupted download, copy or save leaves them: download them again (for a Hub id, "
+                   "from_pretrained(..., force_download=True)) or save the model again with save_pretrained.")
+
+
 def _first_five(names: list[str]) -> str:
     return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
 
@@ -667,6 +697,17 @@ _STATEFUL_LAYER_TYPES = {"linear_attention", "conv", "hybrid", "hybrid_sliding",
 # targets whose decoder layers pass more than one hidden stream between them, so no single layer output is the
 # "hidden state" a draft reads (Gemma3n's AltUp predicts and corrects several streams, plus per-layer inputs)
 _MULTI_STREAM_MODEL_TYPES = {"gemma3n_text": "AltUp layers that carry several hidden streams and per-layer inputs"}
+
+
+def _refuse_a_model_without_an_lm_head(target) -> None:
+    """A draft borrows its target's LM head: a model without one (a DSpark draft, a base model) is no target."""
+    if isinstance(target, DSparkPreTrainedModel):
+        raise ValueError("This model is a DSpark draft, not a target: pass the causal LM it drafts for, e.g. "
+                         "AutoModelForCausalLM.from_pretrained(...), as the target.")
+    if target.get_output_embeddings() is None:
+        raise ValueError(f"A {type(target).__name__} has no LM head (get_output_embeddings() is None), so it cannot "
+                         "be a DSpark target: load the causal LM with its head, e.g. with "
+                         "AutoModelForCausalLM.from_pretrained (not AutoModel).")
 
 
 def _refuse_unreadable_target(t) -> None:

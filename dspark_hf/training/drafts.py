@@ -94,6 +94,19 @@ def _lora_base(config: TrainConfig, default_target: bool) -> str:
     return str(SHIPPED_DRAFT_DIR)
 
 
+def _from_checkpoint(resume: Path, load):
+    """`load()` of the checkpoint `resume`, whose weights a damaged disk or a copy cut short may have broken after its
+    trainer state was written: say which checkpoint, and that the one before can take over."""
+    from safetensors import SafetensorError
+
+    try:
+        return load()
+    except (OSError, SafetensorError) as error:
+        reason = " ".join(str(error.__cause__ or error).split())[:200]  # safetensors' own words, if it failed
+        raise ValueError(f"the weights of {resume} do not load ({reason}): remove {resume} to resume from the "
+                         "checkpoint before it.") from error
+
+
 def initial_draft(config: TrainConfig, target, resume: Path | None, default_target: bool, train_set):
     """The model to train: resumed, fine-tuned from init_from, LoRA-wrapped, or fresh (bound to `target`)."""
     if config.lora:
@@ -104,11 +117,12 @@ def initial_draft(config: TrainConfig, target, resume: Path | None, default_targ
         # base's (peft modules_to_save), and Adam's updates of bf16 weights round away
         base = DSparkDraftModel.from_pretrained(base_path, dtype=torch.float32).bind_target(target)
         if resume is not None:
-            return PeftModel.from_pretrained(base, resume, is_trainable=True)
+            return _from_checkpoint(resume, lambda: PeftModel.from_pretrained(base, resume, is_trainable=True))
         return add_lora(base, config, base_path)
     # fp32 master weights whatever the checkpoint's dtype (the shipped and exported drafts are bf16)
     if resume is not None:
-        return DSparkDraftModel.from_pretrained(resume, dtype=torch.float32).bind_target(target)
+        return _from_checkpoint(resume, lambda: DSparkDraftModel.from_pretrained(resume, dtype=torch.float32)
+                                .bind_target(target))
     if config.init_from:
         from ..loading import load_draft
 

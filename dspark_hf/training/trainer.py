@@ -110,6 +110,9 @@ def train(config: TrainConfig, target=None, progress: bool = True):
         step = state["step"]
         timer.restore(state.get("clock", {}))
         generator_state = state.get("generator")  # absent in checkpoints of older runs: the epoch reseeds
+        if accelerator.is_main_process:
+            print(f"resuming {out_dir} from {resume.name} at step {step}"
+                  f"{'' if total_steps is None else f' of {total_steps}'}")
     first_step = step
     model = accelerator.unwrap_model(draft)  # what is saved: the draft, or its peft wrapper (an adapter)
     core = unwrap_draft(model)  # the DSparkDraftModel; with LoRA its layers hold the adapters
