@@ -429,26 +429,35 @@ def test_what_a_greedy_request_hands_on_belongs_to_its_draft_target_batch_size_a
 def test_a_probe_that_verifies_more_tokens_pauses_longer():
     """The probe budget prices a probe by what the last drafted round really verified, not by one token."""
     engine = costs(draft=0.01, verify=lambda n: 0.05 + 0.01 * n)
-    first_pause, verified = {}, {}
-    for confidence in (0.05, 0.95):
-        policy, lengths = auto(engine), []
-        drafted = play(policy, torch.full((1, 7), confidence),
-                       lambda ls: lengths.append(int(ls)) or torch.zeros_like(ls), 200)
-        probes = [i for i, d in enumerate(drafted) if d]
-        first_pause[confidence], verified[confidence] = probes[1] - probes[0], lengths[0]
-    assert verified[0.95] > verified[0.05], (verified, first_pause)
-    assert first_pause[0.95] > first_pause[0.05], (verified, first_pause)
+    pause = {}
+    for verified in (1, 7):
+        policy = auto(engine)
+        policy(torch.full((1, 7), 0.05), 7, 1)  # a head that promises nothing: the estimate falls below 1
+        policy.observe(torch.tensor([verified]), torch.tensor([0]), drafted=True)
+        pause[verified] = policy.learned.skip
+    assert pause[7] > pause[1] > 0, pause
 
 
 def test_a_lucky_first_block_does_not_keep_a_draft_that_does_not_pay_drafting():
-    """Two tokens accepted in the first block (1.4x plain in that round), then nothing: the estimate started at
-    break-even, so the lucky round lifts it only part of the way and the first miss pauses drafting (started at
-    the first round's own gain, it would draft a third round)."""
+    """Two tokens accepted in the first block, then nothing, from a head that promises 0.6 everywhere: the estimate
+    starts at break-even and reads the confidences recalibrated by what was accepted, so the misses pull the head's
+    promise down and drafting pauses within three of them, not carried on by the one lucky round."""
     policy = auto(costs(draft=0.04))
     luck = iter([2] + [0] * 40)
     drafted = play(policy, torch.full((1, 7), 0.6), lambda lengths: torch.minimum(lengths, torch.tensor(next(luck))),
-                   20)
-    assert drafted[:2] == [True, True] and not any(drafted[2:])
+                   30)
+    assert drafted[:2] == [True, True] and sum(drafted) <= 4 and not any(drafted[4:])
+
+
+def test_the_gain_estimate_reads_what_a_round_was_expected_to_commit_not_the_noisy_count():
+    """A calibrated draft that pays on average, 1.2x by its confidences, accepts nothing in half its rounds: the
+    estimate of what drafting gains follows the expectation given each block, so the misses do not pause it (an
+    estimate of the counts would have, in the draft of 2026-11-26's first rounds)."""
+    engine = costs(draft=0.01, verify=lambda n: 0.05 if n <= 3 else 0.08)
+    luck = iter([0, 0, 2, 0, 0, 1, 0, 0, 3, 0, 2, 0] * 10)
+    policy = auto(engine)
+    drafted = play(policy, torch.full((1, 7), 0.5), lambda ls: torch.minimum(ls, torch.tensor(next(luck))), 100)
+    assert all(drafted) and policy.gain > 1
 
 
 def test_one_unlucky_round_does_not_stop_a_draft_that_pays():
