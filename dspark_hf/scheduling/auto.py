@@ -44,8 +44,10 @@ class AutoScheduled(Policy):
       confidence head is planned with the acceptance rates seen so far.
     - Between rounds: a running estimate of what drafting gains, each drafted round's expected committed tokens
       (given its block: 1 + the recalibrated prefix survival over the positions verified) per second of its
-      measured cost over plain decoding's R / t_verify(R, 1), smoothed over rounds. The expectation, not the count:
-      a draft that pays accepts nothing in many of its rounds, and counts that noisy paused it where it paid. It starts at 1 (break
+      measured cost over plain decoding's R / t_verify(R, 1), smoothed over rounds (`smoothing`: the weight of the
+      newest round). The expectation, not the count, and a slow average: a draft that pays accepts nothing in many
+      of its rounds and is expected to in many more (the confidences of one block vary far more than a draft's
+      worth does), and a quicker, noisier estimate paused it where it paid. It starts at 1 (break
       even: no evidence either way), so a lucky first block alone does not keep a weak draft drafting. While it is
       below 1, drafting pauses and probes again after `probe_every` rounds, and each probe that leaves the estimate
       below 1 doubles the pause (up to `max_pause`): one unlucky round does not stop drafting, one lucky probe does
@@ -68,7 +70,7 @@ class AutoScheduled(Policy):
     generate() calls: each call's prepare starts it afresh, with the costs of that call's target, draft and batch size.
     """
 
-    def __init__(self, profile: str | Path | None = None, smoothing: float = 0.3, probe_every: int = 4,
+    def __init__(self, profile: str | Path | None = None, smoothing: float = 0.1, probe_every: int = 4,
                  max_pause: int = 64, probe_budget: float = 0.02, progress: bool = True):
         self.profile = profile
         self.smoothing = real("AutoScheduled", "smoothing", smoothing, 0.0, 1.0, low_open=True)
