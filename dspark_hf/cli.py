@@ -183,6 +183,7 @@ def _recorded_batch_size(dataset: str) -> int | None:
 
 
 def cmd_train(args) -> int:
+    started = time.perf_counter()  # the time budget counts the whole command: loading the target too
     from .training.config import TrainConfig
     from .training.trainer import train
 
@@ -199,9 +200,8 @@ def cmd_train(args) -> int:
 
         # on the CPU, in the dtype train() gives it (it places it: each process of `accelerate launch` on its own GPU)
         target = load_target_model(args.target, _target_dtype(config.target_dtype, resolve_device(config.device)))
-    start = time.perf_counter()
-    model = train(config, target=target)
-    minutes = (time.perf_counter() - start) / 60
+    model = train(config, target=target, started=started)
+    minutes = (time.perf_counter() - started) / 60
     if model.training:  # stopped by --stop-after before the end (train() says so in training mode)
         print(f"not finished: a checkpoint is saved in {args.output_dir} ({minutes:.1f} min); run the same command "
               "again to resume")
