@@ -98,7 +98,7 @@ def test_the_lease_plan_runs_on_the_cpu_as_the_device_would_see_it(tmp_path):
                 "CAMPAIGN_EVAL_PROMPTS": str(write_prompts(evals, tmp_path / "evals.jsonl.gz")),
                 "CAMPAIGN_ANSWERS": "toy-answers", "CAMPAIGN_INIT_DRAFT": "toy-draft", "CAMPAIGN_RUNS": "toy-runs",
                 "CAMPAIGN_LIMIT_BYTES": str(tree + 2 ** 20 + room), "CAMPAIGN_DTYPE": "float32",
-                "CAMPAIGN_SAMPLES": "2", "CAMPAIGN_MAX_NEW_TOKENS": "24", "CAMPAIGN_EVAL_TOKENS": "16",
+                "CAMPAIGN_SAMPLES": "2", "CAMPAIGN_BATCH": "8", "CAMPAIGN_MAX_NEW_TOKENS": "24", "CAMPAIGN_EVAL_TOKENS": "16",
                 "CAMPAIGN_HELDOUT": "0.25", "CAMPAIGN_RECIPE": TOY_RECIPE, "CAMPAIGN_SMOKE_SECONDS": "400",
                 "CAMPAIGN_RUN_MINUTES": "2.5", "CAMPAIGN_DATA_MINUTES": "0.3", "CAMPAIGN_FINISH_MINUTES": "0.5",
                 "CAMPAIGN_MEASURE_MINUTES": "1.1", "CAMPAIGN_BENCH_FLAGS": "--max-new-tokens 8 --repeats 1",

@@ -112,22 +112,24 @@ def prepare_data(target, tokenizer, prompts: Iterator[dict], output: str | Path,
     if done:
         _refuse_other_settings(output, made_with)
 
-    chosen, ids = [], set()
+    chosen, seen = [], set()
     for p in prompts:
-        if p["id"] in ids:  # its answer would be taken for the other's, and a resumed run would never complete
+        if p["id"] in seen:  # its answer would be taken for the other's, and a resumed run would never complete
             raise ValueError(f"two prompts share the id {p['id']!r}: give every prompt its own id.")
-        ids.add(p["id"])
+        seen.add(p["id"])
         text = tokenizer.apply_chat_template(p["messages"], tokenize=False, add_generation_prompt=True)
-        n_tokens = len(tokenizer(text)["input_ids"])
-        if n_tokens <= max_prompt_tokens:
-            chosen.append((p, text, n_tokens))
+        # tokenised once, as the batches are (no special tokens: the chat template holds them); the static engine
+        # pads these ids to max_prompt_tokens
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        if len(ids) <= max_prompt_tokens:
+            chosen.append((p, text, ids))
         if len(chosen) == num_examples:
             break
     if not chosen:
         raise ValueError(f"no prompt to answer: the prompts are empty (or all skipped), or none fits within "
                          f"max_prompt_tokens={max_prompt_tokens} tokens with the chat template.")
-    rows = [_Row(_sample_id(p["id"], k, settings.samples_per_prompt), p, text, n, k)
-            for p, text, n in chosen for k in range(settings.samples_per_prompt)]
+    rows = [_Row(_sample_id(p["id"], k, settings.samples_per_prompt), p, text, len(ids), k, ids)
+            for p, text, ids in chosen for k in range(settings.samples_per_prompt)]
     elsewhere = len(rows)
     rows = [r for r in rows if r.id not in (answered or set()) or r.id in done]
     elsewhere -= len(rows)
@@ -209,10 +211,9 @@ class _Shape:
     def __init__(self, rows: int, width: int, tokenizer):
         self.rows, self.width, self.warm = rows, width, False
         self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        self.tokenizer = tokenizer
 
     def inputs(self, batch: list, device) -> dict:
-        rows = [self.tokenizer(r.text, add_special_tokens=False)["input_ids"] for r in batch]
+        rows = [r.ids for r in batch]
         rows += [rows[0]] * (self.rows - len(rows))  # copies of the first row fill a short batch
         ids = torch.full((self.rows, self.width), self.pad, dtype=torch.long)
         mask = torch.zeros_like(ids)
@@ -314,13 +315,15 @@ def _answered(output: Path) -> set[str]:
 
 
 class _Row(NamedTuple):
-    """One answer to regenerate: its id, the prompt, the chat-templated text, its length in tokens, which draw."""
+    """One answer to regenerate: its id, the prompt, the chat-templated text, its length in tokens, which draw, and
+    its tokens (as the batch tokeniser writes them: no special tokens added)."""
 
     id: str
     prompt: dict
     text: str
     tokens: int
     sample: int
+    ids: list
 
 
 def _sample_id(prompt_id: str, k: int, samples: int) -> str:
