@@ -103,7 +103,8 @@ mb() { python3 -c "print(f'{$1 / 1e6:.1f} MB')"; }
 # -- here, before the lease ----------------------------------------------------------------------------------------
 tree_bytes() {  # what every call carries anyway: tracked and untracked-not-ignored files
   if git rev-parse --is-inside-work-tree > /dev/null 2>&1; then
-    git ls-files -z --cached --others --exclude-standard | xargs -0 stat -c %s 2> /dev/null | awk '{s += $1} END {print s}'
+    git ls-files -z --cached --others --exclude-standard | xargs -0 stat -c %s 2> /dev/null \
+      | awk '{s += $1} END {print s}'
   else  # a copy without git (the CPU dry run's): every file but what pack writes
     find . -type f -not -path "./$PACK/*" -not -path './.git/*' -not -path '*/__pycache__/*' -printf '%s\n' \
       | awk '{s += $1} END {print s}'
@@ -122,8 +123,9 @@ pack() {
   if [ -n "${CAMPAIGN_EVAL_PROMPTS:-}" ]; then
     cp "$CAMPAIGN_EVAL_PROMPTS" "$PACK/load/eval-prompts.jsonl.gz"
   else  # the device has none of the suites' packages: their prompts travel as a file (evaluation only)
-    python3 -c "from dspark_hf.evaluation.suites import load_prompts; from dspark_hf.training.prompts import \
-write_prompts; write_prompts(load_prompts(None, ['humaneval', 'mtbench', 'gsm'], 20), '$PACK/load/eval-prompts.jsonl.gz')"
+    python3 -c "import sys; from dspark_hf.evaluation.suites import load_prompts; from dspark_hf.training.prompts \
+import write_prompts; write_prompts(load_prompts(None, ['humaneval', 'mtbench', 'gsm'], 20), sys.argv[1])" \
+      "$PACK/load/eval-prompts.jsonl.gz"
   fi
   if [ "${CAMPAIGN_WHEELS:-}" != none ]; then  # the device has transformers 5.17 and no gguf
     mkdir -p "$PACK/first/wheels"
@@ -205,7 +207,7 @@ PY
   done
   echo "then: give_back, and here: bash examples/gpu_campaign.sh land DIR (DIR: the files the last call brought back)"
   echo "planned device time: $(python3 -c "import math; print(math.ceil($planned - 1e-9))") min (machine start" \
-    "$START_MINUTES, $calls calls; $planned in all)"
+    "$START_MINUTES, $calls calls; $(python3 -c "print(round($planned, 2))") in all)"
 }
 
 write_settings() {  # what the device needs to know of this pack, as defaults the environment may override
@@ -307,12 +309,15 @@ PY
     --batch-size 8 --max-new-tokens 16 --max-prompt-tokens 64 --output "$S/generate.jsonl" || exit 1
   local engine=generate
   # shellcheck disable=SC2086  # the recipe is a list of flags
-  step train "$(deadline "$end")" "${DSPARK[@]}" train --target "$toy" --target-dtype "$DTYPE" --dataset "$S/generate.jsonl" \
+  step train "$(deadline "$end")" "${DSPARK[@]}" train --target "$toy" --target-dtype "$DTYPE" \
+    --dataset "$S/generate.jsonl" \
     --heldout-fraction 0.25 --output-dir "$S/draft" --init-from "$INIT_DRAFT" $RECIPE --gpu-memory-fraction 0.45 \
     --time-budget 0.2 --stop-after 0.5 ${flags[@]+"${flags[@]}"} || exit 1
-  step calibrate "$(deadline "$end")" "${DSPARK[@]}" calibrate --target "$toy" --draft "$S/draft" --dataset "$S/generate.jsonl" \
+  step calibrate "$(deadline "$end")" "${DSPARK[@]}" calibrate --target "$toy" --draft "$S/draft" \
+    --dataset "$S/generate.jsonl" \
     --output "$S/calibrated" --limit 4 --batch-size 4 --draft-dtype float32 --max-new-tokens 16 || exit 1
-  step export "$(deadline "$end")" "${DSPARK[@]}" export "$S/calibrated" --output "$S/export" --base-model "$BASE_MODEL" \
+  step export "$(deadline "$end")" "${DSPARK[@]}" export "$S/calibrated" --output "$S/export" \
+    --base-model "$BASE_MODEL" \
     || exit 1
   step bench-speed "$(deadline "$end")" "${DSPARK[@]}" bench speed --target "$toy" --draft "$S/export" \
     --prompts "$S/prompts.jsonl.gz" --limit 8 --batch-size 8 --max-new-tokens 8 --repeats 1 --policy auto \
@@ -351,7 +356,8 @@ again from call 1 of the plan" >&2; exit 3; }
     --prompts "$STATE/prompts.jsonl.gz" --output "$STATE/new/answers.jsonl" --num-examples 0 \
     --samples-per-prompt "$SAMPLES" --max-new-tokens "$MAX_NEW_TOKENS" --engine "$engine" --seed ${#parts[@]} \
     --batch-size "$BATCH" \
-    --time-budget "$DATA_MINUTES" ${answered[@]+"${answered[@]}"} || log "regeneration stopped: training on what there is"
+    --time-budget "$DATA_MINUTES" ${answered[@]+"${answered[@]}"} \
+    || log "regeneration stopped: training on what there is"
   { for part in ${parts[@]+"${parts[@]}"}; do gzip -dc "$part"; done
     [ -f "$STATE/new/answers.jsonl" ] && cat "$STATE/new/answers.jsonl"; } > "$STATE/train.jsonl"
   train_arms "$end" || true
@@ -416,7 +422,8 @@ finish() {  # calibrate and export the draft, and pack what returns (the draft f
   step calibrate "$(deadline "$end")" "${DSPARK[@]}" calibrate --target "$STATE/target" --draft "$STATE/dspark" \
     --dataset "$STATE/train.jsonl" --output "$STATE/calibrated" --limit 64 --batch-size 32 --draft-dtype float32 \
     --max-new-tokens "$EVAL_TOKENS" || cp -r "$STATE/dspark" "$STATE/calibrated"  # uncalibrated beats nothing
-  step export "$(deadline "$end")" "${DSPARK[@]}" export "$STATE/calibrated" --output "$STATE/export" --base-model "$BASE_MODEL" \
+  step export "$(deadline "$end")" "${DSPARK[@]}" export "$STATE/calibrated" --output "$STATE/export" \
+    --base-model "$BASE_MODEL" \
     && (cd "$STATE/export" && sha256sum model.safetensors > model.sha256)
   pack_out
 }
@@ -436,7 +443,8 @@ pack_out() {  # $OUT in order of value, each file whole when written: a cut lose
       calibrated/calibration.json calibrated/reliability.png new/answers.manifest.json train_minutes engine; do
     [ -f "$STATE/$f" ] && files+=("$f")
   done
-  tar -czf "$OUT/results.tar.gz.partial" -C "$STATE" "${files[@]}" && mv "$OUT/results.tar.gz.partial" "$OUT/results.tar.gz"
+  tar -czf "$OUT/results.tar.gz.partial" -C "$STATE" "${files[@]}" \
+    && mv "$OUT/results.tar.gz.partial" "$OUT/results.tar.gz"
   if [ -s "$STATE/new/answers.jsonl" ] && ! compgen -G "$OUT/answers.jsonl.gz*" > /dev/null; then
     gzip -c "$STATE/new/answers.jsonl" > "$STATE/new/answers.jsonl.gz"
     split -b 15M -d -a 1 "$STATE/new/answers.jsonl.gz" "$OUT/answers.jsonl.gz.part-"
@@ -530,7 +538,8 @@ PY
   if compgen -G "$from/draft.safetensors.part-*" > /dev/null && [ -f "$from/export.tar.gz" ]; then
     tar -xzf "$from/export.tar.gz" -C "$run"
     cat "$from"/draft.safetensors.part-* > "$run/export/model.safetensors"
-    (cd "$run/export" && sha256sum -c model.sha256 > /dev/null) || { echo "land: the draft's parts do not add up" >&2; exit 1; }
+    (cd "$run/export" && sha256sum -c model.sha256 > /dev/null) \
+      || { echo "land: the draft's parts do not add up" >&2; exit 1; }
     if python3 - "$run/dspark/heldout.json" "$run/landed.json" <<'PY'
 import json, sys
 from pathlib import Path
@@ -570,7 +579,8 @@ for entry in lineage:
     results = Path(entry["results"])
     report = json.loads((results / "dspark" / "heldout.json").read_text())
     training = report["training"]
-    manifest = next(p for p in (results / "new" / "answers.manifest.json", results / "data.manifest.json") if p.is_file())
+    manifest = next(p for p in (results / "new" / "answers.manifest.json", results / "data.manifest.json")
+                    if p.is_file())
     made = json.loads(manifest.read_text())
     steps += training["steps"]
     sequences += training["steps"] * training["batch_size"]
