@@ -378,23 +378,22 @@ class RunClock:
         self.last = time.perf_counter()
         self.setup_seconds = self.last - self.entry
 
-    @contextlib.contextmanager
     def saving(self):
-        """Time a save: counted as saving, and kept out of the next step's time."""
-        began = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.save_seconds += time.perf_counter() - began
-            self.last = time.perf_counter()
+        """A context that times a save: counted as saving, and kept out of the next step's time."""
+        return self._counting("save_seconds")
+
+    def reporting(self):
+        """A context that times the held-out report."""
+        return self._counting("report_seconds")
 
     @contextlib.contextmanager
-    def reporting(self):
+    def _counting(self, total: str):
         began = time.perf_counter()
         try:
             yield
         finally:
-            self.report_seconds += time.perf_counter() - began
+            setattr(self, total, getattr(self, total) + time.perf_counter() - began)
+            self.last = time.perf_counter()  # the next step's time starts now
 
     def summary(self, steps: int) -> dict:
         """Where this run's time went, all invocations for the budget and steps, this one for the rest: steps_share
