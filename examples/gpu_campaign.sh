@@ -36,7 +36,9 @@
 #   CAMPAIGN_HELDOUT        held-out share (default 0.05, as every run before: the same prompts stay held out)
 #   CAMPAIGN_RECIPE         training flags of the warm start (default below)
 #   CAMPAIGN_ABLATION       1: train the DFlash-style ablation from scratch beside it (default 0)
-#   CAMPAIGN_SMOKE_SECONDS  call 1's deadline (default 85)   CAMPAIGN_RUN_MINUTES  the long call's (default 7.8)
+#   CAMPAIGN_SMOKE_SECONDS  call 1's deadline (default 85)
+#   CAMPAIGN_LEASE_MINUTES  the planned device time the plan keeps within (default 13, of the lease's 15)
+#   CAMPAIGN_RUN_MINUTES    the long call's deadline (default: what the lease leaves after the other calls, at most 9)
 #   CAMPAIGN_BATCH          rows of a regeneration batch (default 512)
 #   CAMPAIGN_DATA_MINUTES   regeneration, loading included (default 1.5)
 #   CAMPAIGN_FINISH_MINUTES kept for calibrate, export and packing (default 1)
@@ -71,7 +73,8 @@ DTYPE=${CAMPAIGN_DTYPE:-bfloat16}
 HELDOUT=${CAMPAIGN_HELDOUT:-0.05}
 ABLATION=${CAMPAIGN_ABLATION:-0}
 SMOKE_SECONDS=${CAMPAIGN_SMOKE_SECONDS:-85}
-RUN_MINUTES=${CAMPAIGN_RUN_MINUTES:-7.8}
+LEASE_MINUTES=${CAMPAIGN_LEASE_MINUTES:-13}
+RUN_MINUTES=${CAMPAIGN_RUN_MINUTES:-}  # pack fills it in from the plan
 BATCH=${CAMPAIGN_BATCH:-512}  # rows a regeneration batch decodes at once (prepare-data's GPU default)
 DATA_MINUTES=${CAMPAIGN_DATA_MINUTES:-1.5}
 FINISH_MINUTES=${CAMPAIGN_FINISH_MINUTES:-1}
@@ -155,6 +158,7 @@ PY
   else archive=$PACK/target.gguf; cp "$target" "$archive"; fi
   (cd "$(dirname "$archive")" && sha256sum "$(basename "$archive")") > "$PACK/load/target.sha256"
   cp "$PACK/load/target.sha256" "$PACK/first/"
+  RUN_MINUTES=${RUN_MINUTES:-9}  # for the settings' size; the plan below sets it
   write_settings "$PACK/first/settings.env"
   cp "$PACK/first/settings.env" "$PACK/load/"
 
@@ -184,6 +188,16 @@ PY
     offset=$((offset + sizes[i]))
   done
   rm "$archive"
+  # the long call gets what the lease leaves after the start, every call's transfers and the other commands: each
+  # call the tree's growth adds costs it about 0.6 minutes
+  if [ -z "${CAMPAIGN_RUN_MINUTES:-}" ]; then
+    RUN_MINUTES=$(python3 -c "import math; print(min(9.0, math.floor(10 * ($LEASE_MINUTES - $START_MINUTES \
+- $calls * $CALL_MINUTES - $SMOKE_SECONDS / 60 - ($calls - 2) * $RECEIVE_MINUTES) + 1e-6) / 10))")
+    python3 -c "import sys; sys.exit($RUN_MINUTES < 4)" || echo "warning: the tree leaves the long call only \
+$RUN_MINUTES minutes in a $LEASE_MINUTES-minute plan ($calls calls): fewer answers in the tree, or fewer wheels" >&2
+  fi
+  write_settings "$PACK/first/settings.env"
+  cp "$PACK/first/settings.env" "$PACK/load/"
   cp -r "$PACK/first/." "$PACK/call1/" && rm -r "$PACK/first"
   cp -r "$PACK/load/." "$PACK/call$calls/" && rm -r "$PACK/load"
 
