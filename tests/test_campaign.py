@@ -163,3 +163,24 @@ def test_the_lease_plan_runs_on_the_cpu_as_the_device_would_see_it(tmp_path):
     broken = {**bare, "CAMPAIGN_RECIPE": "--no-such-flag"}
     failed = sh(f"bash {SCRIPT} smoke", tmp_path / "call1", broken, 1)
     assert re.search(r"^smoke: train failed \(exit 2\): .*no-such-flag", failed, re.M), failed
+
+
+def test_the_plan_keeps_to_the_lease_when_the_tree_leaves_room_for_fewer_parts(tmp_path):
+    # answers added to the tree take room from every call: one more call, and the long call gets less
+    repo = tmp_path / "repo"
+    copy_tree(checkout_files(ROOT), ROOT, repo)
+    prompts = [{"id": "p0", "domain": "chat", "messages": [{"role": "user", "content": "Hi"}]}]
+    base = {k: v for k, v in os.environ.items() if not k.startswith("CAMPAIGN_") and k != "PYTHONPATH"}
+    tree = sum((repo / name).stat().st_size for name in checkout_files(repo))
+    settings = {**base, "PYTHONDONTWRITEBYTECODE": "1", "CAMPAIGN_TARGET": str(toy_target(tmp_path / "target")),
+                "CAMPAIGN_WHEELS": "none", "CAMPAIGN_PROMPTS": str(write_prompts(prompts, tmp_path / "p.jsonl.gz")),
+                "CAMPAIGN_EVAL_PROMPTS": str(tmp_path / "p.jsonl.gz")}
+    plans = {}
+    for room in (6, 3):  # MiB of room per call: the toy target in 2 or 4 parts
+        plan = sh(f"bash {SCRIPT} pack", repo, {**settings, "CAMPAIGN_LIMIT_BYTES": str(tree + (1 + room) * 2 ** 20)})
+        minutes = float(re.search(r"^planned device time: \d+ min \(.*; ([\d.]+) in all\)", plan, re.M).group(1))
+        run = re.search(r"run\n.*planned ([\d.]+) min of command", plan).group(1)
+        plans[room] = (len(CALL.findall(plan)), minutes, float(run))
+    (few, planned_few, run_few), (many, planned_many, run_many) = plans[6], plans[3]
+    assert many > few and planned_few <= 13 and planned_many <= 13
+    assert run_many < run_few <= 9, plans  # the long call gives up what the extra calls cost
