@@ -287,6 +287,9 @@ write_prompts([{'id': f's{i}', 'domain': ['chat', 'code', 'math'][i % 3], 'sourc
 }
 
 smoke() {  # call 1: every CUDA command of the long call, at toy scale, so that a failure shows before the long call
+  # exit 1: a step failed, and the long call would fail alike (stop the lease's plan); exit 4: the call's deadline
+  # cut a step that had not failed (nothing is known broken: go on with the plan)
+  stop() { [ "$1" = 124 ] && exit 4; exit 1; }
   local end=$SMOKE_SECONDS
   receive
   mkdir -p "$STATE/logs" "$STATE/smoke"
@@ -320,25 +323,25 @@ PY
     check=$!
   fi
   step regenerate-generate "$(deadline "$end")" "${DSPARK[@]}" prepare-data "${regenerate[@]}" --engine generate \
-    --batch-size 8 --max-new-tokens 16 --max-prompt-tokens 64 --output "$S/generate.jsonl" || exit 1
+    --batch-size 8 --max-new-tokens 16 --max-prompt-tokens 64 --output "$S/generate.jsonl" || stop $?
   local engine=generate
   # shellcheck disable=SC2086  # the recipe is a list of flags
   step train "$(deadline "$end")" "${DSPARK[@]}" train --target "$toy" --target-dtype "$DTYPE" \
     --dataset "$S/generate.jsonl" \
     --heldout-fraction 0.25 --output-dir "$S/draft" --init-from "$INIT_DRAFT" $RECIPE --gpu-memory-fraction 0.45 \
-    --time-budget 0.2 --stop-after 0.5 ${flags[@]+"${flags[@]}"} || exit 1
+    --time-budget 0.2 --stop-after 0.5 ${flags[@]+"${flags[@]}"} || stop $?
   step calibrate "$(deadline "$end")" "${DSPARK[@]}" calibrate --target "$toy" --draft "$S/draft" \
     --dataset "$S/generate.jsonl" \
-    --output "$S/calibrated" --limit 4 --batch-size 4 --draft-dtype float32 --max-new-tokens 16 || exit 1
+    --output "$S/calibrated" --limit 4 --batch-size 4 --draft-dtype float32 --max-new-tokens 16 || stop $?
   step export "$(deadline "$end")" "${DSPARK[@]}" export "$S/calibrated" --output "$S/export" \
     --base-model "$BASE_MODEL" \
-    || exit 1
+    || stop $?
   step bench-speed "$(deadline "$end")" "${DSPARK[@]}" bench speed --target "$toy" --draft "$S/export" \
     --prompts "$S/prompts.jsonl.gz" --limit 8 --batch-size 8 --max-new-tokens 8 --repeats 1 --policy auto \
-    --policy 'full block' --output "$S/bench_speed.json" || exit 1
+    --policy 'full block' --output "$S/bench_speed.json" || stop $?
   step bench-oracle "$(deadline "$end")" "${DSPARK[@]}" bench oracle --target "$toy" --draft "$S/export" \
     --batch-sizes 1 8 --max-new-tokens 8 --repeats 1 --policy 'full block' --policy auto \
-    --output "$S/bench_oracle.json" || exit 1
+    --output "$S/bench_oracle.json" || stop $?
   if [ -n "$check" ]; then
     local rc=0
     wait "$check" || rc=$?
