@@ -168,7 +168,7 @@ def cmd_prompts(args) -> int:
 def cmd_prepare_data(args) -> int:
     import itertools
 
-    from .training.data import GenerationSettings, manifest_path, prepare_data
+    from .training.data import GenerationSettings, answered_ids, manifest_path, prepare_data
     from .training.prompts import read_prompts, read_sharegpt
 
     _check_outputs(args)
@@ -180,9 +180,11 @@ def cmd_prepare_data(args) -> int:
                                   args.samples_per_prompt)
     # a resumed run goes on in the batches it started with (the answers depend on them), wherever it runs now
     batch_size = args.batch_size or _recorded_batch_size(args.output) or (512 if target.device.type == "cuda" else 32)
+    engine = args.engine if args.engine != "auto" else "static" if target.device.type == "cuda" else "generate"
     path = prepare_data(target, tokenizer, prompts, args.output, args.num_examples or None, batch_size, settings,
                         args.seed, args.max_prompt_tokens,
-                        time_budget=None if args.time_budget is None else 60 * args.time_budget)
+                        time_budget=None if args.time_budget is None else 60 * args.time_budget, engine=engine,
+                        answered=answered_ids(args.answered or []))
     print(f"dataset: {path}\nmanifest: {manifest_path(path)}")
     return 0
 
@@ -196,6 +198,7 @@ def _recorded_batch_size(dataset: str) -> int | None:
 
 
 def cmd_train(args) -> int:
+    started = time.perf_counter()  # the time budget counts the whole command: loading the target too
     from .training.config import TrainConfig
     from .training.trainer import train
 
@@ -212,9 +215,8 @@ def cmd_train(args) -> int:
 
         # on the CPU, in the dtype train() gives it (it places it: each process of `accelerate launch` on its own GPU)
         target = load_target_model(args.target, _target_dtype(config.target_dtype, resolve_device(config.device)))
-    start = time.perf_counter()
-    model = train(config, target=target)
-    minutes = (time.perf_counter() - start) / 60
+    model = train(config, target=target, started=started)
+    minutes = (time.perf_counter() - started) / 60
     if model.training:  # stopped by --stop-after before the end (train() says so in training mode)
         print(f"not finished: a checkpoint is saved in {args.output_dir} ({minutes:.1f} min); run the same command "
               "again to resume")
@@ -669,6 +671,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="nucleus sampling of the answers, in (0, 1]")
     p.add_argument("--top-k", type=COUNT, default=20, help="top-k sampling of the answers (0: off)")
     p.add_argument("--seed", type=int, default=0, help="seeds sampling")
+    p.add_argument("--engine", default="auto", choices=["auto", "generate", "static"],
+                   help="how batches are decoded (same sampling, same output): static (a static cache, every batch one "
+                        "shape, so that on a GPU the decoding step is compiled once and replayed as a CUDA graph), "
+                        "generate (a dynamic cache, each batch padded to its longest prompt); auto (default): static "
+                        "on a GPU, generate elsewhere")
+    p.add_argument("--answered", nargs="+", metavar="DATASET",
+                   help="datasets of answers made earlier (e.g. experiments/smollm2-answers/part-*.jsonl.gz): the "
+                        "answers they hold, by id, are not made again, so the run answers prompts that have none "
+                        "first, then adds second answers")
     p.set_defaults(func=cmd_prepare_data)
 
     from .training.config import TrainConfig

@@ -28,7 +28,15 @@ def resolve_device(device: str | torch.device | None = "auto") -> torch.device:
     if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
         raise ValueError(f"device={str(device)!r}, but torch sees {torch.cuda.device_count()} CUDA GPU(s): use an "
                          f"index below {torch.cuda.device_count()}.")
-    if device.type == "cuda" and device.index is None:  # what model.device will report, so devices compare equal
+    return indexed(device)  # what model.device will report, so devices compare equal
+
+
+def indexed(device: str | torch.device) -> torch.device:
+    """`device` with its index: a CUDA device named without one ("cuda", as accelerate reports a single process's
+    GPU) is the current GPU. Some torch.cuda calls refuse a device without an index
+    (``set_per_process_memory_fraction``: "Expected a torch.device with a specified index")."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     return device
 
@@ -48,3 +56,52 @@ def clock(device: torch.device | str, stream: torch.cuda.Stream | None = None) -
     else:
         synchronize(device)
     return time.perf_counter()
+
+
+class GpuMonitor:
+    """How busy a run kept its GPU: utilisation read every `every` seconds (NVML, through torch.cuda.utilization)
+    and the peak memory torch allocated, against the card's. Off CUDA it reads nothing and reports None. A next run
+    reads it to size its batch: a GPU that sat idle part of the time, or used a small share of its memory, takes a
+    larger one."""
+
+    def __init__(self, device: torch.device, every: float = 1.0, now=time.perf_counter):
+        self.device, self.every, self.now = torch.device(device), every, now
+        self.readings: list[float] = []
+        self.last = None
+        self.unreadable = None  # why utilisation could not be read (no NVML binding, say)
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def sample(self) -> None:
+        if self.device.type != "cuda" or self.unreadable is not None:
+            return
+        now = self.now()
+        if self.last is not None and now - self.last < self.every:
+            return
+        self.last = now
+        try:
+            self.readings.append(float(torch.cuda.utilization(self.device)))
+        except Exception as error:  # NVML missing or refused: the memory figures still stand
+            self.unreadable = f"{type(error).__name__}: {error}"
+
+    def report(self) -> dict | None:
+        if self.device.type != "cuda":
+            return None
+        gib = 2 ** 30
+        report = {"device": torch.cuda.get_device_name(self.device),
+                  "peak_memory_gib": round(torch.cuda.max_memory_allocated(self.device) / gib, 2),
+                  "memory_gib": round(torch.cuda.get_device_properties(self.device).total_memory / gib, 2),
+                  "utilisation_readings": len(self.readings),
+                  "utilisation_mean": round(sum(self.readings) / len(self.readings), 1) if self.readings else None}
+        if self.unreadable:
+            report["utilisation_unreadable"] = self.unreadable
+        return report
+
+    def line(self) -> str | None:
+        """The report in one line for a log, or None off CUDA."""
+        r = self.report()
+        if r is None:
+            return None
+        busy = (f"utilisation {r['utilisation_mean']:.0f}% on average over {r['utilisation_readings']} readings"
+                if r["utilisation_mean"] is not None else f"utilisation not read ({r.get('utilisation_unreadable')})")
+        return f"GPU {r['device']}: {busy}, peak memory {r['peak_memory_gib']:.1f} of {r['memory_gib']:.1f} GiB"

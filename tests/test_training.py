@@ -912,10 +912,10 @@ def test_an_invocation_stopped_before_its_first_step_says_so_and_dspark_train_do
            str(tmp_path / "run"), "--max-steps", "2", "--batch-size", "4", "--anchors", "2", "--heldout-fraction", "0",
            "--layers", "1", "--markov-rank", "4", "--block-size", "3"]
     capsys.readouterr()
-    with pytest.warns(UserWarning) as warned:  # 3 s: less than the time a checkpoint is given to save
-        assert main(run + ["--stop-after", "0.05"]) == 0
+    with pytest.warns(UserWarning) as warned:  # 1.2 s: less than the time a checkpoint is given to save
+        assert main(run + ["--stop-after", "0.02"]) == 0
     messages = [str(w.message) for w in warned]
-    assert any("stop_after=0.05 min ran out before the first training step" in m for m in messages), messages
+    assert any("stop_after=0.02 min ran out before the first training step" in m for m in messages), messages
     assert not any("time_budget" in m for m in messages), messages
     out = capsys.readouterr().out
     assert "not finished" in out and "run the same command again" in out and "draft saved" not in out
@@ -1212,7 +1212,7 @@ def test_dspark_train_loads_its_target_in_the_dtype_it_trains_with(tmp_path, mon
     target.save_pretrained(tmp_path / "target")
     data = tiny_dataset(tmp_path, target, n=8)
     given = []
-    monkeypatch.setattr(trainer, "train", lambda config, target: given.append(target.dtype) or tiny_draft(target))
+    monkeypatch.setattr(trainer, "train", lambda config, target, **kw: given.append(target.dtype) or tiny_draft(target))
     main(["train", "--target", str(tmp_path / "target"), "--dataset", str(data), "--output-dir",
           str(tmp_path / "run"), "--target-dtype", "bfloat16"])
     assert given == [torch.bfloat16]  # loaded so, not in float32 and converted: half the host memory

@@ -60,18 +60,74 @@ def _torn(state_file: Path, error: Exception) -> bool:
 
 
 def save_checkpoint(model, optimizer, step: int, clock, out_dir: Path, generator: torch.Generator,
-                    batch_size: int):
+                    batch_size: int, snapshot: tuple[dict, dict] | None = None):
     """Save `model` (a draft or a peft adapter), the optimizer, the step, the run clock's state, the anchor
     generator's (a resumed epoch draws the anchors it would have drawn) and the batch size (which
     auto_find_batch_size may have chosen: a resumed run keeps it), then drop all but the two newest. The state
     file, which marks the checkpoint complete, is written last and whole (through a temporary file), so a run killed
-    while saving leaves the previous checkpoint to resume from."""
+    while saving leaves the previous checkpoint to resume from. snapshot: (weights, trainer state) taken earlier by
+    [`CheckpointWriter`], written instead of the live model's and optimizer's."""
     path = out_dir / f"checkpoint-{step}"
     (path / STATE_FILE).unlink(missing_ok=True)  # a folder saved over (after a resume) is incomplete until the end
-    model.save_pretrained(path)
+    if snapshot is None:
+        model.save_pretrained(path)
+        state = {"optimizer": optimizer.state_dict(), "step": step, "clock": clock.state(),
+                 "generator": generator.get_state(), "batch_size": batch_size}
+    else:
+        weights, state = snapshot
+        model.save_pretrained(path, state_dict=weights)
     partial = path / f"{STATE_FILE}.partial"
-    torch.save({"optimizer": optimizer.state_dict(), "step": step, "clock": clock.state(),
-                "generator": generator.get_state(), "batch_size": batch_size}, partial)
+    torch.save(state, partial)
     os.replace(partial, path / STATE_FILE)
     for old in checkpoint_folders(out_dir)[:-2]:
         shutil.rmtree(old, ignore_errors=True)
+
+
+class CheckpointWriter:
+    """Periodic checkpoints that do not stall training: the weights and the trainer state are copied to the CPU (a
+    snapshot of this step), and a thread writes them while the next steps run. One write at a time; `wait` joins it
+    and raises what it raised. A peft model (its adapter) is saved in the foreground."""
+
+    def __init__(self):
+        self._thread = None
+        self._error = None
+
+    def save(self, model, optimizer, step: int, clock, out_dir: Path, generator: torch.Generator,
+             batch_size: int) -> None:
+        import threading
+
+        self.wait()
+        if hasattr(model, "peft_config"):
+            save_checkpoint(model, optimizer, step, clock, out_dir, generator, batch_size)
+            return
+        weights = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+        state = {"optimizer": _on_cpu(optimizer.state_dict()), "step": step, "clock": clock.state(),
+                 "generator": generator.get_state(), "batch_size": batch_size}
+
+        def write():
+            try:
+                save_checkpoint(model, None, step, None, out_dir, None, batch_size, snapshot=(weights, state))
+            except BaseException as error:  # raised in the training thread by wait()
+                self._error = error
+
+        self._thread = threading.Thread(target=write, name=f"checkpoint-{step}", daemon=True)
+        self._thread.start()
+
+    def wait(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+
+def _on_cpu(value):
+    """A copy of a (nested) state dict with every tensor on the CPU: what the optimizer holds now, not later."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {k: _on_cpu(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_on_cpu(v) for v in value)
+    return value

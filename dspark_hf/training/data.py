@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Iterator, NamedTuple
 
 import torch
+from transformers import StoppingCriteria
 
 from ..generation.eos import eos_token_ids, until_eos
 
@@ -70,12 +71,25 @@ class GenerationSettings:
     samples_per_prompt: int = 1
 
 
+ENGINES = ("generate", "static")
+
+
 def prepare_data(target, tokenizer, prompts: Iterator[dict], output: str | Path, num_examples: int | None,
                  batch_size: int = 16, settings: GenerationSettings | None = None, seed: int = 0,
-                 max_prompt_tokens: int = 384, progress: bool = True, time_budget: float | None = None) -> Path:
+                 max_prompt_tokens: int = 384, progress: bool = True, time_budget: float | None = None,
+                 engine: str = "generate", answered: set[str] | None = None) -> Path:
     """Regenerate answers with the target for the first `num_examples` usable prompts (None: all) and append them to
-    `output`, `settings.samples_per_prompt` answers each; a manifest (sources, counts, token totals) is written next
-    to it as ``<output>.manifest.json``.
+    `output`, `settings.samples_per_prompt` answers each; a manifest (sources, counts, token totals, answer tokens per
+    second of this call) is written next to it as ``<output>.manifest.json``.
+
+    answered: ids of answers that exist elsewhere (earlier datasets, see [`answered_ids`]); they are not made again,
+    so that a run adds answers to prompts that have none, then second answers, and so on.
+    engine: how the batches are decoded, with the same sampling and the same output. "generate": generate() with its
+    dynamic cache, each batch padded to its longest prompt (the CPU's). "static": generate() with a static cache,
+    every batch the same shape (prompts left-padded to max_prompt_tokens, a short last batch filled with copies of a
+    row whose answers are dropped), so that on a GPU transformers compiles the decoding step once and replays it as a
+    CUDA graph: a 135M target's step is otherwise bound by dispatching its kernels one by one from Python. The
+    compilation happens in a warm-up of a few tokens before the time budget's estimates start.
 
     Every prompt gets its first answer before any gets a second, so a time budget that stops the run early cuts
     answers, not prompts; within each pass prompts are sorted by length, so a batch pads little however large it is
@@ -90,28 +104,38 @@ def prepare_data(target, tokenizer, prompts: Iterator[dict], output: str | Path,
     started = time.perf_counter()
     settings = settings or GenerationSettings()
     decoding = _decoding(settings)
+    if engine not in ENGINES:
+        raise ValueError(f"engine={engine!r}: choose one of {', '.join(ENGINES)}.")
     output = Path(output)
-    made_with = _made_with(target, settings, seed, max_prompt_tokens, batch_size)
+    made_with = {**_made_with(target, settings, seed, max_prompt_tokens, batch_size), "engine": engine}
     done = _answered(output)
     if done:
         _refuse_other_settings(output, made_with)
 
-    chosen, ids = [], set()
+    chosen, seen = [], set()
     for p in prompts:
-        if p["id"] in ids:  # its answer would be taken for the other's, and a resumed run would never complete
+        if p["id"] in seen:  # its answer would be taken for the other's, and a resumed run would never complete
             raise ValueError(f"two prompts share the id {p['id']!r}: give every prompt its own id.")
-        ids.add(p["id"])
+        seen.add(p["id"])
         text = tokenizer.apply_chat_template(p["messages"], tokenize=False, add_generation_prompt=True)
-        n_tokens = len(tokenizer(text)["input_ids"])
-        if n_tokens <= max_prompt_tokens:
-            chosen.append((p, text, n_tokens))
+        # tokenised once, as the batches are (no special tokens: the chat template holds them); the static engine
+        # pads these ids to max_prompt_tokens
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        if len(ids) <= max_prompt_tokens:
+            chosen.append((p, text, ids))
         if len(chosen) == num_examples:
             break
     if not chosen:
         raise ValueError(f"no prompt to answer: the prompts are empty (or all skipped), or none fits within "
                          f"max_prompt_tokens={max_prompt_tokens} tokens with the chat template.")
-    rows = [_Row(_sample_id(p["id"], k, settings.samples_per_prompt), p, text, n, k)
-            for p, text, n in chosen for k in range(settings.samples_per_prompt)]
+    rows = [_Row(_sample_id(p["id"], k, settings.samples_per_prompt), p, text, len(ids), k, ids)
+            for p, text, ids in chosen for k in range(settings.samples_per_prompt)]
+    elsewhere = len(rows)
+    rows = [r for r in rows if r.id not in (answered or set()) or r.id in done]
+    elsewhere -= len(rows)
+    if not rows:
+        raise ValueError(f"every answer these prompts ask for ({elsewhere}) exists already among the answered ones: "
+                         "raise --samples-per-prompt, or give other prompts.")
     foreign = done - {r.id for r in rows}
     if foreign:  # resuming would mix two selections of prompts into one file
         raise ValueError(f"{output} already holds {len(foreign)} examples that are not among the {len(rows)} "
@@ -130,27 +154,39 @@ def prepare_data(target, tokenizer, prompts: Iterator[dict], output: str | Path,
     bar = tqdm(total=len(rows), initial=sum(r.id in done for r in rows),
                desc="regenerating answers", disable=not progress)
     eos_ids = eos_token_ids(target.generation_config)
+    shape = _Shape(batch_size, max_prompt_tokens, tokenizer) if engine == "static" else None
+    extra = {"cache_implementation": "static"} if shape else {}
+    timing = {"warmup_seconds": 0.0, "generation_seconds": 0.0, "answer_tokens": 0}
     slowest = 0.0
     with output.open("a", encoding="utf-8") as out:
         for i, batch in enumerate(batches):
             if all(r.id in done for r in batch):
                 continue
+            if shape is not None and not shape.warm:  # compiles the step (on a GPU) outside the budget's estimate
+                warm_start = time.perf_counter()
+                target.generate(**shape.inputs(batch, target.device), **decoding, **extra,
+                                max_new_tokens=settings.max_new_tokens, stopping_criteria=[_After(shape.WARMUP)])
+                shape.warm, timing["warmup_seconds"] = True, time.perf_counter() - warm_start
             if time_budget is not None and time.perf_counter() - started + slowest > time_budget:
                 bar.write(f"time budget reached: {output} holds {bar.n} of {len(rows)} answers; run the same "
                           "command again to continue")
                 break
             batch_start = time.perf_counter()
-            inputs = tokenizer([r.text for r in batch], return_tensors="pt", padding=True,
-                               add_special_tokens=False).to(target.device)
+            if shape is None:
+                inputs = tokenizer([r.text for r in batch], return_tensors="pt", padding=True,
+                                   add_special_tokens=False).to(target.device)
+            else:
+                inputs = shape.inputs(batch, target.device)
             torch.manual_seed(seed + i)
-            seqs = target.generate(**inputs, **decoding, max_new_tokens=settings.max_new_tokens).cpu()
+            seqs = target.generate(**inputs, **decoding, **extra, max_new_tokens=settings.max_new_tokens).cpu()
             P = inputs["input_ids"].shape[1]
             lines = []
-            for r, mask, row in zip(batch, inputs["attention_mask"].cpu(), seqs):
+            for r, mask, row in zip(batch, inputs["attention_mask"].cpu(), seqs):  # a filled batch's copies: dropped
                 if r.id in done:  # a batch cut short by a crash is generated whole again (same seed, same answers)
                     continue
                 prompt_ids = row[:P][mask.bool()].tolist()
                 answer = until_eos(row[P:].tolist(), eos_ids)  # what follows EOS is padding
+                timing["answer_tokens"] += len(answer)
                 lines.append(json.dumps({"id": r.id, "prompt_id": r.prompt["id"], "group": r.prompt.get("group"),
                                          "domain": r.prompt.get("domain"),
                                          "source": r.prompt.get("source"), "prompt": r.text,
@@ -158,10 +194,65 @@ def prepare_data(target, tokenizer, prompts: Iterator[dict], output: str | Path,
             out.write("".join(lines))
             out.flush()
             bar.update(len(lines))
-            slowest = max(slowest, time.perf_counter() - batch_start)
+            spent = time.perf_counter() - batch_start
+            timing["generation_seconds"] += spent
+            slowest = max(slowest, spent)
     bar.close()
-    write_manifest(output, made_with, len(rows), time.perf_counter() - started)
+    write_manifest(output, made_with, len(rows), time.perf_counter() - started,
+                   this_call={**_rates(timing), "answered_elsewhere": elsewhere})
     return output
+
+
+class _Shape:
+    """The one shape every batch of the static engine has: `rows` rows of `width` prompt tokens, left-padded."""
+
+    WARMUP = 5  # decoding steps of the warm-up: compilation, then the CUDA graph's recording and first replays
+
+    def __init__(self, rows: int, width: int, tokenizer):
+        self.rows, self.width, self.warm = rows, width, False
+        self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+
+    def inputs(self, batch: list, device) -> dict:
+        rows = [r.ids for r in batch]
+        rows += [rows[0]] * (self.rows - len(rows))  # copies of the first row fill a short batch
+        ids = torch.full((self.rows, self.width), self.pad, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for j, row in enumerate(rows):
+            ids[j, self.width - len(row):] = torch.tensor(row)
+            mask[j, self.width - len(row):] = 1
+        return {"input_ids": ids.to(device), "attention_mask": mask.to(device)}
+
+
+class _After(StoppingCriteria):
+    """A stopping criterion: stop every row after `n` new tokens (the static engine's warm-up)."""
+
+    def __init__(self, n: int):
+        self.n, self.start = n, None
+
+    def __call__(self, input_ids, scores, **kwargs):
+        self.start = input_ids.shape[1] if self.start is None else self.start
+        return torch.full((input_ids.shape[0],), input_ids.shape[1] - self.start + 1 >= self.n, dtype=torch.bool,
+                          device=input_ids.device)
+
+
+def _rates(timing: dict) -> dict:
+    """This call's answer tokens and their rate: per second of decoding, and per second with the warm-up counted."""
+    seconds, warm = timing["generation_seconds"], timing["warmup_seconds"]
+    tokens = timing["answer_tokens"]
+    return {"answer_tokens": tokens, "generation_seconds": round(seconds, 2), "warmup_seconds": round(warm, 2),
+            "answer_tokens_per_second": round(tokens / seconds, 1) if seconds else None,
+            "answer_tokens_per_second_with_warmup": round(tokens / (seconds + warm), 1) if seconds + warm else None}
+
+
+def answered_ids(paths) -> set[str]:
+    """The answer ids in datasets written by `prepare_data` (gzipped or not): what a run adding answers skips."""
+    ids = set()
+    for path in paths:
+        for n, obj in read_jsonl(path):
+            if not isinstance(obj, dict) or "id" not in obj:
+                raise DataFileError(f"{path}:{n}: not an answer line of `dspark prepare-data` (no id).")
+            ids.add(str(obj["id"]))
+    return ids
 
 
 def _made_with(target, settings: GenerationSettings, seed: int, max_prompt_tokens: int, batch_size: int) -> dict:
@@ -184,13 +275,14 @@ def _refuse_other_settings(output: Path, made_with: dict) -> None:
     from ..model.modeling_dspark import same_fingerprint
 
     path, recorded = manifest_path(output), read_manifest(output)
-    missing = [key for key in made_with if key not in recorded and key != "device"]
+    missing = [key for key in made_with if key not in recorded and key not in ("device", "engine")]
     if missing:
         why = "is missing or unreadable" if not recorded else f"lacks {', '.join(missing)} (an older dspark-hf's)"
         raise ValueError(f"{output} already holds answers, but its manifest {path.name}, which records how they were "
                          f"made, {why}: a resumed run cannot check its settings against them; write to a new --output.")
     # the target is its weights (the fingerprint), not the path it was named by: another path to the same folder,
     # or the folder moved, resumes
+    recorded = {"engine": "generate", **recorded}  # datasets made before engines existed were made by generate()
     changed = [f"{key} {recorded[key]!r} -> {value!r}" for key, value in made_with.items()
                if key not in ("target", "target_fingerprint", "device") and recorded[key] != value]
     if not same_fingerprint(recorded["target_fingerprint"], made_with["target_fingerprint"]):
@@ -223,13 +315,15 @@ def _answered(output: Path) -> set[str]:
 
 
 class _Row(NamedTuple):
-    """One answer to regenerate: its id, the prompt, the chat-templated text, its length in tokens, which draw."""
+    """One answer to regenerate: its id, the prompt, the chat-templated text, its length in tokens, which draw, and
+    its tokens (as the batch tokeniser writes them: no special tokens added)."""
 
     id: str
     prompt: dict
     text: str
     tokens: int
     sample: int
+    ids: list
 
 
 def _sample_id(prompt_id: str, k: int, samples: int) -> str:
@@ -249,10 +343,10 @@ def read_manifest(dataset: str | Path) -> dict:
     return recorded if isinstance(recorded, dict) else {}
 
 
-def write_manifest(dataset: Path, made_with: dict, planned: int, seconds: float) -> dict:
+def write_manifest(dataset: Path, made_with: dict, planned: int, seconds: float, this_call: dict | None = None) -> dict:
     """What `dataset` holds (prompts, answers and token totals, by source and domain) and how it was made (the
-    target, its dtype, the sampling settings, seed, prompt limit and batch size of `made_with`), written to
-    [`manifest_path`]; `seconds` is this call's time."""
+    target, its dtype, the sampling settings, seed, prompt limit, batch size and engine of `made_with`), written to
+    [`manifest_path`]; `seconds` is this call's time, and `this_call` what it made and how fast."""
     from ..files import write_atomic
 
     groups: dict[str, dict[str, dict]] = {"by_source": {}, "by_domain": {}}
@@ -273,7 +367,7 @@ def write_manifest(dataset: Path, made_with: dict, planned: int, seconds: float)
             group["prompts"] = len(group["prompts"])
     manifest = {"dataset": dataset.name, **made_with, "complete": total["examples"] >= planned,
                 "planned_examples": planned, "prompts": len(prompts), **total, **groups,
-                "seconds_this_call": round(seconds, 1)}
+                "seconds_this_call": round(seconds, 1), **({"this_call": this_call} if this_call else {})}
     write_atomic(manifest_path(dataset), json.dumps(manifest, indent=2))
     return manifest
 

@@ -9,6 +9,7 @@ the backbone's linear layers learn (plus, optionally, the heads in full); the ru
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import random
@@ -19,10 +20,10 @@ from pathlib import Path
 
 import torch
 
-from ..devices import clock, resolve_device
+from ..devices import GpuMonitor, clock, indexed, resolve_device
 from ..generation.decoding import unwrap_draft
 from ..files import write_atomic
-from .checkpoints import STATE_FILE, checkpoint_folders, latest_checkpoint, save_checkpoint
+from .checkpoints import STATE_FILE, CheckpointWriter, checkpoint_folders, latest_checkpoint, save_checkpoint
 from .config import RESUMABLE_CHANGES, TrainConfig
 from .data import load_dataset, split_heldout
 from .drafts import initial_draft
@@ -33,18 +34,21 @@ from .objective import train_step
 
 
 
-def train(config: TrainConfig, target=None, progress: bool = True):
+def train(config: TrainConfig, target=None, progress: bool = True, started: float | None = None):
     """Train (or resume) a draft as `config` says; returns the final draft, also saved to config.output_dir
     (with ``config.lora``: the peft ``PeftModel``, saved as an adapter), in eval mode. With ``config.stop_after``, an
     invocation that runs out of time saves a checkpoint to resume from and returns the unfinished draft, still in
-    training mode (``.training`` is True).
+    training mode (``.training`` is True). started: the time.perf_counter() reading at which the invocation began
+    (`dspark train` passes its own start, so that loading the target counts in the time budget); default: now.
+    Where the time went (setup, steps, held-out report, saves; steps as a share of the budget) is printed at the end
+    and recorded in heldout.json under training.time, with the GPU's utilisation and peak memory.
 
     Resuming (config.output_dir holds train_config.json and a checkpoint) needs the settings the run was started
     with; only those of RESUMABLE_CHANGES may differ. Raises ValueError naming the others that do."""
     from accelerate import Accelerator
     from tqdm.auto import tqdm
 
-    timer = RunClock(config)
+    timer = RunClock(config, started)
     out_dir = Path(config.output_dir)
     _refuse_a_changed_run(config, out_dir)  # before anything is loaded or written
     if config.init_from:
@@ -56,11 +60,12 @@ def train(config: TrainConfig, target=None, progress: bool = True):
         torch.cuda.set_device(device)  # accelerate places a single process on the current GPU
     accelerator = Accelerator(mixed_precision=_mixed_precision(config.mixed_precision, device),
                               cpu=device.type == "cpu")
-    device = accelerator.device
+    device = indexed(accelerator.device)  # accelerate names a single GPU "cuda"; the memory fraction needs its index
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True  # fp32 matmuls outside autocast (the target in float32)
         if config.gpu_memory_fraction is not None:
             torch.cuda.set_per_process_memory_fraction(config.gpu_memory_fraction, device)
+    monitor = GpuMonitor(device)
     default_target_used = target is None
     if target is None:
         from ..defaults import default_target
@@ -117,7 +122,10 @@ def train(config: TrainConfig, target=None, progress: bool = True):
     model = accelerator.unwrap_model(draft)  # what is saved: the draft, or its peft wrapper (an adapter)
     core = unwrap_draft(model)  # the DSparkDraftModel; with LoRA its layers hold the adapters
     heldout_batches = _domain_batches(heldout, config.batch_size)
-    timer.start_loop(heldout_batches=len(heldout_batches))
+    # a draft started from another is measured beside it on the same held-out batches: the run says whether it gained
+    baseline = config.init_from if config.init_from and not config.lora else None
+    timer.start_loop(heldout_batches=len(heldout_batches), reports=2 if baseline else 1)
+    writer = CheckpointWriter()
 
     if total_steps is not None:
         bar = tqdm(total=total_steps, initial=step, desc="training", disable=not (progress and
@@ -166,12 +174,16 @@ def train(config: TrainConfig, target=None, progress: bool = True):
             optimizer.zero_grad(set_to_none=True)
             step += 1
             timer.step_done(device)
+            monitor.sample()
             running = _running(running, losses, valid)
             bar.update(1 if total_steps is not None else min(round(timer.loop_spent), bar.total) - bar.n)
             bar.set_postfix_str(f"step={step} {_postfix(running)}")
             if step % config.save_every == 0 and accelerator.is_main_process:
-                save_checkpoint(model, optimizer, step, timer, out_dir, generator, config.batch_size)
+                with timer.saving():
+                    writer.save(model, optimizer, step, timer, out_dir, generator, config.batch_size)
     bar.close()
+    with timer.saving():
+        writer.wait()
     finished = timer.budget_spent() if total_steps is None else step >= total_steps
     # under stop_after the held-out report and the final save start from a checkpoint of the last step, so that a call
     # killed during them resumes there; when they would not fit in this call, the next one (which takes no step) makes
@@ -180,7 +192,8 @@ def train(config: TrainConfig, target=None, progress: bool = True):
     saved = step > first_step and step % config.save_every == 0
     if (not report_now or (timer.limit is not None and step > first_step)) and not saved \
             and accelerator.is_main_process:
-        save_checkpoint(model, optimizer, step, timer, out_dir, generator, config.batch_size)
+        with timer.saving():
+            save_checkpoint(model, optimizer, step, timer, out_dir, generator, config.batch_size)
     if not report_now:
         if step == 0:
             warnings.warn(f"{config.output_dir}: stop_after={config.stop_after:g} min ran out before the first "
@@ -199,17 +212,36 @@ def train(config: TrainConfig, target=None, progress: bool = True):
     core = unwrap_draft(model)
     model.eval()
     if accelerator.is_main_process:
-        measured = [ex for batch in heldout_batches[: timer.report_batches()] for ex in batch]
-        report = evaluate_heldout(core, target, measured, features, config.anchors_per_sequence, weights,
-                                  batch_size=config.batch_size)
+        with timer.reporting():
+            measured = [ex for batch in heldout_batches[: timer.report_batches()] for ex in batch]
+            report = evaluate_heldout(core, target, measured, features, config.anchors_per_sequence, weights,
+                                      batch_size=config.batch_size)
+            if baseline and measured:
+                report["init_from"] = _baseline_report(baseline, target, measured, features, config, weights)
         report["heldout_sequences"] = len(heldout)  # "sequences" were measured; fewer under a tight time budget
+        with timer.saving():
+            model.save_pretrained(out_dir)
         report["training"] = {"steps": step, "minutes": round(timer.total_spent() / 60, 2),
                               "device": str(device), "target_dtype": str(target.dtype).replace("torch.", ""),
-                              "batch_size": config.batch_size, "train_examples": len(train_set)}
-        model.save_pretrained(out_dir)
+                              "batch_size": config.batch_size, "train_examples": len(train_set),
+                              "time": timer.summary(step - first_step), "gpu": monitor.report()}
         # last, and whole: heldout.json tells a finished run (the GPU campaign reads it so) from one killed while saving
         write_atomic(out_dir / "heldout.json", json.dumps(report, indent=2))
+        print(timer.line(step))
+        if monitor.line():
+            print(monitor.line())
     return model
+
+
+def _baseline_report(init_from: str, target, measured: list, features, config: TrainConfig, weights) -> dict:
+    """The held-out report of the draft a run started from, on the batches the trained draft was measured on (the
+    report draws the same anchors for both), so that the two compare."""
+    from ..loading import load_draft
+
+    start = load_draft(init_from, target, torch.float32).to(target.device).eval()
+    report = evaluate_heldout(start, target, measured, features, config.anchors_per_sequence, weights,
+                              batch_size=config.batch_size)
+    return {"path": init_from, **report}
 
 
 
@@ -313,22 +345,27 @@ class RunClock:
 
     The training loop gets what the budget leaves once this invocation's setup (loading, features) is done, minus
     a reserve for the held-out report and the final save; the learning-rate schedule runs over that loop time. The
-    report costs one measured forward pass per held-out batch; under a budget it measures at most the batches that
-    fit in REPORT_SHARE of it (at least one).
+    report costs one measured forward pass per held-out batch (per draft measured: two when the run started from a
+    draft); under a budget it measures at most the batches that fit in REPORT_SHARE of it (at least one), so that
+    steps keep the rest. Time spent saving checkpoints inside the loop is counted as saving, not as steps.
     """
 
-    SAVE_SECONDS = 5.0
-    REPORT_SHARE = 0.2
+    SAVE_SECONDS = 2.0  # the final save of a draft: well under a second, measured on this CPU and in the first GPU run
+    REPORT_SHARE = 0.04
 
-    def __init__(self, config: TrainConfig):
+    def __init__(self, config: TrainConfig, started: float | None = None):
         self.budget = None if config.time_budget is None else 60 * config.time_budget
         self.limit = None if config.stop_after is None else 60 * config.stop_after
-        self.entry = time.perf_counter()
+        self.entry = time.perf_counter() if started is None else started
         self.spent_before = 0.0  # wall time of earlier invocations
         self.loop_spent = 0.0  # training-loop time, all invocations
         self.step_seconds = 0.0  # of the last step
         self.forward_seconds = 0.0  # of the last step's forward pass (features, draft, losses)
         self.heldout_batches = 0
+        self.reports = 1  # drafts the held-out report measures
+        self.setup_seconds = 0.0  # this invocation's, before its first step
+        self.save_seconds = 0.0  # this invocation's
+        self.report_seconds = 0.0
 
     def restore(self, state: dict) -> None:
         self.spent_before = state.get("spent", 0.0)
@@ -339,9 +376,46 @@ class RunClock:
     def state(self) -> dict:
         return {"spent": self.total_spent(), "loop_spent": self.loop_spent, "forward_seconds": self.forward_seconds}
 
-    def start_loop(self, heldout_batches: int) -> None:
-        self.heldout_batches = heldout_batches
+    def start_loop(self, heldout_batches: int, reports: int = 1) -> None:
+        self.heldout_batches, self.reports = heldout_batches, reports
         self.last = time.perf_counter()
+        self.setup_seconds = self.last - self.entry
+
+    def saving(self):
+        """A context that times a save: counted as saving, and kept out of the next step's time."""
+        return self._counting("save_seconds")
+
+    def reporting(self):
+        """A context that times the held-out report."""
+        return self._counting("report_seconds")
+
+    @contextlib.contextmanager
+    def _counting(self, total: str):
+        began = time.perf_counter()
+        try:
+            yield
+        finally:
+            setattr(self, total, getattr(self, total) + time.perf_counter() - began)
+            self.last = time.perf_counter()  # the next step's time starts now
+
+    def summary(self, steps: int) -> dict:
+        """Where this run's time went, all invocations for the budget and steps, this one for the rest: steps_share
+        is the time in steps over the budget (over the time spent without one)."""
+        spent = self.total_spent()
+        base = self.budget if self.budget is not None else spent
+        return {"budget_seconds": self.budget, "seconds": round(spent, 2), "step_seconds": round(self.loop_spent, 2),
+                "steps_share": round(self.loop_spent / base, 4) if base else None,
+                "setup_seconds": round(self.setup_seconds, 2), "report_seconds": round(self.report_seconds, 2),
+                "save_seconds": round(self.save_seconds, 2), "steps_this_call": steps}
+
+    def line(self, steps: int) -> str:
+        """The summary as the log's line."""
+        t = self.summary(steps)
+        of = f"the {t['budget_seconds']:.0f} s budget" if self.budget is not None else f"the {t['seconds']:.0f} s run"
+        share = f"{t['steps_share']:.1%}" if t["steps_share"] is not None else "n/a"
+        return (f"time: {steps} steps in {t['step_seconds']:.1f} s, {share} of {of} (setup {t['setup_seconds']:.1f} "
+                f"s, held-out report {t['report_seconds']:.1f} s, saving {t['save_seconds']:.1f} s; "
+                f"{t['seconds']:.1f} s in all)")
 
     def total_spent(self) -> float:
         return self.spent_before + time.perf_counter() - self.entry
@@ -350,11 +424,12 @@ class RunClock:
         """Held-out batches the report measures: all of them, or under a budget what fits in its share."""
         if self.budget is None or self.forward_seconds == 0:
             return self.heldout_batches
-        return min(self.heldout_batches, max(1, int(self.REPORT_SHARE * self.budget / self.forward_seconds)))
+        return min(self.heldout_batches,
+                   max(1, int(self.REPORT_SHARE * self.budget / (self.forward_seconds * self.reports))))
 
     def reserve(self) -> float:
-        """Seconds kept for the held-out report (one forward pass per batch) and saving."""
-        return self.SAVE_SECONDS + self.forward_seconds * self.report_batches()
+        """Seconds kept for the held-out report (one forward pass per batch and draft) and saving."""
+        return self.SAVE_SECONDS + self.forward_seconds * self.report_batches() * self.reports
 
     def loop_total(self) -> float:
         """Seconds of training loop the budget allows, all invocations."""
