@@ -12,12 +12,11 @@ from .generation.integration import install as _install_generate_hook
 from . import hub as _hub
 from .defaults import default_draft, default_target, fast_draft_dtype
 from .loading import load_draft, load_models, load_target
-from .generation.drafting import BlockProposer, DraftBlock
+from .model.sampling import BlockProposer, DraftBlock
 from .model import DSparkConfig, DSparkContext, DSparkDraftModel
+from .version import __version__
 from .scheduling import (AsyncScheduled, AutoScheduled, FixedLength, FullBlock, Policy, Scheduled, ThresholdPolicy,
                          VerificationPolicy, prefix_schedule)
-
-__version__ = "0.1.0"
 
 AutoConfig.register("dspark", DSparkConfig, exist_ok=True)
 AutoModel.register(DSparkConfig, DSparkDraftModel, exist_ok=True)

@@ -26,6 +26,7 @@ import torch
 
 from .cards import GENERATED_MARK, CardData, is_hub_model_id, render_card_data, training_recipe
 from .model.modeling_dspark import DSparkDraftModel
+from .version import __version__
 
 README = "README.md"
 DEFAULT_COMMIT_MESSAGE = "Upload DSpark draft"
@@ -210,8 +211,6 @@ def offline_load_error(name_or_path, kwargs: dict) -> OSError | None:
 # ---------------------------------------------------------------------------------------------------------------
 def _api():
     from huggingface_hub import HfApi
-
-    from . import __version__
 
     return HfApi(library_name="dspark-hf", library_version=__version__)
 

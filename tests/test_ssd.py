@@ -383,7 +383,7 @@ def test_length_limits_and_a_cache_that_hits_every_round():
 def test_the_cache_keeps_blocks_over_the_draft_vocabulary_and_widens_them_exactly():
     """Greedy, so that both widths draft the same tokens (sampling draws from tensors of different widths; its
     exactness is the enumeration test's)."""
-    from dspark_hf.generation.drafting import sample_block
+    from dspark_hf.model.sampling import sample_blocks
 
     target = tiny_target("llama")
     draft = tiny_draft(target, draft_vocab=list(range(1, 96, 3)))
@@ -392,7 +392,7 @@ def test_the_cache_keeps_blocks_over_the_draft_vocabulary_and_widens_them_exactl
                                                                 output_hidden_states=True).hidden_states),
                                    (mask.cumsum(1) - 1).clamp_min(0), mask.bool())
     anchors, positions = ids[:, -1:].repeat(1, 3), torch.full((2, 3), ids.shape[1])
-    blocks = [sample_block(draft, anchors, positions, context, target_vocab=wide) for wide in (True, False)]
+    blocks = [sample_blocks(draft, anchors, positions, context, target_vocab=wide) for wide in (True, False)]
     full, compact = blocks
     assert compact.probs.shape[-1] == 32 and full.probs.shape[-1] == 96
     assert torch.equal(compact.tokens, full.tokens) and torch.equal(compact.vocab, draft.draft_vocab)
@@ -522,11 +522,11 @@ def test_ssd_settings_changed_after_the_config_was_made_are_checked_by_generate(
 
 def test_the_auto_fallback_measures_this_machines_costs_before_the_first_round_with_a_progress_bar(tmp_path,
                                                                                                     monkeypatch):
-    import dspark_hf.scheduling.profile as profile
+    import dspark_hf.generation.ssd as ssd_module
 
     monkeypatch.setenv("DSPARK_HF_PROFILE_CACHE", str(tmp_path))
-    calls, measure = [], profile.cached_costs
-    monkeypatch.setattr(profile, "cached_costs", lambda *a, **k: calls.append(k) or measure(*a, **k))
+    calls, measure = [], ssd_module.cached_costs
+    monkeypatch.setattr(ssd_module, "cached_costs", lambda *a, **k: calls.append(k) or measure(*a, **k))
     target = tiny_target("llama")
     ids, mask = left_padded_prompts(1)
     ssd_generate(target, tiny_draft(target), ids, mask, max_new_tokens=8, ssd=SSDConfig(fallback="auto"))
@@ -675,14 +675,14 @@ def test_verifying_cached_tokens_against_the_unweighted_distribution_is_caught(s
     its tokens were drawn from fails it."""
     import dspark_hf.generation.ssd as ssd
 
-    sample_block = ssd.sample_block
+    sample_blocks = ssd.sample_blocks
 
     def recording_the_wrong_distribution(*args, **kwargs):
-        block = sample_block(*args, **kwargs)
+        block = sample_blocks(*args, **kwargs)
         return type(block)(block.tokens, block.unweighted if block.unweighted is not None else block.probs,
                            block.confidences, vocab=block.vocab)
 
-    monkeypatch.setattr(ssd, "sample_block", recording_the_wrong_distribution)
+    monkeypatch.setattr(ssd, "sample_blocks", recording_the_wrong_distribution)
     target, draft, settings, probs = setup
     torch.manual_seed(7)
     samples = sample_continuations(target, draft, SAMPLES, ssd=SSDConfig(cache_size=3, saguaro_c=0.3,

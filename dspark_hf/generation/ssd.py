@@ -24,8 +24,10 @@ from typing import Sequence
 import torch
 
 from ..devices import clock
+from ..scheduling.costs import cached_costs
 from ..scheduling.ssd import critical_batch_size, geometric_fan_out, uniform_fan_out
-from .drafting import VOCAB_FREE_PROCESSORS, BlockProposer, DraftBlock, empty_block, sample_block, saguaro
+from .drafting import (VOCAB_FREE_PROCESSORS, BlockProposer, DraftBlock, empty_block, sample_blocks, saguaro,
+                       score_block)
 from .speculation import PredictedOutcomes, bonus_rank, predict_outcomes
 
 FAN_OUTS = ("geometric", "uniform")
@@ -171,8 +173,6 @@ class SSDMixin:
         # disk, with a progress bar) rather than inside the first round's drafting time
         self._costs = None
         if ssd.fallback == "auto":
-            from ..scheduling.profile import cached_costs
-
             self._costs = cached_costs(self.target, self.draft, sorted({1, self.prompt.shape[0]}),
                                        progress=ssd.progress)
         # N x S blocks: kept over the draft's own vocabulary, unless a processor reads which token a column is
@@ -230,8 +230,8 @@ class SSDMixin:
         process = (lambda prefix, logits: self._process(rows, prefix, logits))
         if isinstance(self.draft, BlockProposer):
             return self.draft.propose_block(anchor, anchor_pos, self.context, self.do_sample, process_logits=process)
-        return sample_block(self.draft, anchor, anchor_pos, self.context, self.do_sample, process_logits=process,
-                            reweight=self._reweight(self._fan_out()))
+        return sample_blocks(self.draft, anchor[:, None], anchor_pos[:, None], self.context, self.do_sample, process,
+                             reweight=self._reweight(self._fan_out())).index(slice(None), 0)
 
     def _lookup_block(self, missed, random: bool):
         """One-hot blocks of tokens proposed without the draft: exact to verify like any other, as the proposal
@@ -309,7 +309,7 @@ class SSDMixin:
         if bool(self._looked_up.any()):
             # a lookup block's one-hot distributions name no bonus candidates (every other token ties at 0): the
             # draft's own distributions given its tokens do (the paper's primary speculator after a backup round)
-            scored = sample_block(self.draft, anchor, anchor_pos, context, process_logits=process, forced=block.tokens)
+            scored = score_block(self.draft, block.tokens, anchor, anchor_pos, context, process)
             probs = torch.where(self._looked_up[:, None, None], scored.probs, probs)
         outcomes = predict_outcomes(probs, block.tokens, verify_len, fan_out).worth_drafting()
         N, S = outcomes.bonus.shape
@@ -321,9 +321,9 @@ class SSDMixin:
         j = torch.arange(lag, device=seq.device)
         source = j - (lag - 1 - outcomes.accepted[..., None])  # right-aligned: the last known token at lag - 1
         known = seq.gather(1, source.clamp_min(0).view(N, -1)).view(N, S, lag).masked_fill(source < 0, -1)
-        blocks = sample_block(self.draft, outcomes.bonus, anchor_pos[:, None] + outcomes.accepted + 1, context,
-                              self.do_sample, process_logits=process, generator=self._generator, known=known,
-                              reweight=self._reweight(fan_out), target_vocab=self._needs_target_vocab)
+        blocks = sample_blocks(self.draft, outcomes.bonus, anchor_pos[:, None] + outcomes.accepted + 1, context,
+                               self.do_sample, process, self._generator, known=known, reweight=self._reweight(fan_out),
+                               target_vocab=self._needs_target_vocab)
         return _Speculation(outcomes, blocks, (probs, block.tokens, verify_len))
 
     def _outcome(self, accepted, next_token):

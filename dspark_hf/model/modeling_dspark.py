@@ -629,7 +629,7 @@ class DSparkDraftModel(DSparkPreTrainedModel):
             return DSparkOutput(logits=logits, confidence_logits=conf, hidden_states=h)
         if block_tokens is None:
             raise ValueError("A draft with a sequential head needs block_tokens for a teacher-forced forward; "
-                             "use dspark_hf.generation.drafting.sample_block() to draft a block instead.")
+                             "use dspark_hf.model.sampling.sample_block() to draft a block instead.")
         prev = torch.cat([anchor_ids[..., None], block_tokens[..., :-1]], dim=-1).clamp_min(0)
         prev_emb = self.prev_embedding(prev)
         if self.config.head_type == "markov":
