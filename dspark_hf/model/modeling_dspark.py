@@ -196,12 +196,8 @@ class DSparkPreTrainedModel(PreTrainedModel):
     base_model_prefix = "dspark"
     _no_split_modules = ["DSparkDecoderLayer"]
     _supports_sdpa = True
-
-    def _init_weights(self, module):
-        super()._init_weights(module)
-        if isinstance(module, DSparkRMSNorm):
-            with torch.no_grad():
-                module.weight.fill_(1.0)
+    # weights start as transformers' _init_weights starts them: normal linear and embedding weights, and norms
+    # (DSparkRMSNorm, found by its name) at 1
 
 
 class DSparkDraftModel(DSparkPreTrainedModel):
