@@ -9,9 +9,8 @@ import torch
 
 from conftest import left_padded_prompts, tiny_draft, tiny_target
 from dspark_hf import SSDConfig
-from dspark_hf.generation.drafting import saguaro
-from dspark_hf.generation.ssd import SSDMixin, ngram_proposal
-from dspark_hf.generation.speculation import bonus_rank, predict_outcomes
+from dspark_hf.generation.ssd import SSDSource, ngram_proposal
+from dspark_hf.generation.speculation import bonus_rank, predict_outcomes, saguaro
 from dspark_hf.scheduling.ssd import (critical_batch_size, expected_hit_rate, fit_power_law, geometric_fan_out,
                                       measured_fan_out, outcome_probabilities, ssd_speedup, uniform_fan_out)
 from test_generation_greedy import eos_inside_a_block, oracle, plain
@@ -359,13 +358,13 @@ def test_greedy_ssd_with_the_speculator_on_its_own_cuda_stream_is_token_identica
     draft = tiny_draft(target)
     target, draft = target.cuda(), draft.cuda()
     ids, mask = (t.cuda() for t in left_padded_prompts(3))
-    verify_forward = SSDMixin._verify_forward
+    verifying = SSDSource.verifying
 
-    def late_inputs(self, inputs, mask, positions, block, verify_len):
+    def late_inputs(self, proposal, verify_len, anchor, anchor_positions, context):
         torch.cuda._sleep(50_000_000)  # tens of milliseconds of the verifier stream's time
-        return verify_forward(self, inputs + 0, mask, positions + 0, block, verify_len)
+        return verifying(self, proposal, verify_len + 0, anchor + 0, anchor_positions + 0, context)
 
-    monkeypatch.setattr(SSDMixin, "_verify_forward", late_inputs)
+    monkeypatch.setattr(SSDSource, "verifying", late_inputs)
     records, out = decode_with_overlaps(target, draft, ids, mask, config, (False, True, True, True))
     assert records[0][1]["hits"] > 0 and all(r == records[0] for r in records[1:])
     assert out.timings["speculate"] > 0
@@ -422,13 +421,11 @@ def test_rounds_record_whether_their_block_came_from_the_cache():
 
 
 def test_the_auto_fallback_drafts_below_the_critical_batch_size_and_looks_up_n_grams_from_it(monkeypatch):
-    from dspark_hf.generation.ssd import SSDMixin
-
     target = tiny_target("llama")
     ids, mask = left_padded_prompts(3)
     reference = plain(target, ids, mask, max_new_tokens=12)
     for critical, used in ((4, "draft"), (3, "ngram")):  # three rows decode to the end
-        monkeypatch.setattr(SSDMixin, "critical_batch_size", lambda self, c=critical: c)
+        monkeypatch.setattr(SSDSource, "critical_batch_size", lambda self, rows, c=critical: c)
         out = ssd_generate(target, tiny_draft(target), ids, mask, max_new_tokens=12,
                            ssd=SSDConfig(cache_size=2, fallback="auto"))
         assert torch.equal(out.sequences, reference)

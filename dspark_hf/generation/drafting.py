@@ -1,22 +1,89 @@
-"""Drafting a block for a round: the draws themselves are `dspark_hf.model.sampling`'s ([`sample_block`], or a
-[`BlockProposer`]'s own, as the oracle of `dspark bench oracle` drafts); here is what a round adds around them."""
+"""Where a round's block comes from: a [`BlockSource`].
+
+A source proposes each round's block, may work while the target verifies it, and learns the outcome. Two ship:
+[`Drafter`] drafts in time, with the draft's own draws (`dspark_hf.model.sampling.sample_block`) or a
+[`BlockProposer`]'s (the oracle of `dspark bench oracle`); `ssd.SSDSource` takes blocks from a speculation cache
+built during verification. Another way to produce blocks (a tree, a GPU-resident fast path, another drafter) is
+another source: the decoding loop stays as it is.
+"""
 
 from __future__ import annotations
 
+import contextlib
+from dataclasses import dataclass
+from typing import ContextManager, Protocol, runtime_checkable
+
 import torch
-from transformers.generation import logits_process as lp
 
-from ..model.modeling_dspark import DSparkDraftModel
-from ..model.sampling import BlockProposer, DraftBlock, drafter, sample_block, sample_blocks, score_block
+from ..model.modeling_dspark import DSparkContext, DSparkDraftModel
+from ..model.sampling import BlockProposer, DraftBlock, ProcessLogits, drafter, sample_block
 
-__all__ = ["BlockProposer", "DraftBlock", "VOCAB_FREE_PROCESSORS", "drafter", "empty_block", "saguaro",
-           "sample_block", "sample_blocks", "score_block"]
+# the names drafting had before it moved beside the model, as the docs give them
+__all__ = ["BlockSource", "Drafter", "Outcome", "Proposal", "empty_block", "BlockProposer", "DraftBlock",
+           "sample_block"]
 
 
-# logits processors that read only the scores' values, not which token a column is: safe on a draft's own vocabulary
-VOCAB_FREE_PROCESSORS = (lp.TemperatureLogitsWarper, lp.TopKLogitsWarper, lp.TopPLogitsWarper, lp.MinPLogitsWarper,
-                         lp.TypicalLogitsWarper, lp.EpsilonLogitsWarper, lp.EtaLogitsWarper,
-                         lp.InfNanRemoveLogitsProcessor, lp.LogitNormalization)
+@dataclass
+class Proposal:
+    """A round's block for its R rows, and what its source says of it. reach (R,): how many of its tokens a row may
+    verify, where fewer than the block (an n-gram lookup proposes fewer), else None; cache_hit (R,) bool: whether
+    the block came ready from a speculation cache, None for a source without one."""
+
+    block: DraftBlock
+    reach: torch.Tensor | None = None
+    cache_hit: torch.Tensor | None = None
+
+    @property
+    def drafted(self) -> bool:
+        """Whether the round drafted at all (a policy may switch drafting off, and a last round drafts nothing)."""
+        return self.block.tokens.shape[1] > 0
+
+
+@dataclass
+class Outcome:
+    """What verification made of a round's proposal, per row (R,): how many tokens it verified and accepted, the
+    target's own next token, and how many tokens reached the output (fewer where a stop cut the chunk short)."""
+
+    proposal: Proposal
+    verified: torch.Tensor
+    accepted: torch.Tensor
+    next_token: torch.Tensor
+    committed: torch.Tensor
+
+
+@runtime_checkable
+class BlockSource(Protocol):
+    """How a round gets its block and what the source learns from the outcome, called in the order of a round."""
+
+    def propose(self, rows: torch.Tensor, anchor: torch.Tensor, anchor_positions: torch.Tensor,
+                context: DSparkContext, process_logits: ProcessLogits) -> Proposal:
+        """The block for the rows still decoding (R,) (their index in the batch), from their anchors (R,) at
+        `anchor_positions` (R,) after `context`; `process_logits` applies the call's logits processors to them."""
+
+    def verifying(self, proposal: Proposal, verify_len: torch.Tensor, anchor: torch.Tensor,
+                  anchor_positions: torch.Tensor, context: DSparkContext) -> ContextManager[None]:
+        """Held while the target verifies the first verify_len (R,) tokens of the block: a source may work meanwhile
+        (SSD prepares the next blocks)."""
+
+    def learn(self, outcome: Outcome, alive: torch.Tensor) -> None:
+        """The round's outcome; alive (R,) bool: the rows that decode on, in order (the next round's rows)."""
+
+
+class Drafter:
+    """A [`BlockSource`] that drafts each block in time: `sample_block`, or a [`BlockProposer`]'s own."""
+
+    def __init__(self, draft: DSparkDraftModel, do_sample: bool):
+        self.draft_block, self.do_sample = drafter(draft), do_sample
+
+    def propose(self, rows, anchor, anchor_positions, context, process_logits) -> Proposal:
+        return Proposal(self.draft_block(anchor, anchor_positions, context, self.do_sample,
+                                         process_logits=process_logits))
+
+    def verifying(self, proposal, verify_len, anchor, anchor_positions, context) -> ContextManager[None]:
+        return contextlib.nullcontext()
+
+    def learn(self, outcome: Outcome, alive: torch.Tensor) -> None:
+        """A drafter learns nothing: each block depends on the context alone."""
 
 
 def empty_block(draft: DSparkDraftModel, anchor_ids: torch.Tensor) -> DraftBlock:
@@ -24,20 +91,3 @@ def empty_block(draft: DSparkDraftModel, anchor_ids: torch.Tensor) -> DraftBlock
     N = anchor_ids.shape[0]
     return DraftBlock(anchor_ids.new_zeros(N, 0),
                       torch.zeros(N, 0, draft.config.target_vocab_size, device=anchor_ids.device), None)
-
-
-def saguaro(probs: torch.Tensor, fan_out: int, C: float) -> torch.Tensor:
-    """Saguaro sampling (SSD, Definition 14): the draft distribution (.., V) with its top-`fan_out` tokens
-    down-weighted by C in [0, 1] and renormalised. The residual max(p - q, 0) of a rejection then puts more mass on
-    those tokens, the ones a speculation cache prepares bonus tokens for (Theorem 15); C = 1 leaves q as it is.
-    Drafting from it is as exact as drafting from q: verification reads the distribution the tokens came from."""
-    if not 0.0 <= C <= 1.0:
-        raise ValueError(f"the Saguaro down-weighting constant C must be in [0, 1], got {C}.")
-    if C == 1.0 or fan_out <= 0:
-        return probs
-    top = probs.topk(min(fan_out, probs.shape[-1] - 1), dim=-1).indices
-    weighted = probs * torch.ones_like(probs).scatter_(-1, top, C)
-    total = weighted.sum(-1, keepdim=True)
-    # C = 0 leaves no mass where every possible token is cached (a top-k as small as the fan-out, say): such a row
-    # keeps q, which is as exact to draft from as any other distribution
-    return torch.where(total > 0, weighted / total, probs)
