@@ -41,16 +41,6 @@ def synchronize(device: torch.device | str) -> None:
         torch.cuda.synchronize(device)
 
 
-def clock(device: torch.device | str, stream: torch.cuda.Stream | None = None) -> float:
-    """time.perf_counter() once the work queued on `device` is done (only that on `stream`, a CUDA stream of it,
-    where given): differences of two readings time that work."""
-    if stream is not None:
-        stream.synchronize()
-    else:
-        synchronize(device)
-    return time.perf_counter()
-
-
 def cpu_model() -> str:
     """The CPU's model name (from /proc/cpuinfo where there is one)."""
     try:
@@ -61,3 +51,13 @@ def cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def clock(device: torch.device | str, stream: torch.cuda.Stream | None = None) -> float:
+    """time.perf_counter() once the work queued on `device` is done (only that on `stream`, a CUDA stream of it,
+    where given): differences of two readings time that work."""
+    if stream is not None:
+        stream.synchronize()
+    else:
+        synchronize(device)
+    return time.perf_counter()
