@@ -218,10 +218,11 @@ def _round(s: Decoding, source: BlockSource, live: Live) -> Live:
     committed = torch.where(stop_at > 0, stop_at, n + 1) if out.pads_finished else n + 1
 
     # commit: to the policy, the records, the output and the source; every buffer keeps [anchor, accepted drafts]
+    outcome = Outcome(proposal, verify_len, n, nxt, committed)
     s.policy.observe(verify_len, n, drafted=proposal.drafted)
-    out.record(rows, block, verify_len, n, nxt, committed, stop_at, proposal.cache_hit, one_token_left)
+    out.record(rows, outcome, stop_at, one_token_left)
     alive = ~out.commit(rows, chunk, committed, stop_at)
-    source.learn(Outcome(proposal, verify_len, n, nxt, committed), alive)
+    source.learn(outcome, alive)
     features = s.draft.target_features(target_out.hidden_states)
     live = live.committed(Commit(L + 1, keep=n + 1), mask, nxt, features, positions, s.draft, proposal.drafted)
     return live.select(alive)

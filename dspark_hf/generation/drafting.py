@@ -18,7 +18,7 @@ import torch
 from ..model.modeling_dspark import DSparkContext, DSparkDraftModel
 from ..model.sampling import BlockProposer, DraftBlock, ProcessLogits, drafter, sample_block
 
-# the names drafting had before it moved beside the model, as the docs give them
+# BlockProposer, DraftBlock and sample_block are model.sampling's, importable from here as before
 __all__ = ["BlockSource", "Drafter", "Outcome", "Proposal", "empty_block", "BlockProposer", "DraftBlock",
            "sample_block"]
 

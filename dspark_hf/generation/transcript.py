@@ -15,6 +15,7 @@ from transformers.generation import logits_process as lp
 from transformers.generation.stopping_criteria import MaxLengthCriteria
 
 from .. import internals
+from .drafting import Outcome
 from .records import DSparkGenerateOutput, DSparkRound
 from .streamers import RoundStreamer
 
@@ -151,17 +152,20 @@ class Transcript:
         return full
 
     # -- what a round adds -----------------------------------------------------------------------------------------
-    def record(self, rows, block, verified, accepted, next_token, committed, stop_at, cache_hit, one_token_left):
-        """Each row's record of a round (the tensors (R,), block (R, gamma)); a [`RoundStreamer`] gets it before the
-        round's tokens (batch size 1), its `committed` cut where a criterion fired."""
-        tokens = block.tokens.tolist()
-        q_x = block.probs.gather(-1, block.tokens[..., None]).squeeze(-1).tolist()
-        conf = block.confidences.tolist() if block.confidences is not None else None
-        hits = cache_hit.tolist() if cache_hit is not None and block.tokens.shape[1] > 0 else None
-        outcome = zip(verified.tolist(), accepted.tolist(), next_token.tolist(), committed.tolist())
-        for i, (r, drafted, q, (v, a, t, c)) in enumerate(zip(rows.tolist(), tokens, q_x, outcome)):
-            self.rounds[r].append(DSparkRound(drafted, q, conf[i] if conf else None, v, a, t, c,
-                                              cache_hit=hits[i] if hits else None, one_token_left=one_token_left))
+    def record(self, rows: torch.Tensor, outcome: Outcome, stop_at: torch.Tensor, one_token_left: bool) -> None:
+        """Each row's record of a round; a [`RoundStreamer`] gets it before the round's tokens (batch size 1), its
+        `committed` cut where a criterion fired."""
+        block, R = outcome.proposal.block, rows.numel()
+        hits = outcome.proposal.cache_hit if outcome.proposal.drafted else None
+        fields = dict(drafted=block.tokens.tolist(),
+                      draft_probs=block.probs.gather(-1, block.tokens[..., None]).squeeze(-1).tolist(),
+                      confidences=[None] * R if block.confidences is None else block.confidences.tolist(),
+                      verified=outcome.verified.tolist(), accepted=outcome.accepted.tolist(),
+                      next_token=outcome.next_token.tolist(), committed=outcome.committed.tolist(),
+                      cache_hit=[None] * R if hits is None else hits.tolist())
+        for i, row in enumerate(rows.tolist()):
+            self.rounds[row].append(DSparkRound(**{name: values[i] for name, values in fields.items()},
+                                                one_token_left=one_token_left))
         if isinstance(self.streamer, RoundStreamer):
             record = self.rounds[0][-1]
             if int(stop_at[0]):  # the output ends where the criterion fired (with or without an EOS id)
