@@ -30,7 +30,8 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 import dspark_hf
 from dspark_hf import AutoScheduled, DSparkDraftModel, DSparkRoundStreamer, FullBlock, Scheduled, ThresholdPolicy
 from dspark_hf.evaluation.metrics import acceptance_length, conditional_acceptance
-from dspark_hf.scheduling.profile import profile_sps, save_profile
+from dspark_hf.scheduling.costs import save_profile
+from dspark_hf.scheduling.profile import profile_sps
 
 POLICIES = ("full block", "auto", "threshold", "scheduled")
 EXAMPLES = [

@@ -9,22 +9,20 @@ from transformers import AutoConfig, AutoModel
 from .generation import DSparkGenerateOutput, DSparkRound, HalfPrecisionGreedyWarning, SSDConfig, dspark_generate
 from .generation.streamers import DSparkRoundStreamer, DSparkStep, RoundStreamer
 from .generation.integration import install as _install_generate_hook
-from . import hub as _hub
+from . import hub  # noqa: F401  what a draft's save_pretrained and push_to_hub hand over to (model/binding.py)
 from .defaults import default_draft, default_target, fast_draft_dtype
 from .loading import load_draft, load_models, load_target
-from .generation.drafting import BlockProposer, DraftBlock
+from .model.sampling import BlockProposer, DraftBlock
 from .model import DSparkConfig, DSparkContext, DSparkDraftModel
+from .version import __version__
 from .scheduling import (AsyncScheduled, AutoScheduled, FixedLength, FullBlock, Policy, Scheduled, ThresholdPolicy,
                          VerificationPolicy, prefix_schedule)
-
-__version__ = "0.1.0"
 
 AutoConfig.register("dspark", DSparkConfig, exist_ok=True)
 AutoModel.register(DSparkConfig, DSparkDraftModel, exist_ok=True)
 DSparkConfig.register_for_auto_class()
 DSparkDraftModel.register_for_auto_class("AutoModel")
 _install_generate_hook()
-_hub.install()  # model cards on save_pretrained / push_to_hub
 
 __all__ = [
     "DSparkConfig",

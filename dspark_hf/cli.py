@@ -435,7 +435,8 @@ def cmd_calibrate(args) -> int:
     from tqdm.auto import tqdm
 
     from .scheduling import FullBlock
-    from .scheduling.calibration import calibration_report, reliability_diagram, sequential_temperature_scaling
+    from .evaluation.plots import reliability_diagram
+    from .scheduling.calibration import calibration_report, sequential_temperature_scaling
     from .training.data import heldout_fraction_of, load_dataset, split_heldout
 
     if Path(args.output).is_file():  # found before the rollouts, not after them
@@ -492,7 +493,9 @@ def cmd_calibrate(args) -> int:
 
 
 def cmd_profile(args) -> int:
-    from .scheduling.profile import profile_sps, save_profile
+    from .evaluation.machine import machine_info
+    from .scheduling.costs import save_profile
+    from .scheduling.profile import profile_sps
 
     if args.no_draft and args.draft:
         raise ValueError("--no-draft skips the draft's cost, so --draft has nothing to do: pass one or the other.")
@@ -503,7 +506,7 @@ def cmd_profile(args) -> int:
         raise ValueError(f"--context {args.context} + --max-tokens {args.max_tokens} is past the target's "
                          f"{longest} positions: give a shorter context.")
     profile = profile_sps(target, args.rows, args.max_tokens, args.context, args.repeats, draft=draft)
-    save_profile(profile, args.output)
+    save_profile({**profile, "machine": machine_info(target, draft)}, args.output)
     print("| B (tokens) | SPS (steps/s) | tokens/s at full acceptance |\n|---:|---:|---:|")
     for b, v in profile["sps"].items():
         print(f"| {b} | {v:.2f} | {b * v:.1f} |")

@@ -8,7 +8,6 @@ from the network.
 from __future__ import annotations
 
 import importlib.util
-import os
 import shutil
 import tempfile
 import warnings
@@ -17,16 +16,12 @@ from pathlib import Path
 import torch
 
 from .devices import resolve_device
+from .files import cache_dir
 
 DEFAULT_TARGET_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_TARGET_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # what drafts built for it record as their target
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SHIPPED_DRAFT_DIR = Path(__file__).parent / "assets" / "dspark-smollm2-135m-instruct"
-
-
-def cache_dir() -> Path:
-    """Where converted models are cached (``$DSPARK_HF_CACHE`` or ``~/.cache/dspark_hf``)."""
-    return Path(os.environ.get("DSPARK_HF_CACHE", Path.home() / ".cache" / "dspark_hf")).expanduser()
 
 
 def _gguf_dir() -> Path:

@@ -1,4 +1,4 @@
-"""Where models and tensors run: choosing the device, and reading the clock on it.
+"""Where models and tensors run: choosing the device, naming it, and reading the clock on it.
 
 CUDA runs asynchronously: a wall-clock reading taken while kernels are still queued times their launch, not their
 work, so every timing in dspark-hf reads [`clock`], which waits for it first.
@@ -6,6 +6,7 @@ work, so every timing in dspark-hf reads [`clock`], which waits for it first.
 
 from __future__ import annotations
 
+import platform
 import time
 
 import torch
@@ -46,6 +47,18 @@ def synchronize(device: torch.device | str) -> None:
     device = torch.device(device)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def cpu_model() -> str:
+    """The CPU's model name (from /proc/cpuinfo where there is one)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def clock(device: torch.device | str, stream: torch.cuda.Stream | None = None) -> float:

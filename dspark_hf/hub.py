@@ -1,11 +1,12 @@
 """Sharing DSpark drafts on the Hugging Face Hub: a model card on every save, `push_to_hub`, and `push_draft`
 (what `dspark push` runs).
 
-`DSparkDraftModel.save_pretrained` and `push_to_hub` hand over to [`save_pretrained`] and [`push_to_hub`] here,
-once [`install`] (run by `import dspark_hf`) sets this module as the model's `sharing`. They live here, not in
-model/modeling_dspark.py, because that file is copied next to saved weights for ``trust_remote_code`` loading
-where dspark_hf may not be installed: there it saves and pushes as plain transformers does (no card). The model
-never imports this module; this module imports the model. Downloading needs nothing from us:
+`DSparkDraftModel.save_pretrained` and `push_to_hub` hand over to [`save_pretrained`] and [`push_to_hub`] here
+(and `from_pretrained` to [`offline_load_error`]) wherever this module is loaded, which `import dspark_hf` does: the
+model looks it up by name (`dspark_hf.model.binding.sharing`); nothing sets it on the model. They live here, not in
+model/, because the model's files are copied next to saved weights for ``trust_remote_code`` loading where dspark_hf
+may not be installed: there it saves and pushes as plain transformers does (no card). The model never imports this
+module; this module imports the model. Downloading needs nothing from us:
 ``DSparkDraftModel.from_pretrained(repo_id, revision=..., token=..., cache_dir=...)`` is transformers' own, with the
 Hub cache, ``HF_HUB_OFFLINE=1`` and private repos.
 
@@ -26,6 +27,7 @@ import torch
 
 from .cards import GENERATED_MARK, CardData, is_hub_model_id, render_card_data, training_recipe
 from .model.modeling_dspark import DSparkDraftModel
+from .version import __version__
 
 README = "README.md"
 DEFAULT_COMMIT_MESSAGE = "Upload DSpark draft"
@@ -211,8 +213,6 @@ def offline_load_error(name_or_path, kwargs: dict) -> OSError | None:
 def _api():
     from huggingface_hub import HfApi
 
-    from . import __version__
-
     return HfApi(library_name="dspark-hf", library_version=__version__)
 
 
@@ -315,9 +315,3 @@ def _is_file(text: str) -> bool:
     except OSError:  # markdown too long to be a file name
         return False
 
-
-def install() -> None:
-    """Make this module what DSparkDraftModel's save_pretrained, push_to_hub and from_pretrained hand over to."""
-    import sys
-
-    DSparkDraftModel.sharing = sys.modules[__name__]

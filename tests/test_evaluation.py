@@ -650,12 +650,12 @@ def test_draft_vocab_size_zero_means_the_full_vocabulary_on_the_command_line():
 def test_dspark_generate_times_neither_call_with_one_time_work(tiny_models, tmp_path, monkeypatch, capsys):
     """The default policy measures this machine once; that belongs to the warm-up, not to the timed DSpark call."""
     import dspark_hf.devices
-    import dspark_hf.scheduling.profile as profile
+    import dspark_hf.scheduling.costs as costs
 
     monkeypatch.setenv("DSPARK_HF_PROFILE_CACHE", str(tmp_path))  # nothing measured yet
-    events, clock, measure = [], dspark_hf.devices.clock, profile.profile_sps
+    events, clock, measure = [], dspark_hf.devices.clock, costs.profile_sps
     monkeypatch.setattr(dspark_hf.devices, "clock", lambda *a, **k: events.append("clock") or clock(*a, **k))
-    monkeypatch.setattr(profile, "profile_sps", lambda *a, **k: events.append("measure") or measure(*a, **k))
+    monkeypatch.setattr(costs, "profile_sps", lambda *a, **k: events.append("measure") or measure(*a, **k))
     assert main(["generate", "--target", str(tiny_models / "target"), "--draft", str(tiny_models / "draft"),
                  "--prompt", "w4 w5 w6", "--max-new-tokens", "8"]) == 0
     assert "measure" in events and "measure" not in events[events.index("clock"):], events

@@ -516,17 +516,17 @@ def test_a_length_limit_far_beyond_the_output_allocates_only_what_is_generated(m
     """max_new_tokens=10**12 ("until EOS") for rows that end within a few tokens: as in plain generate(), nothing
     is allocated for the limit (10**12 tokens a row would not fit in memory); the output buffer stays within twice
     what was generated."""
-    from dspark_hf.generation.decoding import _Decoder
+    from dspark_hf.generation.transcript import Transcript
 
     widths = []
-    emit = _Decoder._emit
+    commit = Transcript.commit
 
-    def recording_emit(self, *args):
-        done = emit(self, *args)
+    def recording_commit(self, *args):
+        done = commit(self, *args)
         widths.append(self.gen.shape[1])
         return done
 
-    monkeypatch.setattr(_Decoder, "_emit", recording_emit)
+    monkeypatch.setattr(Transcript, "commit", recording_commit)
     target = tiny_target("llama")
     ids, mask = left_padded_prompts(3)
     free = plain(target, ids, mask, max_new_tokens=12)

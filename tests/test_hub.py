@@ -87,8 +87,8 @@ def test_push_sends_weights_config_code_and_card_to_a_private_repo_with_the_toke
     assert repo.private and repo.refs["main"] == info.oid
     commit = repo.resolve("main")
     assert commit.message == "first draft"
-    assert sorted(commit.changed) == ["README.md", "config.json", "configuration_dspark.py", "model.safetensors",
-                                      "modeling_dspark.py"]
+    assert sorted(commit.changed) == ["README.md", "binding.py", "config.json", "configuration_dspark.py",
+                                      "model.safetensors", "modeling_dspark.py"]
     files = repo.files("main")
     # weights: draft-owned only, uploaded through git-LFS, bit-identical to the draft's
     assert commit.files["model.safetensors"].lfs and not commit.files["config.json"].lfs
@@ -101,6 +101,7 @@ def test_push_sends_weights_config_code_and_card_to_a_private_repo_with_the_toke
     # the code for trust_remote_code, as it is in the package
     assert files["modeling_dspark.py"] == Path(dspark_hf.model.modeling_dspark.__file__).read_bytes()
     assert files["configuration_dspark.py"] == Path(dspark_hf.model.configuration_dspark.__file__).read_bytes()
+    assert files["binding.py"] == Path(dspark_hf.model.binding.__file__).read_bytes()
 
     card = files["README.md"].decode()
     meta = front_matter(card)
@@ -392,7 +393,7 @@ def test_push_draft_sends_a_trained_folder_with_a_card_from_its_result_files(hub
     assert repo.refs["v1"] == info.oid and repo.resolve("main").files.keys() == {".gitattributes"}
     assert repo.resolve("v1").message == "trained on CPU" and not repo.private
     files = repo.files("v1")
-    assert set(files) == {".gitattributes", "README.md", "config.json", "configuration_dspark.py",
+    assert set(files) == {".gitattributes", "README.md", "binding.py", "config.json", "configuration_dspark.py",
                           "model.safetensors", "modeling_dspark.py"}  # no checkpoints, state or result files
     card = files["README.md"].decode()
     assert front_matter(card)["base_model"] == TARGET
@@ -598,22 +599,23 @@ def test_export_into_the_packages_draft_folder_writes_the_shipped_drafts_card(tm
 
 
 def test_export_into_the_packages_draft_folder_keeps_its_links_to_the_packages_code(tmp_path, monkeypatch):
-    """The shipped folder links configuration_dspark.py and modeling_dspark.py to the package's modules; exporting
-    into it replaces weights, config and card, and leaves the links (transformers would copy each module onto its
-    own link)."""
+    """The shipped folder links configuration_dspark.py, modeling_dspark.py and binding.py to the package's modules;
+    exporting into it replaces weights, config and card, and leaves the links (transformers would copy each module
+    onto its own link)."""
     import dspark_hf.defaults
     from dspark_hf.cli import main
 
     shipped, smollm2 = tmp_path / "shipped", "HuggingFaceTB/SmolLM2-135M-Instruct"
     make_draft(seed=2).save_pretrained(tmp_path / "earlier")
     assert main(["export", str(tmp_path / "earlier"), "--output", str(shipped), "--base-model", smollm2]) == 0
-    for module in (dspark_hf.model.configuration_dspark, dspark_hf.model.modeling_dspark):
+    for module in (dspark_hf.model.configuration_dspark, dspark_hf.model.modeling_dspark, dspark_hf.model.binding):
         (shipped / Path(module.__file__).name).unlink()
         (shipped / Path(module.__file__).name).symlink_to(module.__file__)
     monkeypatch.setattr(dspark_hf.defaults, "SHIPPED_DRAFT_DIR", shipped)
     make_draft().save_pretrained(tmp_path / "trained")
     assert main(["export", str(tmp_path / "trained"), "--output", str(shipped), "--base-model", smollm2]) == 0
-    assert (shipped / "modeling_dspark.py").is_symlink() and (shipped / "configuration_dspark.py").is_symlink()
+    assert all((shipped / name).is_symlink() for name in ("modeling_dspark.py", "configuration_dspark.py",
+                                                          "binding.py"))
     assert {"config.json", "model.safetensors", "README.md"} <= {p.name for p in shipped.iterdir()}
     assert torch.equal(DSparkDraftModel.from_pretrained(shipped).fc.weight.float(),
                        DSparkDraftModel.from_pretrained(tmp_path / "trained").fc.weight.float().bfloat16().float())

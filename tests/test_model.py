@@ -488,7 +488,7 @@ def test_the_shipped_drafts_remote_code_is_the_librarys_own():
     from dspark_hf.defaults import SHIPPED_DRAFT_DIR
 
     model_dir = Path(dspark_hf.__file__).parent / "model"
-    for name in ("modeling_dspark.py", "configuration_dspark.py"):
+    for name in ("modeling_dspark.py", "configuration_dspark.py", "binding.py"):
         assert (SHIPPED_DRAFT_DIR / name).read_bytes() == (model_dir / name).read_bytes(), (
             f"{SHIPPED_DRAFT_DIR / name} differs from dspark_hf/model/{name}: copy it over (the asset loads with "
             "trust_remote_code=True where dspark-hf is not installed)")
@@ -518,7 +518,7 @@ def test_the_shipped_draft_carries_the_package_s_own_modeling_and_configuration_
     """trust_remote_code loads them from the draft's folder: a stale copy would model another draft."""
     from dspark_hf.defaults import SHIPPED_DRAFT_DIR
 
-    for name in ("modeling_dspark.py", "configuration_dspark.py"):
+    for name in ("modeling_dspark.py", "configuration_dspark.py", "binding.py"):
         package = Path(dspark_hf.__file__).parent / "model" / name
         assert (SHIPPED_DRAFT_DIR / name).read_bytes() == package.read_bytes(), name
 
@@ -527,7 +527,7 @@ def test_the_model_package_imports_nothing_of_hub_cards_or_generation():
     """model/ models; sharing (hub.py, cards.py) imports the model, never the reverse: no cycle."""
     import ast
 
-    allowed = {"configuration_dspark", "modeling_dspark", "convert"}
+    allowed = {"configuration_dspark", "modeling_dspark", "binding", "sampling", "convert"}
     for path in (Path(dspark_hf.__file__).parent / "model").glob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and node.level > 0:

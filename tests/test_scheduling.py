@@ -282,7 +282,8 @@ def test_the_draft_pass_counts_in_the_scheduled_rate():
 
 
 def test_profile_measures_every_batch_size_and_loads_as_a_callable(tmp_path):
-    from dspark_hf.scheduling.profile import load_draft_cost, load_profile, profile_sps, save_profile
+    from dspark_hf.scheduling.costs import load_draft_cost, load_profile, save_profile
+    from dspark_hf.scheduling.profile import profile_sps
 
     target = tiny_target("llama")
     profile = profile_sps(target, rows=[1, 2], max_tokens_per_row=3, context=16, repeats=2, warmup=1,
@@ -325,7 +326,7 @@ def test_a_profile_measures_every_shape_in_every_repeat_so_a_slowdown_midway_ske
 # -- the default policy ------------------------------------------------------------------------------------------
 def costs(draft=0.01, verify=lambda n: 0.05 + 0.005 * n, rows=(1, 2, 4)):
     """Synthetic engine costs: a draft pass of `draft` s, a verification of n tokens per row of verify(n) s x R."""
-    from dspark_hf.scheduling.profile import EngineCosts
+    from dspark_hf.scheduling.costs import EngineCosts
 
     return EngineCosts({R: {n: R * verify(n) for n in range(1, 9)} for R in rows}, {R: R * draft for R in rows})
 
@@ -538,7 +539,7 @@ def test_the_default_policy_measures_costs_once_and_later_processes_reuse_them(t
 
 def test_a_reused_default_policy_plans_each_call_with_the_costs_of_that_call_s_target_and_batch_size(tmp_path,
                                                                                                         monkeypatch):
-    from dspark_hf.scheduling.profile import cached_costs
+    from dspark_hf.scheduling.costs import cached_costs
 
     monkeypatch.setenv("DSPARK_HF_PROFILE_CACHE", str(tmp_path))
     llama, qwen = tiny_target("llama"), tiny_target("qwen3")
@@ -560,7 +561,7 @@ def test_a_reused_default_policy_plans_each_call_with_the_costs_of_that_call_s_t
 
 
 def test_a_call_plans_with_the_row_counts_it_asked_for_only_whatever_else_earlier_calls_cached(tmp_path, monkeypatch):
-    from dspark_hf.scheduling.profile import cached_costs
+    from dspark_hf.scheduling.costs import cached_costs
 
     monkeypatch.setenv("DSPARK_HF_PROFILE_CACHE", str(tmp_path))
     target = tiny_target("llama")
@@ -574,7 +575,8 @@ def test_a_call_plans_with_the_row_counts_it_asked_for_only_whatever_else_earlie
 
 def test_the_default_policy_can_plan_against_a_dspark_profile_file(tmp_path):
     from dspark_hf import AutoScheduled
-    from dspark_hf.scheduling.profile import profile_sps, save_profile
+    from dspark_hf.scheduling.costs import save_profile
+    from dspark_hf.scheduling.profile import profile_sps
 
     target = tiny_target("llama")
     draft = tiny_draft(target)
@@ -593,7 +595,8 @@ def test_the_default_policy_can_plan_against_a_dspark_profile_file(tmp_path):
 
 
 def saved_profile(path, target, draft, max_tokens=5):
-    from dspark_hf.scheduling.profile import profile_sps, save_profile
+    from dspark_hf.scheduling.costs import save_profile
+    from dspark_hf.scheduling.profile import profile_sps
 
     save_profile(profile_sps(target, rows=[1], max_tokens_per_row=max_tokens, context=8, repeats=1, warmup=0,
                              draft=draft, progress=False), path)
@@ -603,7 +606,7 @@ def saved_profile(path, target, draft, max_tokens=5):
 def profile_warnings(path, target, draft) -> list[str]:
     import warnings
 
-    from dspark_hf.scheduling.profile import ProfileMismatchWarning, check_profile
+    from dspark_hf.scheduling.costs import ProfileMismatchWarning, check_profile
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -655,7 +658,7 @@ def test_a_profile_from_before_models_were_recorded_loads_and_is_checked_for_its
 @pytest.mark.parametrize("make", [lambda p: Scheduled.from_profile(p), lambda p: AsyncScheduled.from_profile(p),
                                   lambda p: AutoScheduled(profile=p)], ids=["scheduled", "async", "auto"])
 def test_generate_warns_when_its_policy_s_profile_was_measured_for_other_models(tmp_path, make):
-    from dspark_hf.scheduling.profile import ProfileMismatchWarning
+    from dspark_hf.scheduling.costs import ProfileMismatchWarning
 
     target = tiny_target("llama")
     draft = tiny_draft(target)
@@ -817,10 +820,10 @@ def test_a_last_round_in_which_no_row_can_verify_a_token_drafts_nothing():
 # -- the default policy's cost cache ----------------------------------------------------------------------------
 def measure_counting(monkeypatch):
     """Count the measurements cached_costs makes."""
-    from dspark_hf.scheduling import profile
+    from dspark_hf.scheduling import costs
 
-    calls, measure = [], profile.profile_sps
-    monkeypatch.setattr(profile, "profile_sps", lambda *a, **kw: calls.append(a[1]) or measure(*a, **kw))
+    calls, measure = [], costs.profile_sps
+    monkeypatch.setattr(costs, "profile_sps", lambda *a, **kw: calls.append(a[1]) or measure(*a, **kw))
     return calls
 
 
@@ -828,7 +831,7 @@ def measure_counting(monkeypatch):
                                      '{"key": {}, "verify": {"1": {}}, "drafts": {}}',
                                      '{"key": {}, "verify": {"1": {"1": -2}}, "drafts": {}}'])
 def test_an_unreadable_cost_cache_is_named_measured_again_and_written_anew(tmp_path, monkeypatch, content):
-    from dspark_hf.scheduling.profile import cached_costs
+    from dspark_hf.scheduling.costs import cached_costs
 
     monkeypatch.setenv("DSPARK_HF_PROFILE_CACHE", str(tmp_path))
     target = tiny_target("llama")
@@ -845,7 +848,7 @@ def test_an_unreadable_cost_cache_is_named_measured_again_and_written_anew(tmp_p
 
 
 def test_a_cost_cache_that_cannot_be_written_is_said_once_and_kept_for_the_process(tmp_path, monkeypatch):
-    from dspark_hf.scheduling.profile import cached_costs
+    from dspark_hf.scheduling.costs import cached_costs
 
     (tmp_path / "a file").write_text("")
     monkeypatch.setenv("DSPARK_HF_PROFILE_CACHE", str(tmp_path / "a file" / "profiles"))  # cannot become a folder
@@ -866,7 +869,7 @@ def test_threads_adding_to_the_cost_cache_at_once_lose_nothing(tmp_path):
     import os
     import threading
 
-    from dspark_hf.scheduling.profile import _merge_into, _read_cache
+    from dspark_hf.scheduling.costs import _merge_into, _read_cache
 
     path = tmp_path / "costs.json"
 
@@ -888,34 +891,34 @@ def test_threads_adding_to_the_cost_cache_at_once_lose_nothing(tmp_path):
 
 
 def test_costs_are_kept_apart_by_attention_implementation_and_device_kind():
-    from dspark_hf.scheduling.profile import _target_key
+    from dspark_hf.scheduling.profile import target_key
 
     target = tiny_target("llama")
-    key = _target_key(target)
+    key = target_key(target)
     target.config._attn_implementation = "eager" if key["attention"] != "eager" else "sdpa"
-    assert _target_key(target) != key
+    assert target_key(target) != key
     assert {"attention", "transformers"} <= set(key) and key["device"].startswith("cpu: ")
 
 
 def test_a_draft_subclass_that_proposes_its_own_blocks_does_not_share_the_draft_s_cached_cost():
     from dspark_hf.evaluation.oracle import OracleDraft
-    from dspark_hf.scheduling.profile import _draft_key
+    from dspark_hf.scheduling.profile import draft_key
 
     draft = tiny_draft(tiny_target("llama"))
     same_shape = tiny_draft(tiny_target("llama"))
-    assert _draft_key(OracleDraft.from_draft(draft)) != _draft_key(draft) == _draft_key(same_shape)
+    assert draft_key(OracleDraft.from_draft(draft)) != draft_key(draft) == draft_key(same_shape)
 
 
 def test_costs_measured_under_a_caller_s_autocast_are_kept_apart_from_those_without():
-    from dspark_hf.scheduling.profile import _target_key
+    from dspark_hf.scheduling.profile import target_key
 
     target = tiny_target("llama")
-    plain = _target_key(target)
+    plain = target_key(target)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        bf16 = _target_key(target)
+        bf16 = target_key(target)
     with torch.autocast("cpu", dtype=torch.float16):
-        fp16 = _target_key(target)
-    assert len({str(plain), str(bf16), str(fp16)}) == 3 and _target_key(target) == plain
+        fp16 = target_key(target)
+    assert len({str(plain), str(bf16), str(fp16)}) == 3 and target_key(target) == plain
 
 
 @pytest.mark.parametrize("profile, error", [
@@ -929,7 +932,7 @@ def test_costs_measured_under_a_caller_s_autocast_are_kept_apart_from_those_with
 def test_a_profile_file_with_bad_tables_is_refused_naming_the_file(tmp_path, profile, error):
     import json
 
-    from dspark_hf.scheduling.profile import read_profile
+    from dspark_hf.scheduling.costs import read_profile
 
     path = tmp_path / "profile.json"
     path.write_text(json.dumps(profile))
@@ -954,13 +957,13 @@ def test_a_target_whose_learned_positions_end_before_the_profiling_context_is_pr
 
 def test_the_default_policy_measures_at_most_auto_max_rows_and_prices_larger_batches_in_proportion(tmp_path,
                                                                                                    monkeypatch):
-    from dspark_hf.scheduling import profile
+    from dspark_hf.scheduling import costs as cost_cache
 
     monkeypatch.setenv("DSPARK_HF_PROFILE_CACHE", str(tmp_path))  # nothing measured yet
     target = tiny_target("llama")
     draft = tiny_draft(target)
     calls = measure_counting(monkeypatch)
-    costs = profile.cached_costs(target, draft, [1, 5000], progress=False)  # 5,000 rows x 256 tokens not held
-    assert calls and all(max(rows) <= profile.AUTO_MAX_ROWS for rows in calls)
-    big = profile.AUTO_MAX_ROWS
+    costs = cost_cache.cached_costs(target, draft, [1, 5000], progress=False)  # 5,000 rows x 256 tokens not held
+    assert calls and all(max(rows) <= cost_cache.AUTO_MAX_ROWS for rows in calls)
+    big = cost_cache.AUTO_MAX_ROWS
     assert costs.verify(5000, 2) == pytest.approx(costs.verify(big, 2) * 5000 / big)

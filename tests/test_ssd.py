@@ -9,9 +9,8 @@ import torch
 
 from conftest import left_padded_prompts, tiny_draft, tiny_target
 from dspark_hf import SSDConfig
-from dspark_hf.generation.drafting import saguaro
-from dspark_hf.generation.ssd import SSDMixin, ngram_proposal
-from dspark_hf.generation.speculation import bonus_rank, predict_outcomes
+from dspark_hf.generation.ssd import SSDSource, ngram_proposal
+from dspark_hf.generation.speculation import bonus_rank, predict_outcomes, saguaro
 from dspark_hf.scheduling.ssd import (critical_batch_size, expected_hit_rate, fit_power_law, geometric_fan_out,
                                       measured_fan_out, outcome_probabilities, ssd_speedup, uniform_fan_out)
 from test_generation_greedy import eos_inside_a_block, oracle, plain
@@ -359,13 +358,13 @@ def test_greedy_ssd_with_the_speculator_on_its_own_cuda_stream_is_token_identica
     draft = tiny_draft(target)
     target, draft = target.cuda(), draft.cuda()
     ids, mask = (t.cuda() for t in left_padded_prompts(3))
-    verify_forward = SSDMixin._verify_forward
+    verifying = SSDSource.verifying
 
-    def late_inputs(self, inputs, mask, positions, block, verify_len):
+    def late_inputs(self, proposal, verify_len, anchor, anchor_positions, context):
         torch.cuda._sleep(50_000_000)  # tens of milliseconds of the verifier stream's time
-        return verify_forward(self, inputs + 0, mask, positions + 0, block, verify_len)
+        return verifying(self, proposal, verify_len + 0, anchor + 0, anchor_positions + 0, context)
 
-    monkeypatch.setattr(SSDMixin, "_verify_forward", late_inputs)
+    monkeypatch.setattr(SSDSource, "verifying", late_inputs)
     records, out = decode_with_overlaps(target, draft, ids, mask, config, (False, True, True, True))
     assert records[0][1]["hits"] > 0 and all(r == records[0] for r in records[1:])
     assert out.timings["speculate"] > 0
@@ -383,7 +382,7 @@ def test_length_limits_and_a_cache_that_hits_every_round():
 def test_the_cache_keeps_blocks_over_the_draft_vocabulary_and_widens_them_exactly():
     """Greedy, so that both widths draft the same tokens (sampling draws from tensors of different widths; its
     exactness is the enumeration test's)."""
-    from dspark_hf.generation.drafting import sample_block
+    from dspark_hf.model.sampling import sample_blocks
 
     target = tiny_target("llama")
     draft = tiny_draft(target, draft_vocab=list(range(1, 96, 3)))
@@ -392,7 +391,7 @@ def test_the_cache_keeps_blocks_over_the_draft_vocabulary_and_widens_them_exactl
                                                                 output_hidden_states=True).hidden_states),
                                    (mask.cumsum(1) - 1).clamp_min(0), mask.bool())
     anchors, positions = ids[:, -1:].repeat(1, 3), torch.full((2, 3), ids.shape[1])
-    blocks = [sample_block(draft, anchors, positions, context, target_vocab=wide) for wide in (True, False)]
+    blocks = [sample_blocks(draft, anchors, positions, context, target_vocab=wide) for wide in (True, False)]
     full, compact = blocks
     assert compact.probs.shape[-1] == 32 and full.probs.shape[-1] == 96
     assert torch.equal(compact.tokens, full.tokens) and torch.equal(compact.vocab, draft.draft_vocab)
@@ -422,13 +421,11 @@ def test_rounds_record_whether_their_block_came_from_the_cache():
 
 
 def test_the_auto_fallback_drafts_below_the_critical_batch_size_and_looks_up_n_grams_from_it(monkeypatch):
-    from dspark_hf.generation.ssd import SSDMixin
-
     target = tiny_target("llama")
     ids, mask = left_padded_prompts(3)
     reference = plain(target, ids, mask, max_new_tokens=12)
     for critical, used in ((4, "draft"), (3, "ngram")):  # three rows decode to the end
-        monkeypatch.setattr(SSDMixin, "critical_batch_size", lambda self, c=critical: c)
+        monkeypatch.setattr(SSDSource, "critical_batch_size", lambda self, rows, c=critical: c)
         out = ssd_generate(target, tiny_draft(target), ids, mask, max_new_tokens=12,
                            ssd=SSDConfig(cache_size=2, fallback="auto"))
         assert torch.equal(out.sequences, reference)
@@ -522,11 +519,11 @@ def test_ssd_settings_changed_after_the_config_was_made_are_checked_by_generate(
 
 def test_the_auto_fallback_measures_this_machines_costs_before_the_first_round_with_a_progress_bar(tmp_path,
                                                                                                     monkeypatch):
-    import dspark_hf.scheduling.profile as profile
+    import dspark_hf.generation.ssd as ssd_module
 
     monkeypatch.setenv("DSPARK_HF_PROFILE_CACHE", str(tmp_path))
-    calls, measure = [], profile.cached_costs
-    monkeypatch.setattr(profile, "cached_costs", lambda *a, **k: calls.append(k) or measure(*a, **k))
+    calls, measure = [], ssd_module.cached_costs
+    monkeypatch.setattr(ssd_module, "cached_costs", lambda *a, **k: calls.append(k) or measure(*a, **k))
     target = tiny_target("llama")
     ids, mask = left_padded_prompts(1)
     ssd_generate(target, tiny_draft(target), ids, mask, max_new_tokens=8, ssd=SSDConfig(fallback="auto"))
@@ -675,14 +672,14 @@ def test_verifying_cached_tokens_against_the_unweighted_distribution_is_caught(s
     its tokens were drawn from fails it."""
     import dspark_hf.generation.ssd as ssd
 
-    sample_block = ssd.sample_block
+    sample_blocks = ssd.sample_blocks
 
     def recording_the_wrong_distribution(*args, **kwargs):
-        block = sample_block(*args, **kwargs)
+        block = sample_blocks(*args, **kwargs)
         return type(block)(block.tokens, block.unweighted if block.unweighted is not None else block.probs,
                            block.confidences, vocab=block.vocab)
 
-    monkeypatch.setattr(ssd, "sample_block", recording_the_wrong_distribution)
+    monkeypatch.setattr(ssd, "sample_blocks", recording_the_wrong_distribution)
     target, draft, settings, probs = setup
     torch.manual_seed(7)
     samples = sample_continuations(target, draft, SAMPLES, ssd=SSDConfig(cache_size=3, saguaro_c=0.3,

@@ -8,24 +8,14 @@ from __future__ import annotations
 
 import datetime
 import os
-import platform
 import subprocess
 from pathlib import Path
 
 import torch
 
+from ..devices import cpu_model
+
 PACKAGE_DIR = Path(__file__).resolve().parents[1]
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def code_version(folder: Path = PACKAGE_DIR) -> str | None:

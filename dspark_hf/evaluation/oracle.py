@@ -11,7 +11,7 @@ from dataclasses import replace
 
 import torch
 
-from ..generation.drafting import DraftBlock, sample_block
+from ..model.sampling import DraftBlock, sample_block
 from ..model.modeling_dspark import DSparkDraftModel
 
 

@@ -1,15 +1,18 @@
-"""Figures for eval results (matplotlib, written as PNG)."""
+"""Figures (matplotlib, written as PNG): eval results, threshold sweeps, STS reliability diagrams."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
+from ..scheduling.calibration import cumulative, expected_calibration_error, survival_targets
 from .metrics import format_tau
 
 
 def pyplot():
     """matplotlib.pyplot on the file-only Agg backend (no display needed)."""
-    import matplotlib
+    import matplotlib  # imported when a figure is drawn: slow to import, and most calls draw none
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -101,7 +104,8 @@ def plot_threshold_sweep(sweep: dict, out_dir: str | Path) -> Path:
         ax.set_ylabel("draft tokens per step")
         ax.set_title(domain)
         twin = ax.twinx()
-        rates = [float("nan") if r["acceptance_rate"] is None else r["acceptance_rate"] for r in rows]  # gap: none verified
+        # a gap where nothing was verified
+        rates = [float("nan") if r["acceptance_rate"] is None else r["acceptance_rate"] for r in rows]
         twin.plot(xs, rates, color="black", marker="o", label="acceptance rate")
         twin.set_ylim(0, 1)
         twin.set_ylabel("acceptance rate")
@@ -113,3 +117,33 @@ def plot_threshold_sweep(sweep: dict, out_dir: str | Path) -> Path:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def reliability_diagram(logits, verified, accepted, before, after, path, bins: int = 10) -> None:
+    """Predicted prefix-survival vs observed acceptance, before and after STS (paper Fig. 6)."""
+    plt = pyplot()
+    logits = torch.as_tensor(logits, dtype=torch.double)
+    y, mask = survival_targets(logits, torch.as_tensor(verified), torch.as_tensor(accepted))
+    fig, ax = plt.subplots(figsize=(4.2, 4.2))
+    ax.plot([0, 1], [0, 1], color="grey", linestyle="--", linewidth=1)
+    for label, temps in (("raw", before), ("STS", after)):
+        pred = cumulative(logits, torch.as_tensor(temps, dtype=torch.double))[mask]
+        obs = y[mask]
+        index = (pred * bins).long().clamp(max=bins - 1)
+        xs, ys = [], []
+        for b in range(bins):
+            sel = index == b
+            if sel.sum() >= 5:
+                xs.append(float(pred[sel].mean()))
+                ys.append(float(obs[sel].mean()))
+        ece = expected_calibration_error(pred, obs)
+        ax.plot(xs, ys, marker="o", label=f"{label} (ECE {ece:.1%})")
+    counts = torch.histc(cumulative(logits, torch.as_tensor(after, dtype=torch.double))[mask].float(), bins, 0, 1)
+    ax.bar([(b + 0.5) / bins for b in range(bins)], (counts / counts.max()).tolist(), width=1 / bins, alpha=0.15,
+           color="grey")
+    ax.set_xlabel("predicted prefix survival")
+    ax.set_ylabel("observed acceptance")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -14,12 +14,12 @@ from __future__ import annotations
 import functools
 
 import torch
-from transformers import PreTrainedConfig, StoppingCriteriaList, StopStringCriteria
+from transformers import StoppingCriteriaList, StopStringCriteria
 
 from .. import internals
-from ..model.configuration_dspark import DSparkConfig
 from ..model.modeling_dspark import DSparkDraftModel
-from .decoding import dspark_generate, unwrap_draft
+from .decoding import dspark_generate
+from .request import effective_option, refuse_for_plain_generate, refuse_on_the_way_in, unwrap_draft
 
 _original_generate = internals.original_generate
 _signature = internals.generate_signature
@@ -28,12 +28,11 @@ _signature = internals.generate_signature
 @functools.wraps(_original_generate)
 def _generate(self, *args, **kwargs):
     bound = _signature.bind_partial(self, *args, **kwargs).arguments
-    draft = unwrap_draft(bound.get("assistant_model"))  # a DSpark draft, possibly with peft adapters
     if bound.get("custom_generate") is dspark_generate:
         return _dspark_generate_route(self, bound)
+    draft = unwrap_draft(bound.get("assistant_model"))  # a DSpark draft, possibly with peft adapters: once per call
     if not isinstance(draft, DSparkDraftModel):
-        _refuse_a_draft_of_another_class(draft)
-        _refuse_dspark_options_without_a_draft(bound)
+        refuse_for_plain_generate(draft, bound)
         return _original_generate(self, *args, **kwargs)
     if bound.get("custom_generate") is not None:
         raise ValueError("Pass either assistant_model=<DSpark draft> or custom_generate, not both.")
@@ -50,13 +49,15 @@ def _generate(self, *args, **kwargs):
 
 def _dspark_generate_route(model, bound: dict):
     """The documented extension point, generate(custom_generate=dspark_generate, draft_model=draft), checked as the
-    assistant_model route is. generate() hands a custom_generate callable none of its own parameters, `streamer`
-    included (it would get the prompt and nothing after it), so the streamer goes by the name dspark_generate
-    reads."""
+    assistant_model route is, its draft unwrapped as there. generate() hands a custom_generate callable none of its
+    own parameters, `streamer` included (it would get the prompt and nothing after it), so the streamer goes by the
+    name dspark_generate reads."""
     if bound.get("assistant_model") is not None:
         raise ValueError("Pass either assistant_model=<DSpark draft> or custom_generate, not both.")
     extra = bound.pop("kwargs", {})
     bound.pop("self")
+    if "draft_model" in extra:
+        extra["draft_model"] = unwrap_draft(extra["draft_model"])
     prompt_device = _prepare_for_dspark(model, bound, extra)
     streamer = bound.pop("streamer", None)
     if streamer is not None:
@@ -69,8 +70,7 @@ def _dspark_generate_route(model, bound: dict):
 def _prepare_for_dspark(model, bound: dict, extra: dict) -> torch.device | None:
     """What both routes need before generate() hands the call to dspark_generate, which gets none of generate()'s own
     parameters (`tokenizer` included). Returns the device the prompt came on."""
-    _refuse_a_cache(extra)
-    _refuse_token_healing(model, bound, extra)
+    refuse_on_the_way_in(model, bound, extra)
     _stop_strings_as_criteria(model, bound, extra)
     return _prompt_on_the_target_s_device(model, bound, extra)
 
@@ -99,48 +99,9 @@ def _on_the_prompt_s_device(out, device: torch.device | None):
     return out
 
 
-def _refuse_a_cache(extra: dict) -> None:
-    """Plain generate() fills a caller's cache for reuse; DSpark keeps its own. Refused under every name a
-    transformers release accepts, so the message is the same on all of them."""
-    given = internals.cache_given(extra)
-    if given is not None:
-        name = given[0]
-        raise ValueError(f"{name} is not supported with a DSpark draft: it keeps its own cache, re-aligned every "
-                         f"round, so a cache passed in would not be filled for reuse. Drop {name}.")
-
-
-def _refuse_a_draft_of_another_class(model) -> None:
-    """A DSpark draft loaded as remote code (trust_remote_code=True) before `import dspark_hf` is another class
-    object than this package's, and transformers' assisted decoding cannot use it."""
-    config = getattr(model, "config", None)
-    if isinstance(config, PreTrainedConfig) and config.model_type == DSparkConfig.model_type:
-        raise ValueError(f"This DSpark draft is a {type(model).__module__}.{type(model).__name__}, loaded as remote "
-                         "code before dspark_hf was imported: load it with dspark_hf.DSparkDraftModel.from_pretrained "
-                         "(or import dspark_hf before AutoModel.from_pretrained).")
-
-
-def _refuse_dspark_options_without_a_draft(bound: dict) -> None:
-    """ssd= and verification_policy= mean nothing to plain or assisted generate(), whose own error would only call
-    them unused model_kwargs."""
-    if bound.get("custom_generate") is not None:  # someone else's decoding loop: its arguments are its own
-        return
-    for name in ("ssd", "verification_policy"):
-        if bound.get("kwargs", {}).get(name) is not None:
-            got = type(bound.get("assistant_model")).__name__
-            raise ValueError(f"{name}= applies to DSpark decoding: pass assistant_model=<a DSparkDraftModel> as well "
-                             f"(got assistant_model of type {got}).")
-
-
-def _refuse_token_healing(model, bound: dict, extra: dict) -> None:
-    """generate() heals tokens with the tokenizer, which it drops on the custom_generate route."""
-    if _effective(model, bound, extra, "token_healing"):
-        raise ValueError("token_healing=True is not supported with a DSpark draft: heal the prompt first, "
-                         "input_ids = target.heal_tokens(input_ids, tokenizer), and generate without token_healing.")
-
-
 def _stop_strings_as_criteria(model, bound: dict, extra: dict) -> None:
     """generate() drops `tokenizer` on the custom_generate route, so stop strings become a criterion here."""
-    stop_strings = _effective(model, bound, extra, "stop_strings")
+    stop_strings = effective_option(model, bound, extra, "stop_strings")
     if not stop_strings:
         return
     tokenizer = extra.pop("tokenizer", None)
@@ -150,15 +111,6 @@ def _stop_strings_as_criteria(model, bound: dict, extra: dict) -> None:
     criteria.append(StopStringCriteria(tokenizer, stop_strings))
     bound["stopping_criteria"] = criteria
     extra["stop_strings"] = None  # a keyword argument outranks the passed and the model's generation config
-
-
-def _effective(model, bound: dict, extra: dict, option: str):
-    """The value of a generation option that generate() decodes with, merged as its _prepare_generation_config
-    merges them: a keyword argument, else the passed generation_config's value, else the model's default."""
-    if option in extra:
-        return extra[option]
-    passed = getattr(bound.get("generation_config"), option, None)
-    return passed if passed is not None else getattr(model.generation_config, option, None)
 
 
 def install() -> None:

@@ -113,3 +113,20 @@ def bonus_rank(probs: torch.Tensor, tokens: torch.Tensor, verify_len: torch.Tens
     before = torch.arange(p.shape[1], device=p.device) < bonus[:, None]
     rank = ((p > p_bonus) | ((p == p_bonus) & before)).sum(1)
     return torch.where(accepted < gamma, rank, -1)
+
+
+def saguaro(probs: torch.Tensor, fan_out: int, C: float) -> torch.Tensor:
+    """Saguaro sampling (SSD, Definition 14): the draft distribution (.., V) with its top-`fan_out` tokens
+    down-weighted by C in [0, 1] and renormalised. The residual max(p - q, 0) of a rejection then puts more mass on
+    those tokens, the ones a speculation cache prepares bonus tokens for (Theorem 15); C = 1 leaves q as it is.
+    Drafting from it is as exact as drafting from q: verification reads the distribution the tokens came from."""
+    if not 0.0 <= C <= 1.0:
+        raise ValueError(f"the Saguaro down-weighting constant C must be in [0, 1], got {C}.")
+    if C == 1.0 or fan_out <= 0:
+        return probs
+    top = probs.topk(min(fan_out, probs.shape[-1] - 1), dim=-1).indices
+    weighted = probs * torch.ones_like(probs).scatter_(-1, top, C)
+    total = weighted.sum(-1, keepdim=True)
+    # C = 0 leaves no mass where every possible token is cached (a top-k as small as the fan-out, say): such a row
+    # keeps q, which is as exact to draft from as any other distribution
+    return torch.where(total > 0, weighted / total, probs)

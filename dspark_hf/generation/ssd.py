@@ -15,6 +15,8 @@ next; verification and acceptance are the same, against the distribution each to
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
 import numbers
 from concurrent.futures import ThreadPoolExecutor
@@ -24,9 +26,12 @@ from typing import Sequence
 import torch
 
 from ..devices import clock
+from ..model.sampling import BlockProposer, DraftBlock, sample_blocks, score_block
+from ..scheduling.costs import cached_costs
 from ..scheduling.ssd import critical_batch_size, geometric_fan_out, uniform_fan_out
-from .drafting import VOCAB_FREE_PROCESSORS, BlockProposer, DraftBlock, empty_block, sample_block, saguaro
-from .speculation import PredictedOutcomes, bonus_rank, predict_outcomes
+from .drafting import Outcome, Proposal
+from .speculation import PredictedOutcomes, bonus_rank, predict_outcomes, saguaro
+from .transcript import VOCAB_FREE_PROCESSORS
 
 FAN_OUTS = ("geometric", "uniform")
 FALLBACKS = ("auto", "draft", "ngram", "random")
@@ -141,143 +146,139 @@ def ngram_proposal(history: list[int], length: int, max_n: int = 3) -> list[int]
     return []
 
 
-class SSDMixin:
-    """The SSD round on top of the DSpark decoder (`decoding._Decoder`): where a block comes from, what is
-    speculated during verification, and what the cache hit; verification and commit are the decoder's own."""
+class SSDSource:
+    """A [`BlockSource`]: each round's block comes from the speculation cache built while the target verified the
+    last one, or from a fallback where the real outcome is not in it. The decoding loop verifies and commits it as
+    any other block; this source sees the outcome and keeps the blocks prepared for it.
 
-    def setup_ssd(self, ssd: SSDConfig):
-        self.ssd = ssd
-        device = self.prompt.device
-        self._next: _Ready | None = None  # blocks ready for this round's rows
-        self._hit = None  # (R,) whether this round's block came from the cache
-        self._lag = None  # (R,) its lag: tokens before its anchor it saw without their target features
-        self._drafted = False  # whether this round drafted at all (the policy may switch drafting off)
-        self._speculation: _Speculation | None = None
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="dspark-ssd") if ssd.overlap else None
-        self._stream = torch.cuda.Stream(device) if ssd.overlap and device.type == "cuda" else None
+    Made for one generate() call, before its first round: the auto fallback measures this machine's costs here
+    (once, cached on disk, with a progress bar) rather than inside the first round's drafting time. `stats` counts
+    what the cache did (`DSparkGenerateOutput.ssd_stats`); `timings` the speculator's seconds and verification's
+    wait for it. Close it (`close`) when the call ends: its thread is shut down.
+    """
+
+    def __init__(self, config: SSDConfig, target, draft, transcript, do_sample: bool):
+        self.config, self.draft, self.transcript, self.do_sample = config, draft, transcript, do_sample
+        device = transcript.prompt.device
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="dspark-ssd") if config.overlap else None
+        self._stream = torch.cuda.Stream(device) if config.overlap and device.type == "cuda" else None
         # the stream the decode (and its verification) runs on, which the speculator's stream is ordered against
         self._verifier_stream = torch.cuda.current_stream(device) if self._stream is not None else None
         # the speculator samples with its own generator, seeded from the caller's: a seed gives the same output
         self._generator = torch.Generator(device=device).manual_seed(int(torch.randint(2 ** 62, (1,))))
-        self._available = None  # (R,) tokens of this round's block that may be verified (n-gram blocks are short)
-        self._looked_up = None  # (R,) rows whose block this round came from an n-gram or random lookup
-        # running counts for the fan-out and the fallback: rounds, hits, tokens committed after hits / misses
-        self.ssd_stats = {"rounds": 0, "hits": 0, "accepted": 0, "verified": 0, "rejections": 0, "tokens_hit": 0,
-                          "rounds_hit": 0, "tokens_miss": 0, "rounds_miss": 0,
-                          "fallbacks": {name: 0 for name in FALLBACKS[1:]},
-                          "by_lag": {},  # lag -> [accepted, verified, rejections] (lag 0: drafted in time)
-                          "outcomes": {}, "bonus_ranks": {}}  # k -> rounds; k -> {bonus rank -> rounds}
-        # the auto fallback weighs this machine's costs from the first round on: measured here (once, cached on
-        # disk, with a progress bar) rather than inside the first round's drafting time
-        self._costs = None
-        if ssd.fallback == "auto":
-            from ..scheduling.profile import cached_costs
-
-            self._costs = cached_costs(self.target, self.draft, sorted({1, self.prompt.shape[0]}),
-                                       progress=ssd.progress)
+        self._costs = None if config.fallback != "auto" else cached_costs(
+            target, draft, sorted({1, transcript.prompt.shape[0]}), progress=config.progress)
         # N x S blocks: kept over the draft's own vocabulary, unless a processor reads which token a column is
-        self._needs_target_vocab = not all(isinstance(p, VOCAB_FREE_PROCESSORS) for p in self.processors)
+        self._needs_target_vocab = not all(isinstance(p, VOCAB_FREE_PROCESSORS) for p in transcript.processors)
+        self._next: _Ready | None = None  # blocks ready for this round's rows
+        self._speculation: _Speculation | None = None  # made during this round's verification
+        self._looked_up: torch.Tensor | None = None  # (R,) rows whose block this round an n-gram / random lookup made
+        self._lag: torch.Tensor | None = None  # (R,) tokens before each anchor its block saw without their features
+        # running counts for the fan-out and the fallback: rounds, hits, tokens committed after hits / misses
+        self.stats = {"rounds": 0, "hits": 0, "accepted": 0, "verified": 0, "rejections": 0, "tokens_hit": 0,
+                      "rounds_hit": 0, "tokens_miss": 0, "rounds_miss": 0,
+                      "fallbacks": {name: 0 for name in FALLBACKS[1:]},
+                      "by_lag": {},  # lag -> [accepted, verified, rejections] (lag 0: drafted in time)
+                      "outcomes": {}, "bonus_ranks": {}}  # k -> rounds; k -> {bonus rank -> rounds}
         # measured overlap: seconds the speculator ran, and seconds verification then waited for it
-        self.timings.update(speculate=0.0, wait=0.0)
+        self.timings = {"speculate": 0.0, "wait": 0.0}
 
-    def close_ssd(self):
+    def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
 
+    def clock(self) -> float:
+        """The verifier's clock: with the speculator on a CUDA stream, the current stream's work only (a device-wide
+        sync would wait for the speculator it overlaps, and serialize the two)."""
+        return clock(self.transcript.prompt.device, self._verifier_stream)
+
+    def _speculator_clock(self) -> float:
+        """The speculator's clock: its own CUDA stream's work only, for the same reason."""
+        return clock(self.transcript.prompt.device, self._stream)
+
     # -- this round's block --------------------------------------------------------------------------------------
-    def _propose(self, anchor, anchor_pos):
-        rows = self.rows
-        R = rows.numel()
-        self._drafted = not self._one_token_left and self.policy.draft_this_round(R)
-        if not self._drafted:  # nothing to verify, so nothing to speculate on: the next block is drafted in time
-            self._next, self._hit = None, torch.zeros(R, dtype=torch.bool, device=rows.device)
-            return empty_block(self.draft, anchor), torch.zeros_like(rows)
-        start = self._clock()
-        self._encode_pending()
-        ready = self._next
+    def propose(self, rows, anchor, anchor_positions, context, process_logits) -> Proposal:
+        R, ready = rows.numel(), self._next
         hit = ready.hit if ready is not None else torch.zeros(R, dtype=torch.bool, device=rows.device)
-        self._available = torch.full((R,), self.draft.config.block_size, device=rows.device)
-        self._looked_up = torch.zeros(R, dtype=torch.bool, device=rows.device)  # rows given an n-gram/random block
+        reach = torch.full((R,), self.draft.config.block_size, device=rows.device)
+        self._looked_up = torch.zeros(R, dtype=torch.bool, device=rows.device)
         if bool(hit.all()):
             block = ready.block
         else:
-            block = self._fallback(anchor, anchor_pos, ~hit)
+            block = self._fallback(rows, anchor, anchor_positions, context, process_logits, ~hit, reach)
             if ready is not None and bool(hit.any()):
                 block = _merge(block, ready.block, hit)
-        self._hit = hit
         self._lag = torch.where(hit, ready.lag, 0) if ready is not None else torch.zeros_like(rows)
         if ready is not None:  # the rounds that had a cache to look in
-            self.ssd_stats["rounds"] += R
-            self.ssd_stats["hits"] += int(hit.sum())
+            self.stats["rounds"] += R
+            self.stats["hits"] += int(hit.sum())
             self._record_outcomes(ready.accepted, ready.rank)
-        self.timings["draft"] += self._clock() - start
-        return block, torch.minimum(self._verify_lengths(block), self._available)
+        return Proposal(block, reach, hit)
 
-    def _fallback(self, anchor, anchor_pos, missed):
-        """A block for every row (only the `missed` rows' are used): the draft's, or an n-gram / random one."""
-        kind = self.ssd.fallback
+    def _fallback(self, rows, anchor, anchor_positions, context, process_logits, missed, reach) -> DraftBlock:
+        """A block for every row (only the `missed` rows' are used): the draft's, or an n-gram / random one (whose
+        rows' `reach` it cuts to what the lookup proposed)."""
+        kind = self.config.fallback
         if kind == "auto":
-            kind = "ngram" if self.rows.numel() >= self.critical_batch_size() else "draft"
+            kind = "ngram" if rows.numel() >= self.critical_batch_size(rows.numel()) else "draft"
         if self._next is not None:  # a real miss (the first round has no cache to miss)
-            self.ssd_stats["fallbacks"][kind] += int(missed.sum())
+            self.stats["fallbacks"][kind] += int(missed.sum())
         if kind == "draft":
-            return self._draft_now(anchor, anchor_pos)
+            if isinstance(self.draft, BlockProposer):
+                return self.draft.propose_block(anchor, anchor_positions, context, self.do_sample,
+                                                process_logits=process_logits)
+            return sample_blocks(self.draft, anchor[:, None], anchor_positions[:, None], context, self.do_sample,
+                                 process_logits, reweight=self._reweight(self._fan_out())).index(slice(None), 0)
         self._looked_up = missed
-        return self._lookup_block(missed, random=kind == "random")
+        return self._lookup_block(rows, missed, reach, random=kind == "random")
 
-    def _draft_now(self, anchor, anchor_pos):
-        rows = self.rows
-        process = (lambda prefix, logits: self._process(rows, prefix, logits))
-        if isinstance(self.draft, BlockProposer):
-            return self.draft.propose_block(anchor, anchor_pos, self.context, self.do_sample, process_logits=process)
-        return sample_block(self.draft, anchor, anchor_pos, self.context, self.do_sample, process_logits=process,
-                            reweight=self._reweight(self._fan_out()))
-
-    def _lookup_block(self, missed, random: bool):
+    def _lookup_block(self, rows, missed, reach, random: bool) -> DraftBlock:
         """One-hot blocks of tokens proposed without the draft: exact to verify like any other, as the proposal
         does not depend on the target's randomness."""
-        R, gamma, V = self.rows.numel(), self.draft.config.block_size, self.draft.config.target_vocab_size
-        tokens = torch.zeros(R, gamma, dtype=torch.long, device=self.rows.device)
-        for i, r in enumerate(self.rows.tolist()):
+        R, gamma, V = rows.numel(), self.draft.config.block_size, self.draft.config.target_vocab_size
+        tokens = torch.zeros(R, gamma, dtype=torch.long, device=rows.device)
+        for i, r in enumerate(rows.tolist()):
             if not bool(missed[i]):
                 continue
             if random:
                 proposal = torch.randint(V, (gamma,), generator=self._generator, device=tokens.device).tolist()
             else:
-                real = self.prompt_mask[r].bool()
-                history = self.prompt[r, real].tolist() + self.gen[r, : int(self.n_gen[r])].tolist()
-                proposal = ngram_proposal(history, gamma)
+                proposal = ngram_proposal(self.transcript.history(r), gamma)
             tokens[i, : len(proposal)] = torch.tensor(proposal, dtype=torch.long, device=tokens.device)
-            self._available[i] = len(proposal)
+            reach[i] = len(proposal)
         probs = torch.nn.functional.one_hot(tokens, V).float()
         # no confidence head scores a lookup: confidence 1 lets a confidence policy verify it as far as it reaches
-        # (`_available` cuts it there), and keeps rounds whose rows mix cache hits and lookups scored for the policy
+        # (`reach` cuts it there), and keeps rounds whose rows mix cache hits and lookups scored for the policy
         confidences = torch.ones(R, gamma, device=tokens.device) if self.draft.config.confidence_head else None
         return DraftBlock(tokens, probs, confidences)
 
     # -- the cache, built while the target verifies ----------------------------------------------------------------
-    def _verify_forward(self, inputs, mask, positions, block, verify_len):
-        if block.tokens.shape[1] == 0 or self.ssd.cache_size == 0:
+    @contextlib.contextmanager
+    def verifying(self, proposal, verify_len, anchor, anchor_positions, context):
+        """Speculate on the outcomes of this verification while it runs: in the thread (and on a GPU the stream)
+        of the speculator, or before it without overlap."""
+        if not proposal.drafted or self.config.cache_size == 0:
             self._speculation = None
-            return super()._verify_forward(inputs, mask, positions, block, verify_len)
-        anchor, anchor_pos, context = inputs[:, 0], positions[:, 0], self.context
-        job = (lambda: self._speculate(block, verify_len, anchor, anchor_pos, context))
+            yield
+            return
+        job = functools.partial(self._speculate, proposal.block, verify_len, anchor, anchor_positions, context,
+                                self._looked_up)
         if self._pool is None:
             self._speculation = job()
-            return super()._verify_forward(inputs, mask, positions, block, verify_len)
+            yield
+            return
         if self._stream is not None:  # the block and its verified lengths may still be queued on this stream
             self._stream.wait_stream(self._verifier_stream)
-        future = self._pool.submit(self._on_stream, job, _callers_autocast(self.prompt.device.type))
-        out = super()._verify_forward(inputs, mask, positions, block, verify_len)
-        start = self._clock()
+        future = self._pool.submit(self._on_stream, job, _callers_autocast(anchor.device.type))
+        yield
+        start = self.clock()
         self._speculation = future.result()
-        self.timings["wait"] += self._clock() - start
+        self.timings["wait"] += self.clock() - start
         if self._stream is not None:  # what the speculator made is read on this stream from here on
             # Its tensors belong to the speculator stream's memory pool and may be freed while reads of them are
             # still queued here; no record_stream is needed because the next job's stream first waits for this
             # one (above), so that memory cannot be reused before those reads are done.
             self._verifier_stream.wait_stream(self._stream)
-        return out
 
     def _on_stream(self, job, autocast):
         with torch.no_grad(), autocast:
@@ -286,119 +287,109 @@ class SSDMixin:
             with torch.cuda.stream(self._stream):
                 return job()
 
-    def _speculate(self, block, verify_len, anchor, anchor_pos, context) -> _Speculation:
+    def _speculate(self, block, verify_len, anchor, anchor_positions, context, looked_up) -> _Speculation:
         """Predict the outcomes of verifying `block` and draft the next block for each, in one draft pass."""
         start = self._speculator_clock()
-        speculation = self._speculate_now(block, verify_len, anchor, anchor_pos, context)
-        self.timings["speculate"] += self._speculator_clock() - start
-        return speculation
-
-    def _clock(self) -> float:
-        """The verifier's clock: with the speculator on a CUDA stream, the current stream's work only (a device-wide
-        sync would wait for the speculator it overlaps, and serialize the two)."""
-        return clock(self.prompt.device, self._verifier_stream)
-
-    def _speculator_clock(self) -> float:
-        """The speculator's clock: its own CUDA stream's work only, for the same reason."""
-        return clock(self.prompt.device, self._stream)
-
-    def _speculate_now(self, block, verify_len, anchor, anchor_pos, context) -> _Speculation:
         fan_out = self._fan_out()
-        process = (lambda prefix, logits: self.processors(prefix, logits.float())) if len(self.processors) else None
+        processors = self.transcript.processors
+        process = (lambda prefix, logits: processors(prefix, logits.float())) if len(processors) else None
         probs = _own(block)
-        if bool(self._looked_up.any()):
+        if bool(looked_up.any()):
             # a lookup block's one-hot distributions name no bonus candidates (every other token ties at 0): the
             # draft's own distributions given its tokens do (the paper's primary speculator after a backup round)
-            scored = sample_block(self.draft, anchor, anchor_pos, context, process_logits=process, forced=block.tokens)
-            probs = torch.where(self._looked_up[:, None, None], scored.probs, probs)
+            scored = score_block(self.draft, block.tokens, anchor, anchor_positions, context, process)
+            probs = torch.where(looked_up[:, None, None], scored.probs, probs)
         outcomes = predict_outcomes(probs, block.tokens, verify_len, fan_out).worth_drafting()
         N, S = outcomes.bonus.shape
         if S == 0:  # still a round with a cache, all of whose outcomes miss
-            return _Speculation(outcomes, None, (probs, block.tokens, verify_len))
-        # the tokens a block for outcome k starts after, without target features yet: the anchor and k accepted
-        lag = int(outcomes.accepted.max()) + 1
-        seq = torch.cat([anchor[:, None], block.tokens], 1)  # (N, gamma + 1)
-        j = torch.arange(lag, device=seq.device)
-        source = j - (lag - 1 - outcomes.accepted[..., None])  # right-aligned: the last known token at lag - 1
-        known = seq.gather(1, source.clamp_min(0).view(N, -1)).view(N, S, lag).masked_fill(source < 0, -1)
-        blocks = sample_block(self.draft, outcomes.bonus, anchor_pos[:, None] + outcomes.accepted + 1, context,
-                              self.do_sample, process_logits=process, generator=self._generator, known=known,
-                              reweight=self._reweight(fan_out), target_vocab=self._needs_target_vocab)
-        return _Speculation(outcomes, blocks, (probs, block.tokens, verify_len))
+            speculation = _Speculation(outcomes, None, (probs, block.tokens, verify_len))
+        else:
+            # the tokens a block for outcome k starts after, without target features yet: the anchor and k accepted
+            lag = int(outcomes.accepted.max()) + 1
+            seq = torch.cat([anchor[:, None], block.tokens], 1)  # (N, gamma + 1)
+            j = torch.arange(lag, device=seq.device)
+            source = j - (lag - 1 - outcomes.accepted[..., None])  # right-aligned: the last known token at lag - 1
+            known = seq.gather(1, source.clamp_min(0).view(N, -1)).view(N, S, lag).masked_fill(source < 0, -1)
+            blocks = sample_blocks(self.draft, outcomes.bonus, anchor_positions[:, None] + outcomes.accepted + 1,
+                                   context, self.do_sample, process, self._generator, known=known,
+                                   reweight=self._reweight(fan_out), target_vocab=self._needs_target_vocab)
+            speculation = _Speculation(outcomes, blocks, (probs, block.tokens, verify_len))
+        self.timings["speculate"] += self._speculator_clock() - start
+        return speculation
 
-    def _outcome(self, accepted, next_token):
+    # -- what the round's outcome tells ----------------------------------------------------------------------------
+    def learn(self, outcome: Outcome, alive: torch.Tensor) -> None:
+        """Count the round, and keep the blocks the cache holds for its real outcome, for the rows that go on."""
+        if outcome.proposal.drafted:
+            self._count(outcome)
+        self._next = self._ready(outcome.accepted, outcome.next_token)
+        if self._next is not None and not bool(alive.all()):
+            self._next = self._next.select(alive.nonzero().squeeze(1))
+
+    def _ready(self, accepted, next_token) -> _Ready | None:
+        """The next round's blocks: where this round's speculation holds the real outcome, (R,) accepted and next
+        token; None where nothing was speculated."""
         spec, self._speculation = self._speculation, None
         if spec is None:
-            self._next = None
-            return
+            return None
         hit, slot = spec.outcomes.lookup(accepted, next_token)
         rank = bonus_rank(*spec.ranked, accepted, next_token)
         if spec.blocks is None:
-            self._next = _Ready(hit, None, torch.zeros_like(accepted), accepted, rank)
-            return
+            return _Ready(hit, None, torch.zeros_like(accepted), accepted, rank)
         rows = torch.arange(hit.shape[0], device=hit.device)
         block = spec.blocks.index(rows, slot).in_target_vocab(self.draft.config.target_vocab_size)
-        self._next = _Ready(hit, block, spec.outcomes.accepted[rows, slot] + 1, accepted, rank)
+        return _Ready(hit, block, spec.outcomes.accepted[rows, slot] + 1, accepted, rank)
+
+    def _count(self, outcome: Outcome) -> None:
+        hits, n, verified = outcome.proposal.cache_hit, outcome.accepted, outcome.verified
+        for h, c in zip(hits.tolist(), outcome.committed.tolist()):  # committed: a stop may cut the chunk short
+            key = "hit" if h else "miss"
+            self.stats[f"tokens_{key}"] += c
+            self.stats[f"rounds_{key}"] += 1
+        self.stats["accepted"] += int(n.sum())
+        self.stats["rejections"] += int((n < verified).sum())
+        for lag, a, v in zip(self._lag.tolist(), n.tolist(), verified.tolist()):
+            seen = self.stats["by_lag"].setdefault(lag, [0, 0, 0])
+            seen[0] += a
+            seen[1] += v
+            seen[2] += a < v
+        self.stats["verified"] += int(verified.sum())
 
     def _record_outcomes(self, accepted, rank):
         """Count the outcomes a cache was looked up for: k accepted, and where the bonus stood among the candidates
         for k (what `scheduling.ssd.measured_fan_out` plans a cache from)."""
         for k, j in zip(accepted.tolist(), rank.tolist()):
-            self.ssd_stats["outcomes"][k] = self.ssd_stats["outcomes"].get(k, 0) + 1
+            self.stats["outcomes"][k] = self.stats["outcomes"].get(k, 0) + 1
             if j >= 0:
-                ranks = self.ssd_stats["bonus_ranks"].setdefault(k, {})
+                ranks = self.stats["bonus_ranks"].setdefault(k, {})
                 ranks[j] = ranks.get(j, 0) + 1
-
-    def _record(self, block, verify_len, n, nxt, counts):
-        super()._record(block, verify_len, n, nxt, counts)
-        drafted = block.tokens.shape[1] > 0
-        for i, r in enumerate(self.rows.tolist()):
-            self.rounds[r][-1].cache_hit = bool(self._hit[i]) if drafted else None
-        if drafted:
-            for h, c in zip(self._hit.tolist(), counts.tolist()):  # committed: a stop may cut the chunk short
-                key = "hit" if h else "miss"
-                self.ssd_stats[f"tokens_{key}"] += c
-                self.ssd_stats[f"rounds_{key}"] += 1
-            self.ssd_stats["accepted"] += int(n.sum())
-            self.ssd_stats["rejections"] += int((n < verify_len).sum())
-            for lag, a, v in zip(self._lag.tolist(), n.tolist(), verify_len.tolist()):
-                seen = self.ssd_stats["by_lag"].setdefault(lag, [0, 0, 0])
-                seen[0] += a
-                seen[1] += v
-                seen[2] += a < v
-            self.ssd_stats["verified"] += int(verify_len.sum())
-
-    def _keep(self, alive):
-        if self._next is not None and not bool(alive.all()):
-            self._next = self._next.select(alive.nonzero().squeeze(1))
-        super()._keep(alive)
 
     # -- planning ------------------------------------------------------------------------------------------------
     def _alpha(self) -> float:
         """The acceptance rate for the fan-out: the configured one, else [`acceptance_rate`] of the rounds so far."""
-        if self.ssd.acceptance is not None:
-            return self.ssd.acceptance
-        return acceptance_rate(self.ssd_stats["accepted"], self.ssd_stats["rejections"])
+        if self.config.acceptance is not None:
+            return self.config.acceptance
+        return acceptance_rate(self.stats["accepted"], self.stats["rejections"])
 
     def _fan_out(self) -> list[int]:
-        gamma, budget = self.draft.config.block_size, self.ssd.cache_size
-        if not isinstance(self.ssd.fan_out, str):  # F_0..F_(gamma - 1), or with F_gamma = 0 as the planners give it
-            return [int(F) for F in self.ssd.fan_out[:gamma]] + [0]
-        if self.ssd.fan_out == "uniform":
+        gamma, budget = self.draft.config.block_size, self.config.cache_size
+        if not isinstance(self.config.fan_out, str):  # F_0..F_(gamma - 1), or with F_gamma = 0 as planners give it
+            return [int(F) for F in self.config.fan_out[:gamma]] + [0]
+        if self.config.fan_out == "uniform":
             return uniform_fan_out(budget, gamma, cache_last=False)
-        return geometric_fan_out(budget, gamma, self._alpha(), self.ssd.power_law_r, cache_last=False)
+        return geometric_fan_out(budget, gamma, self._alpha(), self.config.power_law_r, cache_last=False)
 
     def _reweight(self, fan_out):
-        if not self.do_sample or self.ssd.saguaro_c == 1.0:
+        if not self.do_sample or self.config.saguaro_c == 1.0:
             return None
-        C = self.ssd.saguaro_c
+        C = self.config.saguaro_c
         return lambda k, p: saguaro(p, fan_out[k], C)
 
-    def critical_batch_size(self) -> int:
+    def critical_batch_size(self, rows: int) -> int:
         """From which batch size the n-gram fallback beats drafting just in time (Theorem 17), by this machine's
         measured costs and the hit rate and tokens per round seen so far (priors: half the outcomes hit, a block
-        from the draft commits 1 + alpha tokens, an n-gram block 1)."""
-        s, gamma, R = self.ssd_stats, self.draft.config.block_size, max(self.rows.numel(), 1)
+        from the draft commits 1 + alpha tokens, an n-gram block 1); `rows`: the batch size now."""
+        s, gamma, R = self.stats, self.draft.config.block_size, max(rows, 1)
         hit_rate = (s["hits"] + 1.0) / (s["rounds"] + 2.0)
         tokens_draft = (s["tokens_hit"] + 1.0 + self._alpha()) / (s["rounds_hit"] + 1.0)
         # the times of a round of R rows (an n-gram lookup costs next to nothing beside it)

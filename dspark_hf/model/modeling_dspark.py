@@ -12,19 +12,19 @@ Notation follows the DSpark paper (DeepSeek, 2026):
 - U_k are base logits from the target's frozen LM head, B_k a transition bias from the sequential head (eq. 5, 6),
   p_k = softmax(U_k + B_k) and c_k the confidence (eq. 7).
 
-This file imports nothing from dspark_hf but its configuration, so a saved draft loads with
-``trust_remote_code=True`` where dspark_hf is not installed.
+What the draft takes from outside itself (its target's embedding and LM head, the checks that a target fits, and
+dspark-hf's Hub code for saving) is `binding.py`'s. This file imports nothing from dspark_hf but its configuration
+and that module, which are saved beside it, so a saved draft loads with ``trust_remote_code=True`` where dspark_hf
+is not installed.
 """
 
 from __future__ import annotations
 
-import math
 import os
-import warnings
 from dataclasses import dataclass
 from dataclasses import fields as dataclass_fields
 from pathlib import Path
-from typing import Any, Callable, ClassVar
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -34,7 +34,10 @@ from transformers import PreTrainedModel
 from transformers.activations import ACT2FN
 from transformers.utils import ModelOutput
 
-from .configuration_dspark import DSparkConfig, unreadable_layers
+from .binding import TargetBinding, check_target, fields_from_target, refuse_card_data, sharing
+# also importable from here, as before they moved to binding.py (dspark_hf.training reads the fingerprints here)
+from .binding import OtherTargetWarning, same_fingerprint, target_fingerprint  # noqa: F401
+from .configuration_dspark import DSparkConfig
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -184,30 +187,6 @@ class DSparkOutput(ModelOutput):
     hidden_states: torch.Tensor | None = None
 
 
-@dataclass
-class TargetBinding:
-    """What a draft borrows from its target: the frozen input embedding and LM head (never saved with the draft),
-    and `lm_weight`, the LM-head rows the draft proposes in its compute dtype, converted once and kept."""
-
-    embed: nn.Module
-    lm_head: nn.Module
-    lm_weight: torch.Tensor | None = None
-
-    def serves(self, target: PreTrainedModel) -> bool:
-        """Whether these are `target`'s own modules (identity, not equality: a target is bound, not its copy)."""
-        return self.embed is target.get_input_embeddings() and self.lm_head is target.get_output_embeddings()
-
-    def __deepcopy__(self, memo) -> "TargetBinding":
-        return self  # a copy of the draft borrows the same target modules; copying them would copy the target's
-
-    def __reduce__(self):
-        return _unbound, ()  # pickling a draft (torch.save) keeps its own weights only: it loads unbound
-
-
-def _unbound() -> None:
-    return None
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # the model
 # ---------------------------------------------------------------------------------------------------------------
@@ -217,12 +196,8 @@ class DSparkPreTrainedModel(PreTrainedModel):
     base_model_prefix = "dspark"
     _no_split_modules = ["DSparkDecoderLayer"]
     _supports_sdpa = True
-
-    def _init_weights(self, module):
-        super()._init_weights(module)
-        if isinstance(module, DSparkRMSNorm):
-            with torch.no_grad():
-                module.weight.fill_(1.0)
+    # weights start as transformers' _init_weights starts them: normal linear and embedding weights, and norms
+    # (DSparkRMSNorm, found by its name) at 1
 
 
 class DSparkDraftModel(DSparkPreTrainedModel):
@@ -266,44 +241,7 @@ class DSparkDraftModel(DSparkPreTrainedModel):
         DSparkConfig's defaults (the one default shape: 2 layers, a Markov head of rank 128, blocks of 7); every
         config field can be overridden, e.g. ``from_target(target, num_hidden_layers=1, markov_rank=16)``.
         """
-        _refuse_a_model_without_an_lm_head(target)
-        t = target.config.get_text_config()
-        _refuse_unreadable_target(t)
-        n_layers = overrides.get("num_hidden_layers", DSparkConfig.num_hidden_layers)
-        lo = min(1, t.num_hidden_layers - 2)
-        hi = max(lo, t.num_hidden_layers - 3)
-        layer_ids = sorted({round(lo + i * (hi - lo) / max(n_layers - 1, 1)) for i in range(n_layers)})
-        vocab = target.get_output_embeddings().weight.shape[0]
-        specials = {i for i in _as_list(t.eos_token_id) + _as_list(getattr(t, "bos_token_id", None))}
-        pad = getattr(t, "pad_token_id", None)
-        mask_token_id = pad if pad is not None and pad not in specials and pad < vocab else vocab - 1
-        rope = getattr(t, "rope_parameters", None) or {}
-        if "full_attention" in rope:  # per-layer-type rope parameters (Gemma3)
-            rope = rope["full_attention"]
-        has_qk_norm = any(name.endswith("k_norm") for name, _ in target.named_modules())
-        fields = dict(
-            mask_token_id=mask_token_id,
-            target_layer_ids=layer_ids,
-            hidden_size=t.hidden_size,
-            intermediate_size=next((v for v in (getattr(t, name, None) for name in _INTERMEDIATE_NAMES)
-                                    if v is not None), 4 * t.hidden_size),
-            num_hidden_layers=n_layers,
-            num_attention_heads=t.num_attention_heads,
-            num_key_value_heads=getattr(t, "num_key_value_heads", None) or t.num_attention_heads,
-            head_dim=getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads,
-            hidden_act=getattr(t, "hidden_activation", None) or getattr(t, "hidden_act", "silu"),
-            rms_norm_eps=getattr(t, "rms_norm_eps", 1e-6),
-            rope_theta=rope.get("rope_theta", getattr(t, "rope_theta", 10000.0)),
-            max_position_embeddings=getattr(t, "max_position_embeddings", 8192),
-            qk_norm=has_qk_norm,
-            target_model_type=t.model_type,
-            target_name_or_path=getattr(target.config, "_name_or_path", None) or None,
-            target_vocab_size=vocab,
-            target_hidden_size=t.hidden_size,
-            target_num_hidden_layers=t.num_hidden_layers,
-            target_fingerprint=target_fingerprint(target),
-            final_logit_softcapping=getattr(t, "final_logit_softcapping", None),
-        )
+        fields = fields_from_target(target, overrides.get("num_hidden_layers", DSparkConfig.num_hidden_layers))
         unknown = sorted(set(overrides) - {f.name for f in dataclass_fields(DSparkConfig)} - {"draft_vocab"})
         if unknown:
             raise TypeError(f"from_target() got fields that DSparkConfig does not have: {unknown}.")
@@ -336,42 +274,14 @@ class DSparkDraftModel(DSparkPreTrainedModel):
             self.binding.lm_weight = None
 
     def check_target(self, target: PreTrainedModel) -> None:
-        """Raise a ValueError that says what differs if this draft was not built for `target`."""
-        _refuse_a_model_without_an_lm_head(target)
-        c, t = self.config, target.config.get_text_config()
-        _refuse_unreadable_target(t)
-        out = target.get_output_embeddings()
-        problems = []
-        if out.weight.shape[0] != c.target_vocab_size:
-            problems.append(f"vocabulary size {out.weight.shape[0]} != {c.target_vocab_size} the draft was built for")
-        if t.hidden_size != c.hidden_size:
-            problems.append(f"hidden size {t.hidden_size} != {c.hidden_size}")
-        bad = unreadable_layers(c.target_layer_ids, t.num_hidden_layers)
-        if bad:
-            problems.append(f"target_layer_ids {bad} do not exist below the last of its {t.num_hidden_layers} "
-                            "layers")
-        if c.mask_token_id is None or not 0 <= c.mask_token_id < c.target_vocab_size:
-            problems.append(f"mask_token_id {c.mask_token_id} is not a token of the target vocabulary")
-        if problems:
-            raise ValueError(
-                f"This DSpark draft was built for {c.target_name_or_path or c.target_model_type or 'another target'}"
-                f" and does not fit {getattr(target.config, '_name_or_path', '') or t.model_type}: "
-                + "; ".join(problems)
-                + ". Use a draft trained for this target, or make one with DSparkDraftModel.from_target(target).")
-        if c.target_model_type is not None and c.target_model_type != t.model_type:
-            warnings.warn(f"Draft built for a {c.target_model_type!r} target is bound to a {t.model_type!r} target "
-                          "with the same geometry; acceptance will likely be poor.", stacklevel=3)
-        elif c.target_fingerprint and not same_fingerprint(c.target_fingerprint, target_fingerprint(target)):
-            warnings.warn(OtherTargetWarning(
-                f"This DSpark draft was built for {c.target_name_or_path or 'another target'}, and "
-                f"{getattr(target.config, '_name_or_path', '') or 'this target'} has the same shape but other "
-                "embedding and LM head weights: output stays lossless, but the draft will be accepted rarely. Use "
-                "a draft trained for this target."), stacklevel=3)
+        """Raise a ValueError that says what differs if this draft was not built for `target` (and warn when it has
+        the draft's shape but another model type or other weights: [`OtherTargetWarning`])."""
+        check_target(self.config, target)
 
     def bind_target(self, target: PreTrainedModel) -> "DSparkDraftModel":
         """Borrow the target's frozen input embedding and LM head (not registered as submodules, never saved)."""
         self.check_target(target)
-        self.binding = TargetBinding(target.get_input_embeddings(), target.get_output_embeddings())
+        self.binding = TargetBinding.of(target)
         return self
 
     def is_bound_to(self, target: PreTrainedModel) -> bool:
@@ -384,9 +294,8 @@ class DSparkDraftModel(DSparkPreTrainedModel):
 
     # -- saving and sharing --------------------------------------------------------------------------------------
     # What dspark_hf adds to plain transformers here (a model card written beside the weights, a clearer error when
-    # an offline load misses the cache) lives in dspark_hf.hub, which `import dspark_hf` installs as `sharing`. This
-    # file also runs alone, as remote code where dspark_hf is absent: then `sharing` stays None and saving is plain.
-    sharing: ClassVar[Any] = None
+    # an offline load misses the cache) lives in dspark_hf.hub, which the draft hands over to (`binding.sharing`).
+    # This file also runs alone, as remote code where dspark_hf is absent: then there is none and saving is plain.
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, output_loading_info: bool = False, **kwargs):
@@ -407,8 +316,8 @@ class DSparkDraftModel(DSparkPreTrainedModel):
         except SafetensorError as error:
             raise damaged_weights_error(pretrained_model_name_or_path, error) from error
         except OSError as error:
-            clearer = None if cls.sharing is None else cls.sharing.offline_load_error(pretrained_model_name_or_path,
-                                                                                       kwargs)
+            hub = sharing()
+            clearer = None if hub is None else hub.offline_load_error(pretrained_model_name_or_path, kwargs)
             if clearer is None:
                 raise
             raise clearer from error
@@ -442,20 +351,22 @@ class DSparkDraftModel(DSparkPreTrainedModel):
         it. Without dspark_hf installed (remote code), no card is written. A config changed after the draft was
         built is checked first: from_pretrained would refuse it."""
         self._check_config()
-        if self.sharing is None:
-            _refuse_card_data(card_data)
+        hub = sharing()
+        if hub is None:
+            refuse_card_data(card_data)
             return super().save_pretrained(save_directory, *args, **kwargs)
-        return self.sharing.save_pretrained(self, super().save_pretrained, save_directory, *args,
-                                            model_card=model_card, card_data=card_data, **kwargs)
+        return hub.save_pretrained(self, super().save_pretrained, save_directory, *args, model_card=model_card,
+                                   card_data=card_data, **kwargs)
 
     def push_to_hub(self, repo_id: str, *, model_card: bool = True, card_data=None, **kwargs):
         """transformers' `push_to_hub` (same arguments), with the card of [`save_pretrained`] as README.md
         (`dspark_hf.hub.push_to_hub`; ``model_card=False`` leaves the Hub's README.md alone)."""
         self._check_config()
-        if self.sharing is None:
-            _refuse_card_data(card_data)
+        hub = sharing()
+        if hub is None:
+            refuse_card_data(card_data)
             return super().push_to_hub(repo_id, **kwargs)
-        return self.sharing.push_to_hub(self, repo_id, model_card=model_card, card_data=card_data, **kwargs)
+        return hub.push_to_hub(self, repo_id, model_card=model_card, card_data=card_data, **kwargs)
 
     @property
     def generation_config(self):
@@ -463,7 +374,7 @@ class DSparkDraftModel(DSparkPreTrainedModel):
         (this file as remote code) that says what DSpark decoding needs, not that the attribute is missing."""
         if "_generation_config" in self.__dict__:
             return self.__dict__["_generation_config"]
-        if self.sharing is None:
+        if sharing() is None:
             raise ImportError("Decoding with a DSpark draft needs dspark-hf: pip install dspark-hf, import dspark_hf, "
                               "then load the draft (DSparkDraftModel.from_pretrained or AutoModel) and pass it as "
                               "assistant_model.")
@@ -629,7 +540,7 @@ class DSparkDraftModel(DSparkPreTrainedModel):
             return DSparkOutput(logits=logits, confidence_logits=conf, hidden_states=h)
         if block_tokens is None:
             raise ValueError("A draft with a sequential head needs block_tokens for a teacher-forced forward; "
-                             "use dspark_hf.generation.drafting.sample_block() to draft a block instead.")
+                             "use dspark_hf.model.sampling.sample_block() to draft a block instead.")
         prev = torch.cat([anchor_ids[..., None], block_tokens[..., :-1]], dim=-1).clamp_min(0)
         prev_emb = self.prev_embedding(prev)
         if self.config.head_type == "markov":
@@ -645,32 +556,6 @@ class DSparkDraftModel(DSparkPreTrainedModel):
         return DSparkOutput(logits=logits + bias, confidence_logits=conf, hidden_states=h)
 
 
-class OtherTargetWarning(UserWarning):
-    """A draft bound to a target of its shape whose embedding and LM head are not the ones it was built for."""
-
-
-def target_fingerprint(target: PreTrainedModel, rows: int = 8) -> list[float]:
-    """2 x `rows` numbers identifying a target's embedding and LM head: fixed random projections of evenly spaced
-    rows. They survive a change of dtype or light quantisation (compared by correlation, [`same_fingerprint`]),
-    and cost one small matmul, unlike a hash of 100+ MB of weights."""
-    numbers = []
-    for module in (target.get_input_embeddings(), target.get_output_embeddings()):
-        weight = module.weight.detach()
-        picked = torch.linspace(0, weight.shape[0] - 1, rows, device=weight.device).long()
-        direction = torch.randn(weight.shape[1], generator=torch.Generator().manual_seed(0))
-        numbers += (weight[picked].float().cpu() @ direction / math.sqrt(weight.shape[1])).tolist()
-    return [round(x, 5) for x in numbers]
-
-
-def same_fingerprint(a: list[float], b: list[float]) -> bool:
-    """Whether two fingerprints come from the same weights, up to dtype rounding and quantisation noise."""
-    x, y = torch.tensor(a, dtype=torch.float64), torch.tensor(b, dtype=torch.float64)
-    if x.shape != y.shape:
-        return False
-    x, y = x - x.mean(), y - y.mean()
-    return float((x * y).sum()) >= 0.9 * float(x.norm() * y.norm())
-
-
 def damaged_weights_error(name_or_path, error: Exception) -> OSError:
     """The error for a model whose safetensors weights do not read (`error`, safetensors' own): a file cut short by
     an interrupted download, copy or save, or overwritten."""
@@ -681,51 +566,6 @@ def damaged_weights_error(name_or_path, error: Exception) -> OSError:
 
 def _first_five(names: list[str]) -> str:
     return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
-
-
-def _refuse_card_data(card_data) -> None:
-    if card_data is not None:
-        raise ImportError("card_data needs dspark-hf to render the model card: pip install dspark-hf")
-
-
-# where target configs keep their MLP width (GPT-2 and GPT-J: n_inner, None meaning 4 x hidden; Falcon: ffn_hidden_size)
-_INTERMEDIATE_NAMES = ("intermediate_size", "n_inner", "ffn_hidden_size", "ffn_dim")
-# layers whose recurrent or convolutional state cannot be cut back to the accepted prefix of a verified block
-_STATEFUL_LAYER_TYPES = {"linear_attention", "conv", "hybrid", "hybrid_sliding", "mamba"}
-
-
-# targets whose decoder layers pass more than one hidden stream between them, so no single layer output is the
-# "hidden state" a draft reads (Gemma3n's AltUp predicts and corrects several streams, plus per-layer inputs)
-_MULTI_STREAM_MODEL_TYPES = {"gemma3n_text": "AltUp layers that carry several hidden streams and per-layer inputs"}
-
-
-def _refuse_a_model_without_an_lm_head(target) -> None:
-    """A draft borrows its target's LM head: a model without one (a DSpark draft, a base model) is no target."""
-    if isinstance(target, DSparkPreTrainedModel):
-        raise ValueError("This model is a DSpark draft, not a target: pass the causal LM it drafts for, e.g. "
-                         "AutoModelForCausalLM.from_pretrained(...), as the target.")
-    if target.get_output_embeddings() is None:
-        raise ValueError(f"A {type(target).__name__} has no LM head (get_output_embeddings() is None), so it cannot "
-                         "be a DSpark target: load the causal LM with its head, e.g. with "
-                         "AutoModelForCausalLM.from_pretrained (not AutoModel).")
-
-
-def _refuse_unreadable_target(t) -> None:
-    stateful = sorted(set(getattr(t, "layer_types", None) or ()) & _STATEFUL_LAYER_TYPES)
-    if stateful:
-        raise ValueError(f"A {t.model_type} target has {', '.join(stateful)} layers, whose recurrent or convolutional "
-                         "state cannot be cut back to the accepted part of a verified block: DSpark needs a target "
-                         "whose layers are all attention.")
-    if t.model_type in _MULTI_STREAM_MODEL_TYPES:
-        raise ValueError(f"A {t.model_type} target has {_MULTI_STREAM_MODEL_TYPES[t.model_type]}, which a DSpark "
-                         "draft cannot read as one hidden state per layer: DSpark needs a target whose layers each "
-                         "pass one hidden state on (Llama, Qwen, Gemma 1-3, Mistral, ...).")
-
-
-def _as_list(x) -> list:
-    if x is None:
-        return []
-    return list(x) if isinstance(x, (list, tuple)) else [x]
 
 
 __all__ = ["DSparkDraftModel", "DSparkPreTrainedModel", "DSparkContext", "DSparkOutput"]

@@ -11,7 +11,8 @@ from pathlib import Path
 import torch
 
 from .policies import Policy, real, whole
-from .profile import EngineCosts, cache_key, cached_costs, check_profile
+from .costs import EngineCosts, cached_costs, check_profile
+from .profile import cache_key
 from .scheduler import prefix_schedule
 
 
@@ -36,7 +37,7 @@ class AutoScheduled(Policy):
     - Costs: seconds of the target's verification forward by rows R and verified tokens, and of the draft pass,
       for this target, device, dtype and thread count: measured the first time a generate() call needs them (a few
       seconds, a progress bar, only the batch sizes in use) and cached on disk for later calls and processes
-      (``dspark_hf.scheduling.profile.cached_costs``), or read from a `dspark profile` file (`profile=`).
+      (``dspark_hf.scheduling.costs.cached_costs``), or read from a `dspark profile` file (`profile=`).
     - Each round: Algorithm 1 with its lossless early stop over the draft's confidences against the cost of this
       round, t_draft(R) + t_verify(R, 1 + longest), the verification padded to its longest row. The confidences are
       recalibrated online: at each position, by the ratio of tokens accepted to confidence spent in the rounds so

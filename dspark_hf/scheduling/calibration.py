@@ -87,35 +87,3 @@ def calibration_report(logits, verified, accepted, temperatures) -> dict:
                              for k in range(logits.shape[1])],
         "points": int(mask.sum()),
     }
-
-
-def reliability_diagram(logits, verified, accepted, before, after, path, bins: int = 10) -> None:
-    """Predicted prefix-survival vs observed acceptance, before and after STS (paper Fig. 6)."""
-    from ..evaluation.plots import pyplot
-
-    plt = pyplot()
-    logits = torch.as_tensor(logits, dtype=torch.double)
-    y, mask = survival_targets(logits, torch.as_tensor(verified), torch.as_tensor(accepted))
-    fig, ax = plt.subplots(figsize=(4.2, 4.2))
-    ax.plot([0, 1], [0, 1], color="grey", linestyle="--", linewidth=1)
-    for label, temps in (("raw", before), ("STS", after)):
-        pred = cumulative(logits, torch.as_tensor(temps, dtype=torch.double))[mask]
-        obs = y[mask]
-        index = (pred * bins).long().clamp(max=bins - 1)
-        xs, ys = [], []
-        for b in range(bins):
-            sel = index == b
-            if sel.sum() >= 5:
-                xs.append(float(pred[sel].mean()))
-                ys.append(float(obs[sel].mean()))
-        ece = expected_calibration_error(pred, obs)
-        ax.plot(xs, ys, marker="o", label=f"{label} (ECE {ece:.1%})")
-    counts = torch.histc(cumulative(logits, torch.as_tensor(after, dtype=torch.double))[mask].float(), bins, 0, 1)
-    ax.bar([(b + 0.5) / bins for b in range(bins)], (counts / counts.max()).tolist(), width=1 / bins, alpha=0.15,
-           color="grey")
-    ax.set_xlabel("predicted prefix survival")
-    ax.set_ylabel("observed acceptance")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)

@@ -32,7 +32,7 @@ from typing import Callable, Sequence
 import torch
 
 from .policies import Policy, real, whole
-from .profile import check_profile, sps_curve
+from .costs import check_profile, load_draft_cost, load_profile, sps_curve
 
 SPS = Sequence[float] | Mapping[int, float] | Callable[[int], float]
 
@@ -154,8 +154,6 @@ class Scheduled(Policy):
     def from_profile(cls, path, **kwargs) -> "Scheduled":
         """The scheduler for the engine a `dspark profile` JSON describes (with its draft cost, if measured); a
         ProfileMismatchWarning says when it was measured for other models or another machine."""
-        from .profile import load_draft_cost, load_profile
-
         policy = cls(load_profile(path), load_draft_cost(path), **kwargs)
         policy.profile = path
         return policy
@@ -209,8 +207,6 @@ class AsyncScheduled(Policy):
     @classmethod
     def from_profile(cls, path, **kwargs) -> "AsyncScheduled":
         """The scheduler for the engine a `dspark profile` JSON describes, checked as `Scheduled.from_profile`'s."""
-        from .profile import load_profile
-
         policy = cls(load_profile(path), **kwargs)
         policy.profile = path
         return policy
