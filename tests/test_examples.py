@@ -100,3 +100,15 @@ def test_cache_features_refuses_layers_the_target_lacks_before_writing_anything(
     line = error_line("cache_features.py", "data.jsonl", "cache", "1", "99", cwd=tmp_path)
     assert "target layer ids [99] are out of range for a target with 30 layers: use ids in [0, 28]" in line
     assert not (tmp_path / "cache").exists(), "a corrected run must not find a cache built for the bad layers"
+
+
+def test_readme_results_table_is_what_the_result_files_give():
+    """Every figure in README's results table comes from a result file in the repo: README holds exactly the table
+    `python examples/readme_results.py --write` makes, so a new result file changes README or this test fails."""
+    result = run_example("readme_results.py", cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    readme = (ROOT / "README.md").read_text()
+    assert result.stdout.strip() in readme, "README's results table is stale: run `python examples/readme_results.py " \
+                                            "--write`"
+    for path in re.findall(r"\]\((experiments/[^)]+\.json)\)", result.stdout):
+        assert (ROOT / path).is_file(), path
