@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import shlex
 import shutil
 import sys
@@ -15,6 +14,8 @@ from pathlib import Path
 import torch
 
 from .hub import connection_errors, unreachable_hub_error
+from .options import (COUNT, MINUTES, NONZERO_SHARE, POSITIVE, SHARE, TEMPERATURE, add_config_flags, config_values,
+                      real_in)
 
 
 def _load(args, draft: bool = True):
@@ -518,75 +519,6 @@ def cmd_profile(args) -> int:
     return 0
 
 
-def add_config_flags(parser, config_class, aliases: dict[str, str] | None = None, skip=()) -> None:
-    """One flag per field of the dataclass `config_class` (``--field-name``, or its alias), with the field's type,
-    default, `choices` and help from its metadata: the defaults and their explanations live in one place."""
-    from dataclasses import MISSING, fields
-
-    for f in fields(config_class):
-        if f.name in skip:
-            continue
-        flag = (aliases or {}).get(f.name, "--" + f.name.replace("_", "-"))
-        default = f.default_factory() if f.default_factory is not MISSING else f.default
-        kwargs = {"dest": f.name, "help": f.metadata.get("help", "").replace("%", "%%")}
-        kind = str(f.type).split(" | ")[0]
-        if default is MISSING:
-            kwargs["required"] = True
-        elif kind == "bool":
-            parser.add_argument(flag, action="store_true", **kwargs)
-            continue
-        else:
-            kwargs["default"] = default
-            kwargs["help"] += "" if default is None else f" (default: {default})"
-        if kind.startswith("list["):
-            kwargs.update(nargs="+", type=_TYPES[kind[5:-1]])
-        elif kind in _TYPES:
-            kwargs["type"] = _TYPES[kind]
-        if "choices" in f.metadata:
-            kwargs["choices"] = list(f.metadata["choices"])
-        parser.add_argument(flag, **kwargs)
-
-
-_TYPES = {"int": int, "float": float, "str": str}
-
-
-def _whole(low: int):
-    """argparse type: an int >= low (argparse turns the refusal into one line naming the flag)."""
-    def parse(text: str) -> int:
-        value = int(text)
-        if value < low:
-            raise argparse.ArgumentTypeError(f"give a whole number >= {low}, got {text}")
-        return value
-    parse.__name__ = "whole number"  # argparse's word for a value that is not one at all
-    return parse
-
-
-def _real(low: float, high: float = math.inf, low_open: bool = False, high_open: bool = False):
-    """argparse type: a finite float in [low, high] (either end open)."""
-    def parse(text: str) -> float:
-        value = float(text)
-        inside = (low < value if low_open else low <= value) and (value < high if high_open else value <= high)
-        if not (math.isfinite(value) and inside):
-            span = f"{'(' if low_open else '['}{low:g}, {high:g}{')' if high_open or high == math.inf else ']'}"
-            raise argparse.ArgumentTypeError(f"give a finite number in {span}, got {text}")
-        return value
-    parse.__name__ = "number"
-    return parse
-
-
-POSITIVE, COUNT = _whole(1), _whole(0)
-TEMPERATURE = _real(0.0)  # 0: greedy
-SHARE = _real(0.0, 1.0)
-MINUTES = _real(0.0, low_open=True)
-
-
-def config_values(args, config_class, skip=()) -> dict:
-    """The fields of `config_class` as parsed by the flags of [`add_config_flags`]."""
-    from dataclasses import fields
-
-    return {f.name: getattr(args, f.name) for f in fields(config_class) if f.name not in skip}
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dspark", description="DSpark speculative decoding for transformers.")
     parser.add_argument("--debug", action="store_true", help="on an error, show its traceback (anywhere on the line)")
@@ -670,7 +602,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="skip prompts longer than this many tokens with the chat template")
     p.add_argument("--temperature", type=TEMPERATURE, default=0.7,
                    help="sampling temperature of the regenerated answers (paper: 0.7); 0 regenerates them greedily")
-    p.add_argument("--top-p", type=_real(0.0, 1.0, low_open=True), default=0.8,
+    p.add_argument("--top-p", type=NONZERO_SHARE, default=0.8,
                    help="nucleus sampling of the answers, in (0, 1]")
     p.add_argument("--top-k", type=COUNT, default=20, help="top-k sampling of the answers (0: off)")
     p.add_argument("--seed", type=int, default=0, help="seeds sampling")
@@ -689,8 +621,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("train", help="train a DSpark draft (also under `accelerate launch`)")
     p.add_argument("--target", help="target model path or hub id (default: embedded SmolLM2-135M-Instruct)")
-    add_config_flags(p, TrainConfig, aliases={"anchors_per_sequence": "--anchors", "learning_rate": "--lr"},
-                     skip={"draft"})
+    add_config_flags(p, TrainConfig, skip={"draft"}, show_defaults=True)
     # draft shape: a fresh draft's only (refused with --init-from / --lora, which keep the saved draft's)
     from .model import DSparkConfig
     from .training.drafts import DEFAULT_DRAFT_VOCAB_SIZE
@@ -757,7 +688,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("calibrate", help="Sequential Temperature Scaling of the confidence head on held-out data")
     models(p)
     p.add_argument("--dataset", required=True, help="the training JSONL; its held-out split is used")
-    p.add_argument("--heldout-fraction", type=_real(0.0, 1.0, low_open=True),
+    p.add_argument("--heldout-fraction", type=NONZERO_SHARE,
                    help="the share of the dataset held out in training (default: the draft's train_config.json, "
                    "else 0.05); never more than training held out")
     p.add_argument("--limit", type=POSITIVE, help="at most this many held-out prompts")
@@ -841,7 +772,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cache-sizes", type=POSITIVE, nargs="+", default=[2, 4, 8, 16], help="blocks per row in the cache")
     p.add_argument("--saguaro-c", type=SHARE, nargs="+", default=[1.0, 0.7, 0.4, 0.1], help="values of C to sample "
                    "with")
-    p.add_argument("--temperature", type=_real(0.0, low_open=True), default=0.7,
+    p.add_argument("--temperature", type=real_in(0.0, low_open=True), default=0.7,
                    help="of the Saguaro runs, > 0 (C reweights sampling only; greedy drafting ignores it)")
     p.add_argument("--batch-sizes", type=POSITIVE, nargs="+", default=[1, 4], help="of the speed runs")
     p.add_argument("--speed-cache-size", type=POSITIVE, default=8, help="cache size of the speed runs")
