@@ -2,7 +2,7 @@
 
 A field made by [`option`] is a setting and its flag at once: its default, its help, and how argparse reads it
 (add_argument's keywords) live in one place, in the dataclass beside the code it configures. `dspark`'s parser adds
-each command's dataclasses with [`add_config_flags`] and reads them back with [`config_values`].
+each command's dataclasses with [`add_config_flags`] and reads them back with [`config_from`].
 """
 
 from __future__ import annotations
@@ -65,6 +65,11 @@ def config_values(args, config_class, skip=()) -> dict:
             if f.name not in skip and hasattr(args, f.name)}
 
 
+def config_from(args, config_class):
+    """A `config_class` as the parsed `args` set it ([`config_values`])."""
+    return config_class(**config_values(args, config_class))
+
+
 def whole_at_least(low: int):
     """argparse type: an int >= low (argparse turns the refusal into one line naming the flag)."""
     def parse(text: str) -> int:
@@ -94,4 +99,35 @@ TEMPERATURE = real_in(0.0)  # 0: greedy
 SHARE = real_in(0.0, 1.0)
 NONZERO_SHARE = real_in(0.0, 1.0, low_open=True)
 MINUTES = real_in(0.0, low_open=True)
+
+
+# -- flags several commands share, each with its own default ---------------------------------------------------------
+def max_new_tokens_option(default: int) -> Any:
+    """`--max-new-tokens`: a generation's length."""
+    return option(default, "new tokens per prompt (as generate()'s max_new_tokens)", type=POSITIVE)
+
+
+def max_prompt_tokens_option(default: int) -> Any:
+    """`--max-prompt-tokens`: the longest prompt a training data command keeps."""
+    return option(default, "skip prompts longer than this many tokens with the chat template", type=POSITIVE)
+
+
+def repeats_option(default: int) -> Any:
+    """`--repeats`: a measurement's timed runs."""
+    return option(default, "timed runs of each setting; the median is reported", type=POSITIVE)
+
+
+def report_option(default: str) -> Any:
+    """`--output` of a command that writes a JSON report."""
+    return option(default, "JSON report to write")
+
+
+def batch_sizes_option(default: list[int]) -> Any:
+    """`--batch-sizes` of a benchmark that measures several concurrencies."""
+    return option(default, "concurrent requests (rows) to measure", type=POSITIVE)
+
+
+def plan_profile_option() -> Any:
+    """`--profile` of a benchmark whose policies plan against measured costs."""
+    return option(None, "a `dspark profile` JSON for auto, scheduled and async to plan against")
 
