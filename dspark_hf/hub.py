@@ -25,8 +25,10 @@ from pathlib import Path
 
 import torch
 
-from .cards import GENERATED_MARK, CardData, is_hub_model_id, render_card_data, training_recipe
+from .cards import (GENERATED_MARK, CardData, card_license_option, card_results_option, is_hub_model_id,
+                    render_card_data, training_recipe, weights_dtype_option)
 from .model.modeling_dspark import DSparkDraftModel
+from .options import option
 from .version import __version__
 
 README = "README.md"
@@ -140,6 +142,24 @@ def push_to_hub(draft, repo_id: str, *, commit_message: str | None = None, commi
         files = sorted(p for p in Path(tmp).rglob("*") if p.is_file())
         return _commit(api, Path(tmp), files, repo_id, token=token, revision=revision, create_pr=create_pr,
                        commit_message=commit_message, commit_description=commit_description)
+
+
+@dataclasses.dataclass
+class PushOptions:
+    """What `dspark push` sends ([`push_draft`]), and where."""
+
+    base_model: str | None = option(None, "the target's hub id (default: the one the draft records, if a hub id); "
+                                    "the pushed config records it as the target")
+    dtype: str = weights_dtype_option("pushed")
+    eval: str | None = card_results_option()
+    calibration: str | None = option(None, "calibration.json from `dspark calibrate` (default: "
+                                     "DRAFT/calibration.json)")
+    recipe: str | None = option(None, "markdown file with the training recipe (default: from DRAFT/train_config.json)")
+    license: str | None = card_license_option()
+    private: bool = option(False, "create the repository as private")
+    token: str | None = option(None, "Hub token (default: the stored login or HF_TOKEN)")
+    revision: str | None = option(None, "branch to push to (created if missing)")
+    commit_message: str | None = option(None, "the Hub commit's message (default: one naming the draft)")
 
 
 def push_draft(folder: str | Path, repo_id: str, base_model: str | None = None,

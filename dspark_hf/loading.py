@@ -3,12 +3,14 @@ dtypes, devices or adapters reaches both)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from .defaults import default_draft, default_target, fast_draft_dtype
 from .devices import resolve_device
+from .options import option
 
 
 def _check_name(name_or_path: str, what: str) -> None:
@@ -157,3 +159,29 @@ def load_models(target: str | None = None, draft: str | None = None, dtype: torc
     """(target, tokenizer, draft): [`load_target`] then [`load_draft`]; None names the embedded defaults."""
     model, tokenizer = load_target(target, dtype, device)
     return model, tokenizer, load_draft(draft, model, draft_dtype)
+
+
+@dataclass
+class ModelOptions:
+    """The models a command runs, as its `--target`, `--draft`, `--dtype`, `--draft-dtype` and `--device` say."""
+
+    target: str | None = option(None, "target model path or hub id (default: embedded SmolLM2-135M-Instruct)")
+    draft: str | None = option(None, "DSpark draft path or hub id, or a LoRA adapter folder from `dspark train "
+                               "--lora` (merged into its base draft) (default: the draft shipped for the target)")
+    dtype: str = option("float32", "dtype of the target. float32 (default): greedy DSpark output token-identical to "
+                        "plain generate(). bfloat16: faster on CPUs with bf16 units (AVX512-BF16, AMX); greedy "
+                        "output identical up to rounding (see HalfPrecisionGreedyWarning)",
+                        choices=["float32", "bfloat16"])
+    draft_dtype: str = option("auto", "dtype of the draft; never changes the output, only speed. auto (default): "
+                              "bfloat16 where the device computes it natively (CUDA, AVX512-BF16, AMX), else the "
+                              "target's dtype", choices=["auto", "float32", "bfloat16"])
+    device: str = option("auto", "where the models run: auto (default: the CUDA GPU when torch sees one, else the "
+                         "CPU), cpu, cuda or cuda:N")
+
+    def load(self, draft: bool = True):
+        """(target, tokenizer, draft), or (target, tokenizer, None) without the draft."""
+        dtype = getattr(torch, self.dtype)
+        if not draft:
+            return (*load_target(self.target, dtype, self.device), None)
+        draft_dtype = self.draft_dtype if self.draft_dtype == "auto" else getattr(torch, self.draft_dtype)
+        return load_models(self.target, self.draft, dtype, draft_dtype, self.device)

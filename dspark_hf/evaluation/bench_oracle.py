@@ -8,12 +8,15 @@ still runs, so a round costs what it would with a real draft. Each round's time 
 from __future__ import annotations
 
 import statistics
+from dataclasses import dataclass
 
 import torch
 
 from ..devices import clock
 from ..generation.eos import eos_token_ids
 from ..model.modeling_dspark import DSparkDraftModel
+from ..options import (batch_sizes_option, max_new_tokens_option, option, plan_profile_option, repeats_option,
+                       report_option)
 from ..scheduling.policies import FullBlock
 from .evaluate import check_identity
 from .machine import machine_info
@@ -39,6 +42,20 @@ def check_max_new_tokens(max_new_tokens: int) -> None:
     if max_new_tokens < 2:  # the first new token comes from the prefill: no round would be left to time
         raise ValueError(f"max_new_tokens={max_new_tokens}: the oracle benchmark times speculative rounds, and the "
                          "first new token comes from the prefill; give at least 2.")
+
+
+@dataclass
+class OracleBench:
+    """`dspark bench oracle`'s settings."""
+
+    batch_sizes: list[int] = batch_sizes_option([1, 8])
+    max_new_tokens: int = max_new_tokens_option(64)
+    repeats: int = repeats_option(3)
+    policy: list[str] | None = option(None, "verification policy (default: 'full block', the ceiling); repeat to "
+                                      "compare others in the same run, e.g. --policy 'full block' --policy auto",
+                                      action="append", metavar="NAME")
+    profile: str | None = plan_profile_option()
+    output: str = report_option("bench_oracle.json")
 
 
 def bench_oracle(target, tokenizer, draft: DSparkDraftModel, batch_sizes=(1, 8), max_new_tokens: int = 64,

@@ -17,13 +17,31 @@
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import dataclass
 
 from ..devices import clock
 from ..generation.ssd import SSDConfig
+from ..options import POSITIVE, SHARE, max_new_tokens_option, option, real_in, repeats_option, report_option
 from ..scheduling.policies import FullBlock
 from ..scheduling.ssd import fit_power_law, measured_fan_out, ssd_speedup
 from .evaluate import _sampling, bench_speed, chat_batch
 from .machine import machine_info
+
+
+@dataclass
+class SSDBench:
+    """`dspark bench ssd`'s settings beside its prompts."""
+
+    cache_sizes: list[int] = option([2, 4, 8, 16], "blocks per row in the cache", type=POSITIVE)
+    saguaro_c: list[float] = option([1.0, 0.7, 0.4, 0.1], "values of C to sample with", type=SHARE)
+    temperature: float = option(0.7, "of the Saguaro runs, > 0 (C reweights sampling only; greedy drafting ignores "
+                                "it)", type=real_in(0.0, low_open=True))
+    batch_sizes: list[int] = option([1, 4], "of the speed runs", type=POSITIVE)
+    speed_cache_size: int = option(8, "cache size of the speed runs", type=POSITIVE)
+    max_new_tokens: int = max_new_tokens_option(48)
+    repeats: int = repeats_option(2)
+    output: str = report_option("bench_ssd.json")
+    plot: str | None = option(None, "write ssd.png here", metavar="DIR")
 
 
 def _decode_all(target, tokenizer, draft, prompts, ssd: SSDConfig | list[SSDConfig], max_new_tokens: int,

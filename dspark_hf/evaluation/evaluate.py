@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import statistics
 from collections import defaultdict
+from dataclasses import dataclass
 
 import torch
 
 from ..devices import clock
 from ..generation.eos import eos_token_ids, until_eos
 from ..generation.records import DSparkRound
+from ..options import (POSITIVE, TEMPERATURE, max_new_tokens_option, option, plan_profile_option, repeats_option,
+                       report_option)
 from ..scheduling.policies import FullBlock
 from .machine import machine_info
 from .metrics import format_tau, summarize
@@ -33,6 +36,25 @@ def chat_batch(tokenizer, prompts: list[dict], device):
 def _sampling(temperature: float) -> dict:
     return dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 else \
         dict(do_sample=False)
+
+
+@dataclass
+class GenerationOptions:
+    """How an evaluation generates: `--max-new-tokens`, `--temperature` and `--batch-size`."""
+
+    max_new_tokens: int = max_new_tokens_option(128)
+    temperature: float = option(0.0, "0 = greedy", type=TEMPERATURE)
+    batch_size: int = option(1, "prompts per generate() call", type=POSITIVE)
+
+
+@dataclass
+class EvalOptions:
+    """What `dspark eval` writes beside its metrics."""
+
+    output: str = report_option("results.json")
+    plot: str | None = option(None, "write PNG plots here", metavar="DIR")
+    threshold_sweep: bool = option(False, "add the static confidence threshold sweep")
+    seed: int = option(0, "seeds sampling")
 
 
 def run_eval(target, tokenizer, draft, prompts: list[dict], max_new_tokens: int = 128, temperature: float = 0.0,
@@ -103,6 +125,21 @@ def threshold_sweep(records: list[dict], thresholds: list[float]) -> dict:
                          "rejected_per_step": (verified - accepted) / max(len(rounds), 1)})
         out[domain] = rows
     return out
+
+
+@dataclass
+class SpeedBench:
+    """`dspark bench speed`'s settings beside its prompts and generation options."""
+
+    repeats: int = repeats_option(3)
+    output: str = report_option("bench.json")
+    policy: list[str] | None = option(None, "verification policy of DSpark: auto (default: plans against this "
+                                      "machine's cached costs, drafts only while it pays), 'full block', 'fixed N', "
+                                      "'threshold T', scheduled, async; repeat to run several side by side (the first "
+                                      "is 'dspark', the others 'dspark (NAME)')", action="append", metavar="NAME")
+    profile: str | None = plan_profile_option()
+    also_draft: list[str] | None = option(None, "another draft to run beside --draft, e.g. a single-token draft "
+                                          "(--block-size 1); repeatable", action="append", metavar="NAME=PATH")
 
 
 def bench_speed(target, tokenizer, draft, prompts: list[dict], batch_size: int = 1, max_new_tokens: int = 128,

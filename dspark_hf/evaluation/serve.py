@@ -18,14 +18,33 @@ from __future__ import annotations
 
 import statistics
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 from ..devices import clock
 from ..generation.eos import eos_token_ids
+from ..options import POSITIVE, SHARE, batch_sizes_option, max_new_tokens_option, option, repeats_option, report_option
 from ..scheduling.named import named_policy
 from .evaluate import chat_batch, check_identity, user_tokens
 from .machine import machine_info
+
+
+@dataclass
+class ServeBench:
+    """`dspark bench serve`'s settings beside its prompts."""
+
+    batch_sizes: list[int] = batch_sizes_option([1, 2, 4, 8, 16, 32])
+    max_new_tokens: int = max_new_tokens_option(32)
+    repeats: int = repeats_option(2)
+    fixed_lengths: list[int] | None = option(None, "fixed verification lengths, each below the draft's block "
+                                             "(default: 1 2 4, those below it)", type=POSITIVE)
+    threshold: float = option(0.5, "static confidence threshold baseline", type=SHARE)
+    profile: str | None = option(None, "a `dspark profile` JSON: adds the hardware-aware scheduler")
+    policies: list[str] | None = option(None, 'run only these policies, e.g. --policies scheduled "fixed 1" (no '
+                                        "speculation always runs)", metavar="NAME")
+    output: str = report_option("bench_serve.json")
+    plot: str | None = option(None, "write the Pareto and budget PNGs here", metavar="DIR")
 
 
 def fixed_lengths_for(draft, asked=None) -> list[int]:

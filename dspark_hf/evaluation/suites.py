@@ -10,9 +10,11 @@ from __future__ import annotations
 import gzip
 import importlib.util
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from random import Random
 
+from ..options import POSITIVE, option
 from ..training.prompts import read_prompts, reasoning_gym_module
 
 SUITES = {"humaneval": "code", "mtbench": "chat", "gsm": "math"}
@@ -91,3 +93,29 @@ def load_prompts(path: str | None = None, suites: list[str] | None = None, limit
     if not prompts:
         raise ValueError(f"{path} holds no prompts.")
     return prompts
+
+
+@dataclass
+class PromptSet:
+    """The prompts an evaluation runs, as its `--prompts`, `--suite` and `--limit` say."""
+
+    prompts: str | None = option(None, "JSONL of {id, domain, prompt} or {id, domain, messages}")
+    suite: list[str] | None = option(None, "packaged evaluation prompts (repeatable)", action="append",
+                                     choices=list(SUITES))
+    limit: int | None = option(None, "first K prompts of each source", type=POSITIVE)
+
+    def load(self) -> list[dict]:
+        """The prompts: see [`load_prompts`]."""
+        return load_prompts(self.prompts, self.suite, self.limit)
+
+
+@dataclass
+class InterleavedPrompts(PromptSet):
+    """A benchmark's prompt set: without a file or a suite, every suite's prompts (the domains its batches mix)."""
+
+    prompts: str | None = option(None, "JSONL of prompts (default: HumanEval, MT-Bench and GSM prompts, interleaved)")
+    suite: list[str] | None = option(None, "packaged prompt suites to draw from (repeat; default: all three)",
+                                     action="append", choices=list(SUITES))
+
+    def load(self) -> list[dict]:
+        return load_prompts(self.prompts, self.suite or (None if self.prompts else list(SUITES)), self.limit)

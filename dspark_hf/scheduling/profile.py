@@ -14,6 +14,7 @@ import hashlib
 import json
 import statistics
 from collections import defaultdict
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -23,6 +24,7 @@ from transformers import DynamicCache
 from ..devices import clock, cpu_model
 from ..internals import with_cache
 from ..model.sampling import drafter
+from ..options import POSITIVE, option, repeats_option
 from ..version import __version__
 
 # how the default policy's costs are measured (`costs.cached_costs`): cached tokens under the measured forwards, as in
@@ -33,6 +35,18 @@ AUTO_CONTEXT = 256
 AUTO_REPEATS = 3  # the fastest of three: a cost measured once is kept, so a load spike must not make it
 # part of the cache key: costs measured otherwise are re-measured
 AUTO_METHOD = f"fastest of {AUTO_REPEATS}, shapes interleaved, context {AUTO_CONTEXT}, monotone in tokens"
+
+
+@dataclass
+class ProfileOptions:
+    """What `dspark profile` measures ([`profile_sps`]) and where it writes the profile."""
+
+    no_draft: bool = option(False, "skip the draft cost (the scheduler then ignores it)")
+    rows: list[int] = option([1, 2, 4, 8, 16, 32], "requests per verification batch (each is measured)", type=POSITIVE)
+    max_tokens: int = option(8, "verified tokens per row, 1..this", type=POSITIVE)
+    context: int = option(256, "cached context length", type=POSITIVE)
+    repeats: int = repeats_option(7)
+    output: str = option("profile.json", "profile JSON to write (the scheduler and --profile read it)")
 
 
 def _interleaved_seconds(runs: dict, device, warmup: int, repeats: int, statistic=statistics.median,

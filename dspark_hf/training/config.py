@@ -29,7 +29,8 @@ class TrainConfig:
     max_steps: int | None = field(default=None, metadata={"help": "Optimizer steps to take, overriding epochs (a "
                                   "fixed budget across datasets of different sizes)."})
     batch_size: int = field(default=4, metadata={"help": "Sequences per optimizer step (per process)."})
-    anchors_per_sequence: int = field(default=48, metadata={"help": "Random blocks per sequence (reference: 512)."})
+    anchors_per_sequence: int = field(default=48, metadata={"help": "Random blocks per sequence (reference: 512).",
+                                                            "flag": "--anchors"})
     feature_lag: int = field(default=0, metadata={"help": "Train on lagged contexts, as SSD's pre-speculated blocks "
                              "see them: each block's last L tokens before its anchor (L in 0..feature_lag, uniform "
                              "unless feature_lag_weights) enter as tokens without target features; block_size + 1 "
@@ -38,7 +39,7 @@ class TrainConfig:
                                                     "in proportion to these feature_lag + 1 weights instead of "
                                                     "uniformly: e.g. the `verified` counts per lag in `dspark bench "
                                                     "ssd`'s acceptance_by_lag, the lags SSD meets with a draft like it."})
-    learning_rate: float = field(default=1e-3, metadata={"help": "AdamW peak learning rate."})
+    learning_rate: float = field(default=1e-3, metadata={"help": "AdamW peak learning rate.", "flag": "--lr"})
     weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay."})
     warmup_ratio: float = field(default=0.04, metadata={"help": "Linear warm-up share of the run (its steps, or its "
                                                                "time under a time budget), then cosine decay."})

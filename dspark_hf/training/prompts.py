@@ -26,9 +26,11 @@ import random
 import sys
 import sysconfig
 import types
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
+from ..options import max_prompt_tokens_option, option
 from .data import DataFileError, read_jsonl
 
 # reasoning-gym generators that synthesise problems from random numbers (no bundled data), by its sub-package
@@ -203,6 +205,20 @@ PROMPT_SOURCES = {
 
 def _take(prompts: Iterator[dict], count: int | None) -> list[dict]:
     return [p for _, p in zip(range(count), prompts)] if count else list(prompts)
+
+
+@dataclass
+class PromptsOptions:
+    """What `dspark prompts` collects, and into which file."""
+
+    output: str = option(help="JSONL to write; gzipped when it ends in .gz")
+    source: list[str] = option(help="sharegpt (chat), stdlib (code), gym-math, gym-code (reasoning-gym's procedural "
+                               "generators); COUNT caps a file source and sizes a generator (default: all / 4000 math "
+                               "/ 2000 code)", action="append", metavar="NAME[=COUNT]")
+    target: str | None = option(None, "the target whose tokenizer and chat template measure prompt lengths (default: "
+                                "the embedded SmolLM2-135M-Instruct)")
+    max_prompt_tokens: int = max_prompt_tokens_option(256)
+    seed: int = option(0, "seeds the generators and the order of the prompts")
 
 
 def collect_prompts(sources: dict[str, int | None], seed: int = 0, keep: Callable[[dict], bool] | None = None,

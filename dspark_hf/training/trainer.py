@@ -10,13 +10,15 @@ the backbone's linear layers learn (plus, optionally, the heads in full); the ru
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 import random
 import time
 import warnings
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -45,9 +47,6 @@ def train(config: TrainConfig, target=None, progress: bool = True, started: floa
 
     Resuming (config.output_dir holds train_config.json and a checkpoint) needs the settings the run was started
     with; only those of RESUMABLE_CHANGES may differ. Raises ValueError naming the others that do."""
-    from accelerate import Accelerator
-    from tqdm.auto import tqdm
-
     timer = RunClock(config, started)
     out_dir = Path(config.output_dir)
     _refuse_a_changed_run(config, out_dir)  # before anything is loaded or written
@@ -55,6 +54,40 @@ def train(config: TrainConfig, target=None, progress: bool = True, started: floa
         from ..loading import _check_name
 
         _check_name(config.init_from, "init_from (--init-from)")
+    accelerator, device = _accelerator(config)
+    monitor = GpuMonitor(device)
+    default_target_used = target is None
+    target = _frozen_target(target, config, device)
+    made_for = _target_record(target)
+    _refuse_another_target(made_for, out_dir)
+    train_set, heldout = _examples(config, target)
+
+    found = latest_checkpoint(out_dir)
+    resume, state = found if found is not None else (None, None)
+    draft = initial_draft(config, target, resume, default_target_used, train_set)
+    _refuse_a_block_past_every_answer(unwrap_draft(draft).config.block_size, train_set, config)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    write_atomic(out_dir / CONFIG_FILE, json.dumps({**asdict(config), **made_for}, indent=2))
+    draft.to(device).train()
+    features = _features(config, target, draft, train_set + heldout, progress and accelerator.is_main_process)
+    weights = LossWeights(config.loss_ce, config.loss_l1, config.loss_confidence, config.position_decay,
+                          config.loss_kl)
+    config.batch_size = _batch_size(config, state, draft, target, train_set, features, weights, accelerator)
+    draft, optimizer = accelerator.prepare(draft, _optimizer(draft, config, device))
+    run = _Run(config, accelerator, device, timer, monitor, target, train_set, heldout, draft, optimizer, features,
+               weights)
+    first_step, generator_state = _resume(run, resume, state)
+
+    step, generator = _take_steps(run, first_step, generator_state, progress)
+    return _finish(run, first_step, step, generator)
+
+
+# -- setting a run up ------------------------------------------------------------------------------------------------
+def _accelerator(config: TrainConfig):
+    """The Accelerator the run computes under and its device, set up for it: the GPU config.device names made the
+    current one, TF32 matmuls, and config.gpu_memory_fraction."""
+    from accelerate import Accelerator
+
     device = resolve_device(config.device)
     if device.type == "cuda" and device.index is not None:
         torch.cuda.set_device(device)  # accelerate places a single process on the current GPU
@@ -65,16 +98,24 @@ def train(config: TrainConfig, target=None, progress: bool = True, started: floa
         torch.backends.cuda.matmul.allow_tf32 = True  # fp32 matmuls outside autocast (the target in float32)
         if config.gpu_memory_fraction is not None:
             torch.cuda.set_per_process_memory_fraction(config.gpu_memory_fraction, device)
-    monitor = GpuMonitor(device)
-    default_target_used = target is None
+    return accelerator, device
+
+
+def _frozen_target(target, config: TrainConfig, device: torch.device):
+    """`target` (None: the embedded SmolLM2-135M-Instruct) on the run's device in config.target_dtype, frozen."""
+    dtype = _target_dtype(config.target_dtype, device)
     if target is None:
         from ..defaults import default_target
 
-        target, _ = default_target(dtype=_target_dtype(config.target_dtype, device), device=device)
-    target = target.to(device=device, dtype=_target_dtype(config.target_dtype, device))
+        target, _ = default_target(dtype=dtype, device=device)
+    target = target.to(device=device, dtype=dtype)
     target.requires_grad_(False).eval()
-    made_for = _target_record(target)
-    _refuse_another_target(made_for, out_dir)
+    return target
+
+
+def _examples(config: TrainConfig, target) -> tuple[list, list]:
+    """The dataset's training and held-out examples, cut to config.max_length; training keeps those with an answer
+    of two tokens or more (an anchor and a token after it)."""
     vocab_size = target.get_output_embeddings().weight.shape[0]
     train_set, heldout = split_heldout(load_dataset(config.dataset, vocab_size), config.heldout_fraction)
     for ex in train_set + heldout:
@@ -84,107 +125,187 @@ def train(config: TrainConfig, target=None, progress: bool = True, started: floa
         raise ValueError(f"{config.dataset}: no training example has an answer of two tokens or more after the "
                          f"held-out split (heldout_fraction={config.heldout_fraction}, "
                          f"max_length={config.max_length}).")
+    return train_set, heldout
 
-    found = latest_checkpoint(out_dir)
-    resume, state = found if found is not None else (None, None)
-    draft = initial_draft(config, target, resume, default_target_used, train_set)
-    _refuse_a_block_past_every_answer(unwrap_draft(draft).config.block_size, train_set, config)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    write_atomic(out_dir / CONFIG_FILE, json.dumps({**asdict(config), **made_for}, indent=2))
-    draft.to(device).train()
+
+def _features(config: TrainConfig, target, draft, examples: list, show_progress: bool):
+    """Where the steps get the target's features: an on-disk cache of every example's (config.feature_cache), else
+    the target itself, step by step."""
     layer_ids = unwrap_draft(draft).config.target_layer_ids
+    if config.feature_cache:
+        return CachedFeatures(config.feature_cache, target, layer_ids, examples, progress=show_progress)
+    return OnlineFeatures(target, layer_ids)
 
-    features = (CachedFeatures(config.feature_cache, target, layer_ids, train_set + heldout,
-                               progress=progress and accelerator.is_main_process)
-                if config.feature_cache else OnlineFeatures(target, layer_ids))
-    weights = LossWeights(config.loss_ce, config.loss_l1, config.loss_confidence, config.position_decay,
-                          config.loss_kl)
-    if state is not None and "batch_size" in state:  # the batch the run started with, found or given: the steps
-        config.batch_size = state["batch_size"]  # and their data depend on it, whatever memory a resume sees
-    elif config.auto_find_batch_size:
-        config.batch_size = find_batch_size(draft, target, train_set, features, config, weights, accelerator)
-    steps_per_epoch = math.ceil(len(train_set) / (config.batch_size * accelerator.num_processes))
-    total_steps = None if config.time_budget else config.max_steps or max(1, int(config.epochs * steps_per_epoch))
+
+def _batch_size(config: TrainConfig, state: dict | None, draft, target, train_set, features, weights,
+                accelerator) -> int:
+    """The batch the run steps with: a resumed run's the one it started with, found or given (the steps and their
+    data depend on it, whatever memory a resume sees); else, with auto_find_batch_size, the largest that fits."""
+    if state is not None and "batch_size" in state:
+        return state["batch_size"]
+    if config.auto_find_batch_size:
+        return find_batch_size(draft, target, train_set, features, config, weights, accelerator)
+    return config.batch_size
+
+
+def _optimizer(draft, config: TrainConfig, device: torch.device) -> torch.optim.Optimizer:
+    """AdamW over the weights the draft trains (with LoRA: the adapters, and the heads trained in full)."""
     params = [p for p in draft.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=config.learning_rate, weight_decay=config.weight_decay,
-                                  fused=device.type == "cuda" or None)
-    draft, optimizer = accelerator.prepare(draft, optimizer)
-    step, generator_state = 0, None
-    if state is not None:
-        optimizer.load_state_dict(state["optimizer"])
-        step = state["step"]
-        timer.restore(state.get("clock", {}))
-        generator_state = state.get("generator")  # absent in checkpoints of older runs: the epoch reseeds
-        if accelerator.is_main_process:
-            print(f"resuming {out_dir} from {resume.name} at step {step}"
-                  f"{'' if total_steps is None else f' of {total_steps}'}")
-    first_step = step
-    model = accelerator.unwrap_model(draft)  # what is saved: the draft, or its peft wrapper (an adapter)
-    core = unwrap_draft(model)  # the DSparkDraftModel; with LoRA its layers hold the adapters
-    heldout_batches = _domain_batches(heldout, config.batch_size)
-    # a draft started from another is measured beside it on the same held-out batches: the run says whether it gained
-    baseline = config.init_from if config.init_from and not config.lora else None
-    timer.start_loop(heldout_batches=len(heldout_batches), reports=2 if baseline else 1)
-    writer = CheckpointWriter()
+    return torch.optim.AdamW(params, lr=config.learning_rate, weight_decay=config.weight_decay,
+                             fused=device.type == "cuda" or None)
 
-    if total_steps is not None:
-        bar = tqdm(total=total_steps, initial=step, desc="training", disable=not (progress and
-                                                                                  accelerator.is_main_process))
-    else:
-        bar = tqdm(total=round(timer.loop_total()), initial=round(timer.loop_spent), unit="s",
-                   desc=f"training ({config.time_budget:g} min)",
-                   disable=not (progress and accelerator.is_main_process))
+
+@dataclass
+class _Run:
+    """A run set up to take its steps: what the steps and the end of the run share. `draft` is the draft as accelerate
+    prepared it, the forward that trains; `target` is frozen."""
+
+    config: TrainConfig
+    accelerator: Any
+    device: torch.device
+    timer: RunClock
+    monitor: GpuMonitor
+    target: Any
+    train_set: list
+    heldout: list
+    draft: Any
+    optimizer: torch.optim.Optimizer
+    features: Any
+    weights: LossWeights
+
+    @property
+    def out_dir(self) -> Path:
+        return Path(self.config.output_dir)
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return math.ceil(len(self.train_set) / (self.config.batch_size * self.accelerator.num_processes))
+
+    @property
+    def total_steps(self) -> int | None:
+        """Steps the run takes: max_steps, else its epochs'; None under a time budget, which ends it instead."""
+        c = self.config
+        return None if c.time_budget else c.max_steps or max(1, int(c.epochs * self.steps_per_epoch))
+
+    @property
+    def baseline(self) -> str | None:
+        """The draft a fine-tuning run started from, measured beside it on the same held-out batches: the run says
+        whether it gained."""
+        return self.config.init_from if self.config.init_from and not self.config.lora else None
+
+    @functools.cached_property
+    def heldout_batches(self) -> list[list]:
+        return _domain_batches(self.heldout, self.config.batch_size)
+
+
+def _resume(run: _Run, resume: Path | None, state: dict | None) -> tuple[int, dict | None]:
+    """The step the run goes on from (0 when it starts) and the state of its random generator, with the optimizer
+    and the clock of the checkpoint `resume` restored (`state`: its training state)."""
+    if state is None:
+        return 0, None
+    run.optimizer.load_state_dict(state["optimizer"])
+    run.timer.restore(state.get("clock", {}))
+    if run.accelerator.is_main_process:
+        print(f"resuming {run.out_dir} from {resume.name} at step {state['step']}"
+              f"{'' if run.total_steps is None else f' of {run.total_steps}'}")
+    return state["step"], state.get("generator")  # absent in checkpoints of older runs: the epoch reseeds
+
+
+# -- the steps -------------------------------------------------------------------------------------------------------
+def _take_steps(run: _Run, step: int, generator_state: dict | None, progress: bool) -> tuple[int, torch.Generator]:
+    """Steps from `step` until the run's steps or its time budget are spent or this invocation must stop, with a
+    checkpoint every config.save_every steps (written once this returns); returns the step reached and the
+    generator the anchors are drawn with, which a checkpoint saves."""
+    config, timer = run.config, run.timer
+    model = run.accelerator.unwrap_model(run.draft)  # what is saved: the draft, or its peft wrapper (an adapter)
+    core = unwrap_draft(model)  # the DSparkDraftModel; with LoRA its layers hold the adapters
+    timer.start_loop(heldout_batches=len(run.heldout_batches), reports=2 if run.baseline else 1)
+    writer = CheckpointWriter()
+    bar = _progress_bar(run, step, progress)
     running, stopped = None, False
     while not stopped:
-        epoch, offset = divmod(step, steps_per_epoch)
-        order = list(range(len(train_set)))
-        random.Random(config.seed + epoch).shuffle(order)
-        # every rank takes steps_per_epoch steps (one that ran out of examples would wait for ever while the others
-        # wait for it in the gradient all-reduce): the order wraps around until each rank's last batch holds one
-        needed = accelerator.num_processes * ((steps_per_epoch - 1) * config.batch_size + 1)
-        order += [order[i % len(order)] for i in range(needed - len(order))]
-        shard = order[accelerator.process_index:: accelerator.num_processes]
+        epoch, offset = divmod(step, run.steps_per_epoch)
+        shard = _epoch_shard(run, epoch)
         generator = torch.Generator().manual_seed(config.seed * 100_003 + step)
         if generator_state is not None and offset > 0:  # resumed inside an epoch: draw on where the run stopped
             generator.set_state(generator_state)
         generator_state = None
-        for i in range(offset, steps_per_epoch):
-            batch = [train_set[j] for j in shard[i * config.batch_size: (i + 1) * config.batch_size]]
-            done = step >= total_steps if total_steps is not None else timer.budget_spent()
+        for i in range(offset, run.steps_per_epoch):
+            batch = [run.train_set[j] for j in shard[i * config.batch_size: (i + 1) * config.batch_size]]
+            done = step >= run.total_steps if run.total_steps is not None else timer.budget_spent()
             if done or timer.must_stop():
                 stopped = True
                 break
-            span = ((step / total_steps, (step + 1) / total_steps) if total_steps is not None
-                    else (timer.progress(), timer.progress_after_step()))
-            for group in optimizer.param_groups:
-                group["lr"] = config.learning_rate * lr_factor(*span, config.warmup_ratio)
-            with accelerator.autocast():
-                losses, valid = train_step(core, target, batch, features, config.anchors_per_sequence, weights,
-                                           generator, forward=draft, feature_lag=config.feature_lag,
-                                           lag_weights=config.feature_lag_weights)
-            timer.forward_done(device)
-            total = float(losses["total"].detach())  # no extra wait: forward_done synchronised the device
-            if not math.isfinite(total):  # a step on it would make every weight NaN, and the run go on silently
-                raise ValueError(f"step {step + 1}: the training loss is {total}, so training stops before that step: "
-                                 "lower --lr, train with --mixed-precision bf16 or no instead of fp16, or without "
-                                 "--feature-cache.")
-            accelerator.backward(losses["total"])
-            accelerator.clip_grad_norm_(draft.parameters(), 1.0)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            losses, valid = _step(run, core, batch, step, generator)
             step += 1
-            timer.step_done(device)
-            monitor.sample()
+            timer.step_done(run.device)
+            run.monitor.sample()
             running = _running(running, losses, valid)
-            bar.update(1 if total_steps is not None else min(round(timer.loop_spent), bar.total) - bar.n)
+            bar.update(1 if run.total_steps is not None else min(round(timer.loop_spent), bar.total) - bar.n)
             bar.set_postfix_str(f"step={step} {_postfix(running)}")
-            if step % config.save_every == 0 and accelerator.is_main_process:
+            if step % config.save_every == 0 and run.accelerator.is_main_process:
                 with timer.saving():
-                    writer.save(model, optimizer, step, timer, out_dir, generator, config.batch_size)
+                    writer.save(model, run.optimizer, step, timer, run.out_dir, generator, config.batch_size)
     bar.close()
     with timer.saving():
         writer.wait()
-    finished = timer.budget_spent() if total_steps is None else step >= total_steps
+    return step, generator
+
+
+def _progress_bar(run: _Run, step: int, progress: bool):
+    """The steps' progress bar: in steps, or under a time budget in seconds of the loop time it allows."""
+    from tqdm.auto import tqdm
+
+    hidden = not (progress and run.accelerator.is_main_process)
+    if run.total_steps is not None:
+        return tqdm(total=run.total_steps, initial=step, desc="training", disable=hidden)
+    return tqdm(total=round(run.timer.loop_total()), initial=round(run.timer.loop_spent), unit="s",
+                desc=f"training ({run.config.time_budget:g} min)", disable=hidden)
+
+
+def _epoch_shard(run: _Run, epoch: int) -> list[int]:
+    """This process's share of the epoch's shuffled order of the training examples."""
+    config, accelerator = run.config, run.accelerator
+    order = list(range(len(run.train_set)))
+    random.Random(config.seed + epoch).shuffle(order)
+    # every rank takes steps_per_epoch steps (one that ran out of examples would wait for ever while the others
+    # wait for it in the gradient all-reduce): the order wraps around until each rank's last batch holds one
+    needed = accelerator.num_processes * ((run.steps_per_epoch - 1) * config.batch_size + 1)
+    order += [order[i % len(order)] for i in range(needed - len(order))]
+    return order[accelerator.process_index:: accelerator.num_processes]
+
+
+def _step(run: _Run, core, batch: list, step: int, generator: torch.Generator):
+    """One optimizer step on `batch`, at the learning rate of its span of the run; returns its losses and the mask
+    of the block positions they count. `core`: the DSparkDraftModel inside the prepared draft."""
+    config, timer, total_steps = run.config, run.timer, run.total_steps
+    span = ((step / total_steps, (step + 1) / total_steps) if total_steps is not None
+            else (timer.progress(), timer.progress_after_step()))
+    for group in run.optimizer.param_groups:
+        group["lr"] = config.learning_rate * lr_factor(*span, config.warmup_ratio)
+    with run.accelerator.autocast():
+        losses, valid = train_step(core, run.target, batch, run.features, config.anchors_per_sequence, run.weights,
+                                   generator, forward=run.draft, feature_lag=config.feature_lag,
+                                   lag_weights=config.feature_lag_weights)
+    timer.forward_done(run.device)
+    total = float(losses["total"].detach())  # no extra wait: forward_done synchronised the device
+    if not math.isfinite(total):  # a step on it would make every weight NaN, and the run go on silently
+        raise ValueError(f"step {step + 1}: the training loss is {total}, so training stops before that step: "
+                         "lower --lr, train with --mixed-precision bf16 or no instead of fp16, or without "
+                         "--feature-cache.")
+    run.accelerator.backward(losses["total"])
+    run.accelerator.clip_grad_norm_(run.draft.parameters(), 1.0)
+    run.optimizer.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    return losses, valid
+
+
+# -- the end of an invocation ----------------------------------------------------------------------------------------
+def _finish(run: _Run, first_step: int, step: int, generator: torch.Generator):
+    """What this invocation returns: once the run is finished and its held-out report fits, the final draft, reported
+    on and saved, in eval mode; else the unfinished draft, in training mode, with a checkpoint to resume from."""
+    config, timer, accelerator = run.config, run.timer, run.accelerator
+    finished = timer.budget_spent() if run.total_steps is None else step >= run.total_steps
     # under stop_after the held-out report and the final save start from a checkpoint of the last step, so that a call
     # killed during them resumes there; when they would not fit in this call, the next one (which takes no step) makes
     # them
@@ -193,44 +314,52 @@ def train(config: TrainConfig, target=None, progress: bool = True, started: floa
     if (not report_now or (timer.limit is not None and step > first_step)) and not saved \
             and accelerator.is_main_process:
         with timer.saving():
-            save_checkpoint(model, optimizer, step, timer, out_dir, generator, config.batch_size)
+            save_checkpoint(accelerator.unwrap_model(run.draft), run.optimizer, step, timer, run.out_dir, generator,
+                            config.batch_size)
     if not report_now:
         if step == 0:
             warnings.warn(f"{config.output_dir}: stop_after={config.stop_after:g} min ran out before the first "
                           "training step (loading and setup took it); the checkpoint holds an untrained draft. Give a "
-                          "larger stop_after.", stacklevel=2)
+                          "larger stop_after.", stacklevel=3)
         if accelerator.is_main_process:
             print(f"stopped after {config.stop_after:g} min at step {step}"
                   f"{', before the held-out report and the final save' if finished else ''}: run the same command "
-                  f"again to resume from {out_dir}")
-        return accelerator.unwrap_model(draft, keep_fp32_wrapper=False)  # still in training mode: unfinished
+                  f"again to resume from {run.out_dir}")
+        return accelerator.unwrap_model(run.draft, keep_fp32_wrapper=False)  # still in training mode: unfinished
     if step == 0:
         warnings.warn(f"{config.output_dir}: the time budget ran out before the first training step; the saved "
-                      "draft is untrained. Give a larger time_budget.", stacklevel=2)
+                      "draft is untrained. Give a larger time_budget.", stacklevel=3)
     # drop accelerate's autocast wrapper of forward: held-out figures and the returned draft run in the draft's dtype
-    model = accelerator.unwrap_model(draft, keep_fp32_wrapper=False)
-    core = unwrap_draft(model)
+    model = accelerator.unwrap_model(run.draft, keep_fp32_wrapper=False)
     model.eval()
     if accelerator.is_main_process:
-        with timer.reporting():
-            measured = [ex for batch in heldout_batches[: timer.report_batches()] for ex in batch]
-            report = evaluate_heldout(core, target, measured, features, config.anchors_per_sequence, weights,
-                                      batch_size=config.batch_size)
-            if baseline and measured:
-                report["init_from"] = _baseline_report(baseline, target, measured, features, config, weights)
-        report["heldout_sequences"] = len(heldout)  # "sequences" were measured; fewer under a tight time budget
-        with timer.saving():
-            model.save_pretrained(out_dir)
-        report["training"] = {"steps": step, "minutes": round(timer.total_spent() / 60, 2),
-                              "device": str(device), "target_dtype": str(target.dtype).replace("torch.", ""),
-                              "batch_size": config.batch_size, "train_examples": len(train_set),
-                              "time": timer.summary(step - first_step), "gpu": monitor.report()}
-        # last, and whole: heldout.json tells a finished run (the GPU campaign reads it so) from one killed while saving
-        write_atomic(out_dir / "heldout.json", json.dumps(report, indent=2))
-        print(timer.line(step))
-        if monitor.line():
-            print(monitor.line())
+        _report_and_save(run, model, first_step, step)
     return model
+
+
+def _report_and_save(run: _Run, model, first_step: int, step: int) -> None:
+    """The held-out report (beside the draft the run started from, if any), the final save of `model`, and
+    heldout.json with the report and where the run's time went."""
+    config, timer = run.config, run.timer
+    with timer.reporting():
+        measured = [ex for batch in run.heldout_batches[: timer.report_batches()] for ex in batch]
+        report = evaluate_heldout(unwrap_draft(model), run.target, measured, run.features, config.anchors_per_sequence,
+                                  run.weights, batch_size=config.batch_size)
+        if run.baseline and measured:
+            report["init_from"] = _baseline_report(run.baseline, run.target, measured, run.features, config,
+                                                   run.weights)
+    report["heldout_sequences"] = len(run.heldout)  # "sequences" were measured; fewer under a tight time budget
+    with timer.saving():
+        model.save_pretrained(run.out_dir)
+    report["training"] = {"steps": step, "minutes": round(timer.total_spent() / 60, 2),
+                          "device": str(run.device), "target_dtype": str(run.target.dtype).replace("torch.", ""),
+                          "batch_size": config.batch_size, "train_examples": len(run.train_set),
+                          "time": timer.summary(step - first_step), "gpu": run.monitor.report()}
+    # last, and whole: heldout.json tells a finished run (the GPU campaign reads it so) from one killed while saving
+    write_atomic(run.out_dir / "heldout.json", json.dumps(report, indent=2))
+    print(timer.line(step))
+    if run.monitor.line():
+        print(run.monitor.line())
 
 
 def _baseline_report(init_from: str, target, measured: list, features, config: TrainConfig, weights) -> dict:
