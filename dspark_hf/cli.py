@@ -5,9 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
-import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -359,17 +357,11 @@ def cmd_push(args) -> int:
 
 def cmd_export(args) -> int:
     """Save a trained draft for sharing: chosen dtype, code for trust_remote_code, and a generated model card."""
-    from .cards import render_model_card
-    from .defaults import SHIPPED_DRAFT_DIR
-    from .files import check_output_folder
-    from .hub import folder_calibration, read_json
-    from .loading import _check_name, refuse_adapter
-    from .model import DSparkDraftModel
-
-    _check_name(args.draft, "the draft")
     if args.format == "deepspec":
+        from .loading import _check_name
         from .model.convert import check_export_folder, export_deepspec
 
+        _check_name(args.draft, "the draft")
         check_export_folder(args.output)  # before the models load; export_deepspec checks again
         if not args.target:
             raise ValueError("--format deepspec writes copies of the target's embedding and LM head: pass --target.")
@@ -383,40 +375,14 @@ def cmd_export(args) -> int:
         print(f"exported to {args.output} in DeepSpec's Qwen3DSparkModel layout (dspark convert --from deepspec "
               "reads it back)")
         return 0
-    check_output_folder(args.output, "export", ours=("draft", "deepspec"))
-    if not args.base_model:
-        raise ValueError("--base-model is needed for the model card: the target's Hub id, e.g. "
-                         "HuggingFaceTB/SmolLM2-135M-Instruct.")
-    refuse_adapter(args.draft, "dspark export")
-    draft = DSparkDraftModel.from_pretrained(args.draft).to(getattr(torch, args.dtype))
-    draft.config.target_name_or_path = args.base_model  # not the path the target was trained from on some machine
-    eval_results = read_json(args.eval)
+    from .hub import export_draft
+
     recipe = _read_text(args.recipe, "--recipe") if args.recipe else None
-    calibration = folder_calibration(args.draft, args.calibration)
-    shipped = Path(args.output).resolve() == SHIPPED_DRAFT_DIR.resolve()  # the card of the draft the package ships
-    # the card checks the result files against the draft: render it before anything is written
-    card = render_model_card(draft.config, args.base_model, args.repo_id, eval_results, recipe, args.license,
-                             calibration=calibration, shipped=shipped)
-    _save_beside_links(draft, Path(args.output))
-    (Path(args.output) / "README.md").write_text(card)
-    size = sum(f.stat().st_size for f in Path(args.output).glob("*.safetensors")) / 1e6
+    output = export_draft(args.draft, args.output, args.base_model, args.dtype, args.repo_id, eval_results=args.eval,
+                          recipe=recipe, calibration=args.calibration, license=args.license)
+    size = sum(f.stat().st_size for f in output.glob("*.safetensors")) / 1e6
     print(f"exported to {args.output} ({size:.1f} MB of weights)")
     return 0
-
-
-def _save_beside_links(draft, folder: Path) -> None:
-    """save_pretrained into `folder`, keeping the links it holds: the package's own draft folder links its code files
-    to the package's modules (so it loads with trust_remote_code and never drifts from them), and transformers would
-    copy each module onto its own link."""
-    links = [p.name for p in folder.iterdir() if p.is_symlink()] if folder.is_dir() else []
-    if not links:
-        draft.save_pretrained(folder)
-        return
-    with tempfile.TemporaryDirectory() as tmp:
-        draft.save_pretrained(tmp)
-        for written in Path(tmp).iterdir():
-            if written.name not in links:
-                shutil.move(str(written), folder / written.name)
 
 
 def cmd_calibrate(args) -> int:
