@@ -358,7 +358,7 @@ def cmd_push(args) -> int:
 def cmd_export(args) -> int:
     """Save a trained draft for sharing: chosen dtype, code for trust_remote_code, and a generated model card."""
     if args.format == "deepspec":
-        from .loading import _check_name
+        from .loading import _check_name, load_draft
         from .model.convert import check_export_folder, export_deepspec
 
         _check_name(args.draft, "the draft")
@@ -366,8 +366,6 @@ def cmd_export(args) -> int:
         if not args.target:
             raise ValueError("--format deepspec writes copies of the target's embedding and LM head: pass --target.")
         from transformers import AutoModelForCausalLM
-
-        from .loading import load_draft
 
         target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32)  # weights only, no tokenizer
         draft = load_draft(args.draft, target, getattr(torch, args.dtype))
