@@ -5,9 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
-import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -359,23 +357,15 @@ def cmd_push(args) -> int:
 
 def cmd_export(args) -> int:
     """Save a trained draft for sharing: chosen dtype, code for trust_remote_code, and a generated model card."""
-    from .cards import render_model_card
-    from .defaults import SHIPPED_DRAFT_DIR
-    from .files import check_output_folder
-    from .hub import folder_calibration, read_json
-    from .loading import _check_name, refuse_adapter
-    from .model import DSparkDraftModel
-
-    _check_name(args.draft, "the draft")
     if args.format == "deepspec":
+        from .loading import _check_name, load_draft
         from .model.convert import check_export_folder, export_deepspec
 
+        _check_name(args.draft, "the draft")
         check_export_folder(args.output)  # before the models load; export_deepspec checks again
         if not args.target:
             raise ValueError("--format deepspec writes copies of the target's embedding and LM head: pass --target.")
         from transformers import AutoModelForCausalLM
-
-        from .loading import load_draft
 
         target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32)  # weights only, no tokenizer
         draft = load_draft(args.draft, target, getattr(torch, args.dtype))
@@ -383,101 +373,39 @@ def cmd_export(args) -> int:
         print(f"exported to {args.output} in DeepSpec's Qwen3DSparkModel layout (dspark convert --from deepspec "
               "reads it back)")
         return 0
-    check_output_folder(args.output, "export", ours=("draft", "deepspec"))
-    if not args.base_model:
-        raise ValueError("--base-model is needed for the model card: the target's Hub id, e.g. "
-                         "HuggingFaceTB/SmolLM2-135M-Instruct.")
-    refuse_adapter(args.draft, "dspark export")
-    draft = DSparkDraftModel.from_pretrained(args.draft).to(getattr(torch, args.dtype))
-    draft.config.target_name_or_path = args.base_model  # not the path the target was trained from on some machine
-    eval_results = read_json(args.eval)
+    from .hub import export_draft
+
     recipe = _read_text(args.recipe, "--recipe") if args.recipe else None
-    calibration = folder_calibration(args.draft, args.calibration)
-    shipped = Path(args.output).resolve() == SHIPPED_DRAFT_DIR.resolve()  # the card of the draft the package ships
-    # the card checks the result files against the draft: render it before anything is written
-    card = render_model_card(draft.config, args.base_model, args.repo_id, eval_results, recipe, args.license,
-                             calibration=calibration, shipped=shipped)
-    _save_beside_links(draft, Path(args.output))
-    (Path(args.output) / "README.md").write_text(card)
-    size = sum(f.stat().st_size for f in Path(args.output).glob("*.safetensors")) / 1e6
+    output = export_draft(args.draft, args.output, args.base_model, args.dtype, args.repo_id, eval_results=args.eval,
+                          recipe=recipe, calibration=args.calibration, license=args.license)
+    size = sum(f.stat().st_size for f in output.glob("*.safetensors")) / 1e6
     print(f"exported to {args.output} ({size:.1f} MB of weights)")
     return 0
 
 
-def _save_beside_links(draft, folder: Path) -> None:
-    """save_pretrained into `folder`, keeping the links it holds: the package's own draft folder links its code files
-    to the package's modules (so it loads with trust_remote_code and never drifts from them), and transformers would
-    copy each module onto its own link."""
-    links = [p.name for p in folder.iterdir() if p.is_symlink()] if folder.is_dir() else []
-    if not links:
-        draft.save_pretrained(folder)
-        return
-    with tempfile.TemporaryDirectory() as tmp:
-        draft.save_pretrained(tmp)
-        for written in Path(tmp).iterdir():
-            if written.name not in links:
-                shutil.move(str(written), folder / written.name)
-
-
 def cmd_calibrate(args) -> int:
     """STS on held-out data: raw confidences of full-block rounds -> per-position temperatures saved with the draft."""
-    from tqdm.auto import tqdm
-
-    from .scheduling import FullBlock
     from .evaluation.plots import reliability_diagram
-    from .scheduling.calibration import calibration_report, sequential_temperature_scaling
-    from .training.data import heldout_fraction_of, load_dataset, split_heldout
+    from .training.calibrate import calibrate
+    from .training.data import heldout_fraction_of
 
     if Path(args.output).is_file():  # found before the rollouts, not after them
         raise ValueError(f"--output {args.output} is a file: give a folder for the calibrated draft.")
     fraction = heldout_fraction_of(args.draft, args.heldout_fraction)
     target, tokenizer, draft = _load(args)
-    if not draft.config.confidence_head:  # its rounds carry no confidences: found before the rollouts
-        raise ValueError(f"{args.draft} has no confidence head (confidence_head=False): STS calibrates that head, so "
-                         "there is nothing to calibrate; train a draft with one.")
-    _, heldout = split_heldout(load_dataset(args.dataset, target.get_output_embeddings().weight.shape[0]), fraction)
-    if not heldout:
-        raise ValueError(f"the held-out split of {args.dataset} at fraction {fraction:g} is empty: use a larger "
-                         "dataset.")
-    first_answers = {}  # one rollout per prompt (several answers share one prompt), in file order
-    for e in heldout:
-        first_answers.setdefault(e.prompt_id, e)
-    texts = [tokenizer.decode(e.input_ids[: e.answer_start]) for e in first_answers.values()][: args.limit]
-    draft.config.confidence_temperatures = None  # collect raw confidences
-    logits, verified, accepted = [], [], []
-    for i in tqdm(range(0, len(texts), args.batch_size), desc="held-out rollouts"):
-        inputs = tokenizer(texts[i: i + args.batch_size], return_tensors="pt", padding=True,
-                           add_special_tokens=False).to(target.device)
-        out = target.generate(**inputs, max_new_tokens=args.max_new_tokens, do_sample=args.temperature > 0,
-                              **({"temperature": args.temperature} if args.temperature > 0 else {}),
-                              assistant_model=draft, return_dict_in_generate=True,
-                              verification_policy=FullBlock())  # STS fits full-block rounds
-        for r in (r for rows in out.rounds for r in rows if r.drafted):  # a last round drafts nothing
-            logits.append(torch.logit(torch.tensor(r.confidences, dtype=torch.double), eps=1e-12))
-            verified.append(r.verified)
-            accepted.append(r.accepted)
-    if not logits:
-        raise ValueError(f"no held-out rollout drafted a block in {args.max_new_tokens} new tokens: raise "
-                         "--max-new-tokens.")
-    logits, verified, accepted = torch.stack(logits), torch.tensor(verified), torch.tensor(accepted)
-    gamma = draft.config.block_size
-    temps = sequential_temperature_scaling(logits, verified, accepted)
-    report = {"before": calibration_report(logits, verified, accepted, [1.0] * gamma),
-              "after": calibration_report(logits, verified, accepted, temps), "temperatures": temps,
-              "prompts": len(texts), "rounds": len(accepted), "max_new_tokens": args.max_new_tokens,
-              "temperature": args.temperature}
-    out_dir = Path(args.output)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    draft.config.confidence_temperatures = temps
-    draft.save_pretrained(out_dir)
-    (out_dir / "calibration.json").write_text(json.dumps(report, indent=2))
-    reliability_diagram(logits, verified, accepted, [1.0] * gamma, temps, out_dir / "reliability.png")
+    result = calibrate(draft, target, tokenizer, args.dataset, fraction, args.limit, args.batch_size,
+                       args.max_new_tokens, args.temperature, draft_name=args.draft)
+    out_dir = result.save(draft, args.output)
+    reliability_diagram(result.logits, result.verified, result.accepted, [1.0] * draft.config.block_size,
+                        result.temperatures, out_dir / "reliability.png")
+    before, after = result.report["before"], result.report["after"]
+
     def auc(x):  # undefined when every held-out position was accepted, or none was
         return "n/a" if x is None else f"{x:.3f}"
 
-    print(f"ECE {report['before']['ece']:.2%} -> {report['after']['ece']:.2%}, ROC-AUC "
-          f"{auc(report['before']['roc_auc'])} -> {auc(report['after']['roc_auc'])} on {len(accepted)} rounds; "
-          f"temperatures {[round(t, 2) for t in temps]}; saved to {out_dir}")
+    print(f"ECE {before['ece']:.2%} -> {after['ece']:.2%}, ROC-AUC {auc(before['roc_auc'])} -> "
+          f"{auc(after['roc_auc'])} on {len(result.accepted)} rounds; temperatures "
+          f"{[round(t, 2) for t in result.temperatures]}; saved to {out_dir}")
     return 0
 
 

@@ -1,5 +1,5 @@
-"""Sharing DSpark drafts on the Hugging Face Hub: a model card on every save, `push_to_hub`, and `push_draft`
-(what `dspark push` runs).
+"""Sharing DSpark drafts on the Hugging Face Hub: a model card on every save, `push_to_hub`, `push_draft` (what
+`dspark push` runs) and `export_draft` (what `dspark export` runs for the transformers format).
 
 `DSparkDraftModel.save_pretrained` and `push_to_hub` hand over to [`save_pretrained`] and [`push_to_hub`] here
 (and `from_pretrained` to [`offline_load_error`]) wherever this module is loaded, which `import dspark_hf` does: the
@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import shutil
 import tempfile
 import warnings
 from pathlib import Path
@@ -26,7 +27,7 @@ from pathlib import Path
 import torch
 
 from .cards import (GENERATED_MARK, CardData, card_license_option, card_results_option, is_hub_model_id,
-                    render_card_data, training_recipe, weights_dtype_option)
+                    render_card_data, render_model_card, training_recipe, weights_dtype_option)
 from .model.modeling_dspark import DSparkDraftModel
 from .options import option
 from .version import __version__
@@ -193,6 +194,57 @@ def push_draft(folder: str | Path, repo_id: str, base_model: str | None = None,
                     recipe=_recipe(recipe, folder), license=license)
     return push_to_hub(draft, repo_id, commit_message=commit_message, private=private, token=token,
                        revision=revision, card_data=data)
+
+
+def export_draft(draft: str | Path, output: str | Path, base_model: str | None,
+                 dtype: torch.dtype | str = torch.bfloat16, repo_id: str = "<your-repo/draft>",
+                 eval_results: str | Path | dict | None = None, recipe: str | None = None,
+                 calibration: str | Path | dict | None = None, license: str | None = None) -> Path:
+    """Save the draft `draft` (a folder or Hub id) into the folder `output` for sharing (what `dspark export` runs):
+    its weights in `dtype`, the code for ``trust_remote_code``, and a model card (README.md); returns `output`.
+
+    base_model: the target's Hub id, which the saved config records as the target and the card links to (required).
+    repo_id: where the draft will live, for the card's usage snippet. eval_results: the results.json of `dspark eval`
+    (path or dict). recipe: markdown for the card's Training section. calibration: the calibration.json of
+    `dspark calibrate`; default ``draft/calibration.json`` if present. license: the card's Hub licence id.
+    `output` must be new, empty, or an earlier export; the links it holds are kept (the shipped draft's folder links
+    its code files to the package's modules). Nothing is written unless the card renders.
+    """
+    from . import defaults
+    from .files import check_output_folder
+    from .loading import _check_name, refuse_adapter
+
+    _check_name(str(draft), "the draft")
+    check_output_folder(output, "export", ours=("draft", "deepspec"))
+    if not base_model:
+        raise ValueError("--base-model is needed for the model card: the target's Hub id, e.g. "
+                         "HuggingFaceTB/SmolLM2-135M-Instruct.")
+    refuse_adapter(str(draft), "dspark export")
+    model = DSparkDraftModel.from_pretrained(draft).to(getattr(torch, dtype) if isinstance(dtype, str) else dtype)
+    model.config.target_name_or_path = base_model  # not the path the target was trained from on some machine
+    output = Path(output)
+    shipped = output.resolve() == defaults.SHIPPED_DRAFT_DIR.resolve()  # the card of the draft the package ships
+    # the card checks the result files against the draft: render it before anything is written
+    card = render_model_card(model.config, base_model, repo_id, read_json(eval_results), recipe, license,
+                             calibration=folder_calibration(draft, calibration), shipped=shipped)
+    _save_beside_links(model, output)
+    (output / README).write_text(card)
+    return output
+
+
+def _save_beside_links(draft, folder: Path) -> None:
+    """save_pretrained into `folder`, keeping the links it holds: the package's own draft folder links its code files
+    to the package's modules (so it loads with trust_remote_code and never drifts from them), and transformers would
+    copy each module onto its own link."""
+    links = [p.name for p in folder.iterdir() if p.is_symlink()] if folder.is_dir() else []
+    if not links:
+        draft.save_pretrained(folder)
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        draft.save_pretrained(tmp)
+        for written in Path(tmp).iterdir():
+            if written.name not in links:
+                shutil.move(str(written), folder / written.name)
 
 
 def offline_load_error(name_or_path, kwargs: dict) -> OSError | None:
