@@ -8,9 +8,10 @@ machine and date that file records; docs/results.md has the commands and the dis
 """
 
 import argparse
-import json
 import sys
 from pathlib import Path
+
+from dspark_hf.hub import read_json
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
@@ -25,7 +26,7 @@ SSD = "experiments/ssd/results/bench_ssd.json"
 
 
 def read(path: str) -> dict:
-    return json.loads((ROOT / path).read_text())
+    return read_json(ROOT / path)
 
 
 def machine(report: dict) -> str:
@@ -80,10 +81,11 @@ def rows() -> list[tuple[str, str, str, str]]:
     oracle = {r["batch_size"]: r["speedup"] for r in o["results"]}
     out.append(("the loop's ceiling: an oracle draft (the target's own tokens, all accepted), batch 1 / 8",
                 " / ".join(f"{oracle[b]:.2f}x" for b in sorted(oracle)), machine(o), source(ORACLE)))
-    ssd = read(SSD)["speed"]["1"]
+    report = read(SSD)
+    ssd = report["speed"]["1"]
     out.append(("SSD (DSpark's full block), batch 1, with the v4 draft (not re-measured since)",
                 f"{ssd['dspark + ssd']['paired_ratio_to_plain']:.2f}x ({ssd['dspark']['paired_ratio_to_plain']:.2f}x)",
-                machine(read(SSD)), source(SSD)))
+                machine(report), source(SSD)))
     return out
 
 
