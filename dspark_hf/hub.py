@@ -233,15 +233,16 @@ def export_draft(draft: str | Path, output: str | Path, base_model: str | None,
 
 
 def _save_beside_links(draft, folder: Path) -> None:
-    """save_pretrained into `folder`, keeping the links it holds: the package's own draft folder links its code files
-    to the package's modules (so it loads with trust_remote_code and never drifts from them), and transformers would
-    copy each module onto its own link."""
+    """save_pretrained into `folder` (without a card), keeping the links it holds: the package's own draft folder
+    links its code files to the package's modules (so it loads with trust_remote_code and never drifts from them),
+    and transformers would copy each module onto its own link."""
     links = [p.name for p in folder.iterdir() if p.is_symlink()] if folder.is_dir() else []
+    # no card here: export_draft writes the one it rendered from the results, which would replace a default one
     if not links:
-        draft.save_pretrained(folder)
+        draft.save_pretrained(folder, model_card=False)
         return
     with tempfile.TemporaryDirectory() as tmp:
-        draft.save_pretrained(tmp)
+        draft.save_pretrained(tmp, model_card=False)
         for written in Path(tmp).iterdir():
             if written.name not in links:
                 shutil.move(str(written), folder / written.name)
