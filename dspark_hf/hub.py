@@ -36,6 +36,8 @@ README = "README.md"
 DEFAULT_COMMIT_MESSAGE = "Upload DSpark draft"
 # save_pretrained(push_to_hub=True, ...) arguments that belong to the push, not to the save
 _PUSH_ARGS = ("repo_id", "commit_message", "commit_description", "private", "create_pr", "revision", "tags")
+# the folders `dspark push` takes, for its messages
+_DRAFT_FOLDERS = "the --output-dir of `dspark train` or the --output of `dspark calibrate`"
 
 
 def card_data_for(draft, card_data: CardData | dict | None = None) -> CardData:
@@ -178,17 +180,10 @@ def push_draft(folder: str | Path, repo_id: str, base_model: str | None = None,
     (none by default). The rest as in [`push_to_hub`].
     Only the draft's own files are sent (not checkpoints, training state or result files).
     """
-    from .loading import refuse_adapter
-
     folder = Path(folder)
     if not folder.is_dir():  # (else refuse_adapter would look it up as a Hub id)
-        raise FileNotFoundError(f"{folder}: no such folder: pass the --output-dir of `dspark train` or the --output of "
-                                "`dspark calibrate`.")
-    refuse_adapter(str(folder), "dspark push")
-    if not (folder / "config.json").is_file():
-        raise FileNotFoundError(f"{folder} holds no saved draft (no config.json): pass the --output-dir of "
-                                "`dspark train` or the --output of `dspark calibrate`.")
-    draft = DSparkDraftModel.from_pretrained(folder).to(getattr(torch, dtype) if isinstance(dtype, str) else dtype)
+        raise FileNotFoundError(f"{folder}: no such folder: pass {_DRAFT_FOLDERS}.")
+    draft = _whole_draft(folder, "dspark push", dtype, saved_by=_DRAFT_FOLDERS)
     data = CardData(base_model=base_model, eval_results=read_json(eval_results),
                     calibration=folder_calibration(folder, calibration),
                     recipe=_recipe(recipe, folder), license=license)
@@ -212,15 +207,14 @@ def export_draft(draft: str | Path, output: str | Path, base_model: str | None,
     """
     from . import defaults
     from .files import check_output_folder
-    from .loading import _check_name, refuse_adapter
+    from .loading import _check_name
 
     _check_name(str(draft), "the draft")
     check_output_folder(output, "export", ours=("draft", "deepspec"))
     if not base_model:
         raise ValueError("--base-model is needed for the model card: the target's Hub id, e.g. "
                          "HuggingFaceTB/SmolLM2-135M-Instruct.")
-    refuse_adapter(str(draft), "dspark export")
-    model = DSparkDraftModel.from_pretrained(draft).to(getattr(torch, dtype) if isinstance(dtype, str) else dtype)
+    model = _whole_draft(draft, "dspark export", dtype)
     model.config.target_name_or_path = base_model  # not the path the target was trained from on some machine
     output = Path(output)
     shipped = output.resolve() == defaults.SHIPPED_DRAFT_DIR.resolve()  # the card of the draft the package ships
@@ -230,6 +224,20 @@ def export_draft(draft: str | Path, output: str | Path, base_model: str | None,
     _save_beside_links(model, output)
     (output / README).write_text(card)
     return output
+
+
+def _whole_draft(draft: str | Path, command: str, dtype: torch.dtype | str, *,
+                 saved_by: str | None = None) -> DSparkDraftModel:
+    """The draft `draft` (a folder or Hub id) in `dtype` for `command` to share, which a LoRA adapter is not (it would
+    go out under a whole draft's card). With `saved_by` (what writes a draft folder, for the message), a folder
+    without config.json is refused rather than left to transformers' vaguer error, but after the adapter check,
+    whose message says how to merge one."""
+    from .loading import refuse_adapter
+
+    refuse_adapter(str(draft), command)
+    if saved_by is not None and not (Path(draft) / "config.json").is_file():
+        raise FileNotFoundError(f"{draft} holds no saved draft (no config.json): pass {saved_by}.")
+    return DSparkDraftModel.from_pretrained(draft).to(getattr(torch, dtype) if isinstance(dtype, str) else dtype)
 
 
 def _save_beside_links(draft, folder: Path) -> None:
