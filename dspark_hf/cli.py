@@ -437,13 +437,12 @@ def cmd_profile(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """`dspark`'s parser: a command's flags are the fields of the option dataclasses of the code it runs."""
-    from .cards import ExportOptions
     from .evaluation.bench_oracle import OracleBench
     from .evaluation.bench_ssd import SSDBench
     from .evaluation.evaluate import EvalOptions, GenerationOptions, SpeedBench
     from .evaluation.serve import ServeBench
     from .evaluation.suites import InterleavedPrompts, PromptSet
-    from .hub import PushOptions
+    from .hub import ExportOptions, PushOptions
     from .scheduling.calibration import CalibrationOptions
     from .scheduling.profile import ProfileOptions
     from .training.config import TrainConfig

@@ -26,8 +26,7 @@ from pathlib import Path
 
 import torch
 
-from .cards import (GENERATED_MARK, CardData, card_license_option, card_results_option, is_hub_model_id,
-                    render_card_data, render_model_card, training_recipe, weights_dtype_option)
+from .cards import GENERATED_MARK, CardData, is_hub_model_id, render_card_data, render_model_card, training_recipe
 from .model.modeling_dspark import DSparkDraftModel
 from .options import option
 from .version import __version__
@@ -147,6 +146,23 @@ def push_to_hub(draft, repo_id: str, *, commit_message: str | None = None, commi
                        commit_message=commit_message, commit_description=commit_description)
 
 
+# -- flags of the commands that write a card (`dspark export`, `dspark push`) -------------------------------------
+def card_results_option():
+    """`--eval`: the results the card shows."""
+    return option(None, "results.json from `dspark eval`, for the card's results")
+
+
+def card_license_option():
+    """`--license`: the card's licence."""
+    return option(None, "the card's Hub licence id, e.g. apache-2.0 (default: none; a draft learns from its target's "
+                        "outputs, so check the target's terms)")
+
+
+def weights_dtype_option(written: str):
+    """`--dtype` of the weights a command writes (`written`: "exported", "pushed")."""
+    return option("bfloat16", f"dtype of the {written} weights", choices=["bfloat16", "float16", "float32"])
+
+
 @dataclasses.dataclass
 class PushOptions:
     """What `dspark push` sends ([`push_draft`]), and where."""
@@ -163,6 +179,25 @@ class PushOptions:
     token: str | None = option(None, "Hub token (default: the stored login or HF_TOKEN)")
     revision: str | None = option(None, "branch to push to (created if missing)")
     commit_message: str | None = option(None, "the Hub commit's message (default: one naming the draft)")
+
+
+@dataclasses.dataclass
+class ExportOptions:
+    """How `dspark export` saves a draft for sharing, and what its card says."""
+
+    output: str = option(help="folder to write the exported draft to (new or empty, or an earlier export)")
+    dtype: str = weights_dtype_option("exported")
+    format: str = option("transformers", "transformers: a DSparkDraftModel folder with a model card; deepspec: "
+                         "DeepSpec's Qwen3DSparkModel layout, as the serving engines load it (needs --target)",
+                         choices=["transformers", "deepspec"])
+    target: str | None = option(None, "the target's path or hub id (--format deepspec)")
+    base_model: str | None = option(None, "hub id of the target, for the card (--format transformers)")
+    repo_id: str = option("<your-repo/draft>", "where the draft will live, for the card")
+    eval: str | None = card_results_option()
+    calibration: str | None = option(None, "calibration.json from `dspark calibrate`, for the card (default: "
+                                     "DRAFT/calibration.json if present)")
+    recipe: str | None = option(None, "a markdown file describing the training recipe, for the card")
+    license: str | None = card_license_option()
 
 
 def push_draft(folder: str | Path, repo_id: str, base_model: str | None = None,
