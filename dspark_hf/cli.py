@@ -443,8 +443,8 @@ def build_parser() -> argparse.ArgumentParser:
     from .evaluation.serve import ServeBench
     from .evaluation.suites import InterleavedPrompts, PromptSet
     from .hub import ExportOptions, PushOptions
-    from .scheduling.calibration import CalibrationOptions
     from .scheduling.profile import ProfileOptions
+    from .training.calibrate import CalibrationOptions
     from .training.config import TrainConfig
     from .training.data import PrepareDataOptions
     from .training.drafts import DraftShape
