@@ -36,8 +36,11 @@ def _check_outputs(args) -> None:
             raise ValueError(f"{flag} {path}: {blocked} is a file, not a folder: give another path.")
 
 
-def _read_text(path: str, flag: str) -> str:
-    """The text of the file a flag names, or a ValueError that says there is no such file."""
+def _read_text(path: str | None, flag: str) -> str | None:
+    """The text of the file a flag names, None where the flag was left out (or given empty), or a ValueError that
+    says there is no such file."""
+    if not path:
+        return None
     if not Path(path).is_file():
         raise ValueError(f"{flag} {path}: no such file.")
     return Path(path).read_text()
@@ -347,7 +350,7 @@ def cmd_push(args) -> int:
     from .hub import push_draft
 
     # a --recipe read here: push_draft takes a string that names no file for the recipe's markdown itself
-    recipe = _read_text(args.recipe, "--recipe") if args.recipe else None
+    recipe = _read_text(args.recipe, "--recipe")
     info = push_draft(args.draft, args.repo_id, base_model=args.base_model, eval_results=args.eval,
                       calibration=args.calibration, recipe=recipe, license=args.license, private=args.private,
                       token=args.token, revision=args.revision, commit_message=args.commit_message, dtype=args.dtype)
@@ -375,7 +378,7 @@ def cmd_export(args) -> int:
         return 0
     from .hub import export_draft
 
-    recipe = _read_text(args.recipe, "--recipe") if args.recipe else None
+    recipe = _read_text(args.recipe, "--recipe")
     output = export_draft(args.draft, args.output, args.base_model, args.dtype, args.repo_id, eval_results=args.eval,
                           recipe=recipe, calibration=args.calibration, license=args.license)
     size = sum(f.stat().st_size for f in output.glob("*.safetensors")) / 1e6
