@@ -13,7 +13,6 @@ from pathlib import Path
 import yaml
 
 from .files import GENERATED_MARK
-from .options import option
 
 _TEMPLATE_NAME = "dspark_draft.md"
 DEFAULT_TAGS = ("speculative-decoding", "dspark", "draft-model")
@@ -23,42 +22,6 @@ _UNKNOWN_TARGET = "<your-target>"  # the card never names a path of the machine 
 def _template() -> str:
     # dspark_hf/assets/dspark_draft.md links to model_cards/dspark_draft.md (the one copy in the repo)
     return (Path(__file__).parent / "assets" / _TEMPLATE_NAME).read_text()
-
-
-# -- flags of the commands that write a card (`dspark export`, `dspark push`) -----------------------------------------
-def card_results_option():
-    """`--eval`: the results the card shows."""
-    return option(None, "results.json from `dspark eval`, for the card's results")
-
-
-def card_license_option():
-    """`--license`: the card's licence."""
-    return option(None, "the card's Hub licence id, e.g. apache-2.0 (default: none; a draft learns from its target's "
-                        "outputs, so check the target's terms)")
-
-
-def weights_dtype_option(written: str):
-    """`--dtype` of the weights a command writes (`written`: "exported", "pushed")."""
-    return option("bfloat16", f"dtype of the {written} weights", choices=["bfloat16", "float16", "float32"])
-
-
-@dataclass
-class ExportOptions:
-    """How `dspark export` saves a draft for sharing, and what its card says."""
-
-    output: str = option(help="folder to write the exported draft to (new or empty, or an earlier export)")
-    dtype: str = weights_dtype_option("exported")
-    format: str = option("transformers", "transformers: a DSparkDraftModel folder with a model card; deepspec: "
-                         "DeepSpec's Qwen3DSparkModel layout, as the serving engines load it (needs --target)",
-                         choices=["transformers", "deepspec"])
-    target: str | None = option(None, "the target's path or hub id (--format deepspec)")
-    base_model: str | None = option(None, "hub id of the target, for the card (--format transformers)")
-    repo_id: str = option("<your-repo/draft>", "where the draft will live, for the card")
-    eval: str | None = card_results_option()
-    calibration: str | None = option(None, "calibration.json from `dspark calibrate`, for the card (default: "
-                                     "DRAFT/calibration.json if present)")
-    recipe: str | None = option(None, "a markdown file describing the training recipe, for the card")
-    license: str | None = card_license_option()
 
 
 @dataclass

@@ -36,8 +36,11 @@ def _check_outputs(args) -> None:
             raise ValueError(f"{flag} {path}: {blocked} is a file, not a folder: give another path.")
 
 
-def _read_text(path: str, flag: str) -> str:
-    """The text of the file a flag names, or a ValueError that says there is no such file."""
+def _read_text(path: str | None, flag: str) -> str | None:
+    """The text of the file a flag names, None where the flag was left out (or given empty), or a ValueError that
+    says there is no such file."""
+    if not path:
+        return None
     if not Path(path).is_file():
         raise ValueError(f"{flag} {path}: no such file.")
     return Path(path).read_text()
@@ -347,7 +350,7 @@ def cmd_push(args) -> int:
     from .hub import push_draft
 
     # a --recipe read here: push_draft takes a string that names no file for the recipe's markdown itself
-    recipe = _read_text(args.recipe, "--recipe") if args.recipe else None
+    recipe = _read_text(args.recipe, "--recipe")
     info = push_draft(args.draft, args.repo_id, base_model=args.base_model, eval_results=args.eval,
                       calibration=args.calibration, recipe=recipe, license=args.license, private=args.private,
                       token=args.token, revision=args.revision, commit_message=args.commit_message, dtype=args.dtype)
@@ -375,7 +378,7 @@ def cmd_export(args) -> int:
         return 0
     from .hub import export_draft
 
-    recipe = _read_text(args.recipe, "--recipe") if args.recipe else None
+    recipe = _read_text(args.recipe, "--recipe")
     output = export_draft(args.draft, args.output, args.base_model, args.dtype, args.repo_id, eval_results=args.eval,
                           recipe=recipe, calibration=args.calibration, license=args.license)
     size = sum(f.stat().st_size for f in output.glob("*.safetensors")) / 1e6
@@ -437,15 +440,14 @@ def cmd_profile(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """`dspark`'s parser: a command's flags are the fields of the option dataclasses of the code it runs."""
-    from .cards import ExportOptions
     from .evaluation.bench_oracle import OracleBench
     from .evaluation.bench_ssd import SSDBench
     from .evaluation.evaluate import EvalOptions, GenerationOptions, SpeedBench
     from .evaluation.serve import ServeBench
     from .evaluation.suites import InterleavedPrompts, PromptSet
-    from .hub import PushOptions
-    from .scheduling.calibration import CalibrationOptions
+    from .hub import ExportOptions, PushOptions
     from .scheduling.profile import ProfileOptions
+    from .training.calibrate import CalibrationOptions
     from .training.config import TrainConfig
     from .training.data import PrepareDataOptions
     from .training.drafts import DraftShape

@@ -26,8 +26,7 @@ from pathlib import Path
 
 import torch
 
-from .cards import (GENERATED_MARK, CardData, card_license_option, card_results_option, is_hub_model_id,
-                    render_card_data, render_model_card, training_recipe, weights_dtype_option)
+from .cards import GENERATED_MARK, CardData, is_hub_model_id, render_card_data, render_model_card, training_recipe
 from .model.modeling_dspark import DSparkDraftModel
 from .options import option
 from .version import __version__
@@ -36,6 +35,8 @@ README = "README.md"
 DEFAULT_COMMIT_MESSAGE = "Upload DSpark draft"
 # save_pretrained(push_to_hub=True, ...) arguments that belong to the push, not to the save
 _PUSH_ARGS = ("repo_id", "commit_message", "commit_description", "private", "create_pr", "revision", "tags")
+# the folders `dspark push` takes, for its messages
+_DRAFT_FOLDERS = "the --output-dir of `dspark train` or the --output of `dspark calibrate`"
 
 
 def card_data_for(draft, card_data: CardData | dict | None = None) -> CardData:
@@ -145,6 +146,23 @@ def push_to_hub(draft, repo_id: str, *, commit_message: str | None = None, commi
                        commit_message=commit_message, commit_description=commit_description)
 
 
+# -- flags of the commands that write a card (`dspark export`, `dspark push`) -------------------------------------
+def card_results_option():
+    """`--eval`: the results the card shows."""
+    return option(None, "results.json from `dspark eval`, for the card's results")
+
+
+def card_license_option():
+    """`--license`: the card's licence."""
+    return option(None, "the card's Hub licence id, e.g. apache-2.0 (default: none; a draft learns from its target's "
+                        "outputs, so check the target's terms)")
+
+
+def weights_dtype_option(written: str):
+    """`--dtype` of the weights a command writes (`written`: "exported", "pushed")."""
+    return option("bfloat16", f"dtype of the {written} weights", choices=["bfloat16", "float16", "float32"])
+
+
 @dataclasses.dataclass
 class PushOptions:
     """What `dspark push` sends ([`push_draft`]), and where."""
@@ -163,6 +181,25 @@ class PushOptions:
     commit_message: str | None = option(None, "the Hub commit's message (default: one naming the draft)")
 
 
+@dataclasses.dataclass
+class ExportOptions:
+    """How `dspark export` saves a draft for sharing, and what its card says."""
+
+    output: str = option(help="folder to write the exported draft to (new or empty, or an earlier export)")
+    dtype: str = weights_dtype_option("exported")
+    format: str = option("transformers", "transformers: a DSparkDraftModel folder with a model card; deepspec: "
+                         "DeepSpec's Qwen3DSparkModel layout, as the serving engines load it (needs --target)",
+                         choices=["transformers", "deepspec"])
+    target: str | None = option(None, "the target's path or hub id (--format deepspec)")
+    base_model: str | None = option(None, "hub id of the target, for the card (--format transformers)")
+    repo_id: str = option("<your-repo/draft>", "where the draft will live, for the card")
+    eval: str | None = card_results_option()
+    calibration: str | None = option(None, "calibration.json from `dspark calibrate`, for the card (default: "
+                                     "DRAFT/calibration.json if present)")
+    recipe: str | None = option(None, "a markdown file describing the training recipe, for the card")
+    license: str | None = card_license_option()
+
+
 def push_draft(folder: str | Path, repo_id: str, base_model: str | None = None,
                eval_results: str | Path | dict | None = None, calibration: str | Path | dict | None = None,
                recipe: str | Path | None = None, private: bool = False, token: str | None = None,
@@ -178,17 +215,10 @@ def push_draft(folder: str | Path, repo_id: str, base_model: str | None = None,
     (none by default). The rest as in [`push_to_hub`].
     Only the draft's own files are sent (not checkpoints, training state or result files).
     """
-    from .loading import refuse_adapter
-
     folder = Path(folder)
     if not folder.is_dir():  # (else refuse_adapter would look it up as a Hub id)
-        raise FileNotFoundError(f"{folder}: no such folder: pass the --output-dir of `dspark train` or the --output of "
-                                "`dspark calibrate`.")
-    refuse_adapter(str(folder), "dspark push")
-    if not (folder / "config.json").is_file():
-        raise FileNotFoundError(f"{folder} holds no saved draft (no config.json): pass the --output-dir of "
-                                "`dspark train` or the --output of `dspark calibrate`.")
-    draft = DSparkDraftModel.from_pretrained(folder).to(getattr(torch, dtype) if isinstance(dtype, str) else dtype)
+        raise FileNotFoundError(f"{folder}: no such folder: pass {_DRAFT_FOLDERS}.")
+    draft = _whole_draft(folder, "dspark push", dtype, saved_by=_DRAFT_FOLDERS)
     data = CardData(base_model=base_model, eval_results=read_json(eval_results),
                     calibration=folder_calibration(folder, calibration),
                     recipe=_recipe(recipe, folder), license=license)
@@ -212,15 +242,14 @@ def export_draft(draft: str | Path, output: str | Path, base_model: str | None,
     """
     from . import defaults
     from .files import check_output_folder
-    from .loading import _check_name, refuse_adapter
+    from .loading import _check_name
 
     _check_name(str(draft), "the draft")
     check_output_folder(output, "export", ours=("draft", "deepspec"))
     if not base_model:
         raise ValueError("--base-model is needed for the model card: the target's Hub id, e.g. "
                          "HuggingFaceTB/SmolLM2-135M-Instruct.")
-    refuse_adapter(str(draft), "dspark export")
-    model = DSparkDraftModel.from_pretrained(draft).to(getattr(torch, dtype) if isinstance(dtype, str) else dtype)
+    model = _whole_draft(draft, "dspark export", dtype)
     model.config.target_name_or_path = base_model  # not the path the target was trained from on some machine
     output = Path(output)
     shipped = output.resolve() == defaults.SHIPPED_DRAFT_DIR.resolve()  # the card of the draft the package ships
@@ -232,16 +261,31 @@ def export_draft(draft: str | Path, output: str | Path, base_model: str | None,
     return output
 
 
+def _whole_draft(draft: str | Path, command: str, dtype: torch.dtype | str, *,
+                 saved_by: str | None = None) -> DSparkDraftModel:
+    """The draft `draft` (a folder or Hub id) in `dtype` for `command` to share, which a LoRA adapter is not (it would
+    go out under a whole draft's card). With `saved_by` (what writes a draft folder, for the message), a folder
+    without config.json is refused rather than left to transformers' vaguer error, but after the adapter check,
+    whose message says how to merge one."""
+    from .loading import refuse_adapter
+
+    refuse_adapter(str(draft), command)
+    if saved_by is not None and not (Path(draft) / "config.json").is_file():
+        raise FileNotFoundError(f"{draft} holds no saved draft (no config.json): pass {saved_by}.")
+    return DSparkDraftModel.from_pretrained(draft).to(getattr(torch, dtype) if isinstance(dtype, str) else dtype)
+
+
 def _save_beside_links(draft, folder: Path) -> None:
-    """save_pretrained into `folder`, keeping the links it holds: the package's own draft folder links its code files
-    to the package's modules (so it loads with trust_remote_code and never drifts from them), and transformers would
-    copy each module onto its own link."""
+    """save_pretrained into `folder` (without a card), keeping the links it holds: the package's own draft folder
+    links its code files to the package's modules (so it loads with trust_remote_code and never drifts from them),
+    and transformers would copy each module onto its own link."""
     links = [p.name for p in folder.iterdir() if p.is_symlink()] if folder.is_dir() else []
+    # no card here: export_draft writes the one it rendered from the results, which would replace a default one
     if not links:
-        draft.save_pretrained(folder)
+        draft.save_pretrained(folder, model_card=False)
         return
     with tempfile.TemporaryDirectory() as tmp:
-        draft.save_pretrained(tmp)
+        draft.save_pretrained(tmp, model_card=False)
         for written in Path(tmp).iterdir():
             if written.name not in links:
                 shutil.move(str(written), folder / written.name)

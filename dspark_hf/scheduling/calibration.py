@@ -12,25 +12,9 @@ accepted drafts. Position k of a round counts when the round verified it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from ..options import NONZERO_SHARE, POSITIVE, option
-
 GRID = torch.cat([torch.linspace(0.25, 1.0, 16), torch.linspace(1.1, 6.0, 50)])
-
-
-@dataclass
-class CalibrationOptions:
-    """Where `dspark calibrate` finds its held-out prompts, and where it saves the calibrated draft."""
-
-    dataset: str = option(help="the training JSONL; its held-out split is used")
-    heldout_fraction: float | None = option(None, "the share of the dataset held out in training (default: the "
-                                            "draft's train_config.json, else 0.05); never more than training held "
-                                            "out", type=NONZERO_SHARE)
-    limit: int | None = option(None, "at most this many held-out prompts", type=POSITIVE)
-    output: str = option(help="directory for the calibrated draft, calibration.json and reliability.png")
 
 
 def expected_calibration_error(probs: torch.Tensor, labels: torch.Tensor, bins: int = 15) -> float:

@@ -9,9 +9,22 @@ from pathlib import Path
 
 import torch
 
+from ..options import NONZERO_SHARE, POSITIVE, option
 from ..scheduling import FullBlock
 from ..scheduling.calibration import calibration_report, sequential_temperature_scaling
 from .data import load_dataset, split_heldout
+
+
+@dataclass
+class CalibrationOptions:
+    """Where `dspark calibrate` finds its held-out prompts, and where it saves the calibrated draft."""
+
+    dataset: str = option(help="the training JSONL; its held-out split is used")
+    heldout_fraction: float | None = option(None, "the share of the dataset held out in training (default: the "
+                                            "draft's train_config.json, else 0.05); never more than training held "
+                                            "out", type=NONZERO_SHARE)
+    limit: int | None = option(None, "at most this many held-out prompts", type=POSITIVE)
+    output: str = option(help="directory for the calibrated draft, calibration.json and reliability.png")
 
 
 @dataclass
