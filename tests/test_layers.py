@@ -5,7 +5,10 @@ cycle is still a dependency.
 """
 
 import ast
+import functools
 from pathlib import Path
+
+import pytest
 
 import dspark_hf
 
@@ -47,33 +50,29 @@ def imports(name: str, path: Path, known: dict[str, Path]) -> set[str]:
     return out - {name}
 
 
+@functools.cache  # parsing every module is the slow part, and the files do not change during a run
 def graph() -> dict[str, set[str]]:
     known = modules()
     return {name: imports(name, path, known) for name, path in known.items()}
 
 
-def test_scheduling_imports_neither_generation_nor_evaluation():
-    for name, targets in graph().items():
-        if name.startswith("dspark_hf.scheduling"):
-            upward = sorted(t for t in targets if t.startswith(("dspark_hf.generation", "dspark_hf.evaluation")))
-            assert not upward, f"{name} imports {upward}: scheduling sits below both (pass what it needs in)"
+ABOVE = {  # a layer -> the layers above it that none of its modules may import, and what a failure adds
+    "dspark_hf.scheduling": (("dspark_hf.generation", "dspark_hf.evaluation"),
+                             ": scheduling sits below both (pass what it needs in)"),
+    "dspark_hf.model": (tuple(f"dspark_hf.{layer}" for layer in ("generation", "scheduling", "training", "evaluation",
+                                                                  "hub", "cards", "loading", "defaults", "cli")),
+                        ": the model layer sits below them"),
+    "dspark_hf.generation": (("dspark_hf.evaluation", "dspark_hf.training", "dspark_hf.cli"), ""),
+}
 
 
-def test_the_model_layer_imports_none_of_the_layers_above_it():
-    above = tuple(f"dspark_hf.{layer}" for layer in ("generation", "scheduling", "training", "evaluation", "hub",
-                                                      "cards", "loading", "defaults", "cli"))
+@pytest.mark.parametrize("layer", list(ABOVE))
+def test_no_layer_imports_one_above_it(layer):
+    above, why = ABOVE[layer]
     for name, targets in graph().items():
-        if name.startswith("dspark_hf.model"):
+        if name.startswith(layer):
             upward = sorted(t for t in targets if t.startswith(above))
-            assert not upward, f"{name} imports {upward}: the model layer sits below them"
-
-
-def test_the_generation_layer_imports_neither_evaluation_nor_training():
-    for name, targets in graph().items():
-        if name.startswith("dspark_hf.generation"):
-            upward = sorted(t for t in targets if t.startswith(("dspark_hf.evaluation", "dspark_hf.training",
-                                                                "dspark_hf.cli")))
-            assert not upward, f"{name} imports {upward}"
+            assert not upward, f"{name} imports {upward}{why}"
 
 
 def test_no_module_imports_one_that_imports_it_back():

@@ -495,7 +495,7 @@ def test_the_shipped_drafts_remote_code_is_the_librarys_own():
 
 
 def test_a_draft_bound_to_a_target_of_its_shape_but_other_weights_warns_once_naming_both():
-    from dspark_hf.model.modeling_dspark import OtherTargetWarning
+    from dspark_hf.model.binding import OtherTargetWarning
 
     target, other = tiny_target("llama"), tiny_target("llama", seed=5)
     target.config._name_or_path, other.config._name_or_path = "org/trained-for", "org/other-weights"

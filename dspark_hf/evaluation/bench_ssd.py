@@ -238,9 +238,9 @@ def bench_ssd(target, tokenizer, draft, prompts: list[dict], cache_sizes=(2, 4, 
         }
         equation["speedup_speculator_apart"] = ssd_speedup(
             equation["hit_rate"], equation["tokens_after_hit"], equation["tokens_after_miss"], t_verify, t_fallback,
-            equation["t_plain"])
+            t_plain)
         equation["speedup_speculator_apart_all_hits"] = ssd_speedup(
-            1.0, equation["tokens_after_hit"], equation["tokens_after_miss"], t_verify, t_fallback, equation["t_plain"])
+            1.0, equation["tokens_after_hit"], equation["tokens_after_miss"], t_verify, t_fallback, t_plain)
 
     return {
         "benchmark": "ssd", "max_new_tokens": max_new_tokens, "prompts": len(prompts), "repeats": repeats,

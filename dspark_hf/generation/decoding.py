@@ -29,7 +29,6 @@ from .drafting import BlockSource, Drafter, Outcome, Proposal, empty_block
 from .ragged import Commit, leading_padding
 from .records import DSparkGenerateOutput
 from .request import check_request
-from .request import unwrap_draft  # noqa: F401  dspark_hf.training imports it from here
 from .ssd import SSDConfig, SSDSource
 from .transcript import Transcript
 

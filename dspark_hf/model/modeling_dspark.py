@@ -35,8 +35,6 @@ from transformers.activations import ACT2FN
 from transformers.utils import ModelOutput
 
 from .binding import TargetBinding, check_target, fields_from_target, refuse_card_data, sharing
-# also importable from here, as before they moved to binding.py (dspark_hf.training reads the fingerprints here)
-from .binding import OtherTargetWarning, same_fingerprint, target_fingerprint  # noqa: F401
 from .configuration_dspark import DSparkConfig
 
 

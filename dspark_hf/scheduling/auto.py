@@ -136,7 +136,7 @@ class AutoScheduled(Policy):
         common = self._common_length(num_rows)
         if planned is None:  # no confidence head: the acceptance seen is all there is to plan with
             return torch.full((num_rows,), common, dtype=torch.long, device="cpu")
-        c = (planned * self._rates(prior=1.0, weight=1.0, against=self.learned.seen[2])).clamp(0, 1)
+        c = self._recalibrated(planned)
         t_draft = self.costs.draft(num_rows)
         lengths = prefix_schedule(c, lambda b: 1.0 / (t_draft + self.costs.verify(num_rows, b // num_rows)),
                                   padded=True)
@@ -147,13 +147,23 @@ class AutoScheduled(Policy):
         seen in past rounds. Algorithm 1 alone cannot find it on a padded batch: its first admission pays the
         padding of every row for one row's token, so its early stop ends the search there. Reading only past
         rounds, never this block, it is lossless as it is."""
-        survival = torch.cumprod(self._rates(prior=0.5, weight=2.0, against=self.learned.seen[0]), 0).tolist()
+        survival = self._survival().tolist()
         t_draft, best, best_rate = self.costs.draft(num_rows), 0, 0.0
         for length in range(len(survival) + 1):
             rate = (1 + sum(survival[:length])) / (t_draft + self.costs.verify(num_rows, 1 + length))
             if rate > best_rate:
                 best, best_rate = length, rate
         return best
+
+    def _recalibrated(self, planned: torch.Tensor) -> torch.Tensor:
+        """The head's confidences (R, gamma) scaled by the acceptance seen per unit of confidence spent: `_plan` and
+        the gain estimate must read the same numbers, or a plan would be judged by odds it was not made with."""
+        return (planned * self._rates(prior=1.0, weight=1.0, against=self.learned.seen[2])).clamp(0, 1)
+
+    def _survival(self) -> torch.Tensor:
+        """(gamma,) chance that every position up to each one is accepted, by the acceptance rates seen, for a draft
+        without a confidence head: `_common_length` plans by it and the gain estimate prices the round by it."""
+        return torch.cumprod(self._rates(prior=0.5, weight=2.0, against=self.learned.seen[0]), 0)
 
     def _rates(self, prior: float, weight: float, against: torch.Tensor) -> torch.Tensor:
         """Per position, tokens accepted over `against` (rounds examined, or confidence spent), shrunk towards the
@@ -210,10 +220,8 @@ class AutoScheduled(Policy):
         where it paid (the draft of 2026-11-26 drafted in about 1% of rounds, where verifying 2 tokens a round
         gained about 15% by the costs). The counts still recalibrate the confidences (`_rates`)."""
         if self._planned is None:
-            survival = torch.cumprod(self._rates(prior=0.5, weight=2.0, against=self.learned.seen[0]), 0)
-            survival = survival.expand(verified.shape[0], -1)
+            survival = self._survival().expand(verified.shape[0], -1)
         else:
-            c = (self._planned * self._rates(prior=1.0, weight=1.0, against=self.learned.seen[2])).clamp(0, 1)
-            survival = torch.cumprod(c, 1)
+            survival = torch.cumprod(self._recalibrated(self._planned), 1)
         k = torch.arange(1, survival.shape[1] + 1, device="cpu")
         return float(verified.shape[0] + (survival * (k <= verified[:, None])).sum())

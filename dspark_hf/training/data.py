@@ -296,7 +296,7 @@ def _made_with(target, settings: GenerationSettings, seed: int, max_prompt_token
     checked on resuming: the same sampling on other hardware."""
     from dataclasses import asdict
 
-    from ..model.modeling_dspark import target_fingerprint
+    from ..model.binding import target_fingerprint
 
     return {"target": getattr(target.config, "_name_or_path", ""), "target_fingerprint": target_fingerprint(target),
             "target_dtype": str(target.dtype).replace("torch.", ""), "device": str(target.device),
@@ -307,7 +307,7 @@ def _made_with(target, settings: GenerationSettings, seed: int, max_prompt_token
 def _refuse_other_settings(output: Path, made_with: dict) -> None:
     """Refuse to add answers made otherwise than those `output` holds (as its manifest records them): the file would
     mix two samplings, or two targets, under a manifest that names one."""
-    from ..model.modeling_dspark import same_fingerprint
+    from ..model.binding import same_fingerprint
 
     path, recorded = manifest_path(output), read_manifest(output)
     missing = [key for key in made_with if key not in recorded and key not in ("device", "engine")]

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from ..model.configuration_dspark import DSparkConfig
+from ..model.configuration_dspark import HEAD_TYPES, DSparkConfig
 from ..model.modeling_dspark import DSparkDraftModel
 from ..options import COUNT, POSITIVE, option
 from .config import LORA_HEADS, TrainConfig
@@ -23,7 +23,7 @@ class DraftShape:
     """A fresh draft's shape as `dspark train`'s flags give it: TrainConfig.draft's overrides, None keeping the
     default (refused with --init-from / --lora, which keep the saved draft's)."""
 
-    head_type: str | None = option(None, f"default: {_DEFAULT.head_type}", choices=["markov", "rnn", "none"])
+    head_type: str | None = option(None, f"default: {_DEFAULT.head_type}", choices=list(HEAD_TYPES))
     num_hidden_layers: int | None = option(None, f"draft decoder layers (default: {_DEFAULT.num_hidden_layers})",
                                            type=POSITIVE, flag="--layers", metavar="LAYERS")
     intermediate_size: int | None = option(None, "draft MLP width (default: the target's)", type=POSITIVE)

@@ -23,8 +23,8 @@ from typing import Any
 import torch
 
 from ..devices import GpuMonitor, clock, indexed, resolve_device
-from ..generation.decoding import unwrap_draft
 from ..files import write_atomic
+from ..generation.request import unwrap_draft
 from .checkpoints import STATE_FILE, CheckpointWriter, checkpoint_folders, latest_checkpoint, save_checkpoint
 from .config import RESUMABLE_CHANGES, TrainConfig
 from .data import load_dataset, split_heldout
@@ -418,7 +418,7 @@ def _saved_run(out_dir: Path) -> dict | None:
 
 def _target_record(target) -> dict:
     """What train_config.json records of the target, beside the settings: its name and weights' fingerprint."""
-    from ..model.modeling_dspark import target_fingerprint
+    from ..model.binding import target_fingerprint
 
     return {"target": getattr(target.config, "_name_or_path", ""), "target_fingerprint": target_fingerprint(target)}
 
@@ -426,7 +426,7 @@ def _target_record(target) -> dict:
 def _refuse_another_target(made_for: dict, out_dir: Path) -> None:
     """A run resumed with another target would go on distilling another teacher into the same draft. Runs recorded
     before train_config.json named the target resume unchecked."""
-    from ..model.modeling_dspark import same_fingerprint
+    from ..model.binding import same_fingerprint
 
     saved = _saved_run(out_dir)
     if saved is None or "target_fingerprint" not in saved:
