@@ -114,7 +114,7 @@ def cmd_bench_oracle(args) -> int:
     target, tokenizer, draft = _load(args)
     with tqdm(total=len(args.batch_sizes) * args.repeats, desc="oracle bench") as bar:
         report = bench_oracle(target, tokenizer, draft, tuple(args.batch_sizes), args.max_new_tokens, args.repeats,
-                              progress=bar, policies=policies)
+                              progress=bar, policies=policies, compiled=not args.no_compile)
     _write_report(args, report)
     print(f"\n{describe(report['machine'])}; max_new_tokens={args.max_new_tokens}, median of {args.repeats}")
     print(format_oracle_table(report))
@@ -267,13 +267,15 @@ def cmd_bench_speed(args) -> int:
              for name, make in list(policies.items())[1:]}
     for spec in args.also_draft or []:
         name, _, path = spec.partition("=")
-        if not path or name in ("plain", "dspark", "prompt_lookup") or name.startswith("dspark ("):
+        if not path or name in ("plain", "dspark", "prompt_lookup") or name.startswith(("dspark (", "plain (",
+                                                                                           "prompt_lookup (")):
             raise ValueError(f"--also-draft {spec}: write NAME=PATH with a name of your own, e.g. "
                              "single_token=runs/recipe/block1.")
         extra[name] = {"assistant_model": load_draft(path, target, draft.dtype),
                        "verification_policy": next(iter(policies.values()))}
     report = bench_speed(target, tokenizer, draft, prompts, args.batch_size, args.max_new_tokens, args.repeats,
-                         args.temperature, extra_methods=extra, policy=next(iter(policies.values())))
+                         args.temperature, extra_methods=extra, policy=next(iter(policies.values())),
+                         compiled=not args.no_compile)
     report["settings"]["policies"] = {"dspark": next(iter(policies)), **{f"dspark ({n})": n for n in
                                                                          list(policies)[1:]}}
     _write_report(args, report)
@@ -504,7 +506,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     command("oracle", "plain vs DSpark with an oracle draft: the ceiling of our loop", cmd_bench_oracle, ModelOptions,
             OracleBench, commands=bench)
-    command("speed", "tokens/s: plain vs prompt lookup vs DSpark, interleaved in one run", cmd_bench_speed,
+    command("speed", "tokens/s: plain (eager and static+compile) vs prompt lookup vs DSpark (eager and compiled), "
+            "interleaved in one run", cmd_bench_speed,
             ModelOptions, PromptSet, GenerationOptions, SpeedBench, commands=bench)
     command("serve", "verification policies under load: throughput and per-user speed by concurrency, Pareto and "
             "budget plots", cmd_bench_serve, ModelOptions, InterleavedPrompts, ServeBench, commands=bench, limit=11)

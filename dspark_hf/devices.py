@@ -6,8 +6,10 @@ work, so every timing in dspark-hf reads [`clock`], which waits for it first.
 
 from __future__ import annotations
 
+import contextlib
 import platform
 import time
+from collections import defaultdict
 
 import torch
 
@@ -69,6 +71,43 @@ def clock(device: torch.device | str, stream: torch.cuda.Stream | None = None) -
     else:
         synchronize(device)
     return time.perf_counter()
+
+
+class Stopwatch:
+    """Seconds spent in named phases of work queued on a device, timed without waiting for it: CUDA events recorded
+    on the current stream on a GPU, read once (`totals`, which waits for them) when the work is done; the wall clock
+    elsewhere. `enabled=False` times nothing (phases cost no more than a `with`)."""
+
+    def __init__(self, device: torch.device | str, enabled: bool = True):
+        self.device, self.enabled = torch.device(device), enabled
+        self._events: dict[str, list] = defaultdict(list)
+        self._seconds: dict[str, float] = defaultdict(float)
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        if not self.enabled:
+            yield
+            return
+        if self.device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end.record()
+            self._events[name].append((start, end))
+            return
+        start = time.perf_counter()
+        yield
+        self._seconds[name] += time.perf_counter() - start
+
+    def totals(self, names=()) -> dict[str, float]:
+        """Seconds by phase, `names` included at 0 if never timed (waits for the events on a GPU)."""
+        if self._events:
+            torch.cuda.synchronize(self.device)
+        seconds = dict.fromkeys(names, 0.0)
+        seconds.update(self._seconds)
+        for name, pairs in self._events.items():
+            seconds[name] = seconds.get(name, 0.0) + sum(a.elapsed_time(b) for a, b in pairs) / 1000
+        return seconds
 
 
 class GpuMonitor:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import os
 
 import pytest
 import torch
@@ -81,6 +82,29 @@ def profile_cache(tmp_path_factory):
     path = tmp_path_factory.mktemp("profiles")
     os.environ["DSPARK_HF_PROFILE_CACHE"] = str(path)
     return path
+
+
+def cpu_compile_config():
+    """The CompileConfig that compiles on this CPU (transformers compiles off CUDA only when told to)."""
+    from transformers import CompileConfig
+
+    config = CompileConfig()
+    config._compile_all_devices = True
+    return config
+
+
+@pytest.fixture(autouse=True)
+def fast_path(monkeypatch):
+    """With DSPARK_TEST_FAST_PATH=1, every DSpark call of the tests runs its compiled steps (as with
+    cache_implementation="static" on a GPU), on inductor's CPU backend; plain generate(), the reference, stays eager.
+    CI runs the lossless tests so (`.ci/run`); targets whose rows cannot keep their own offsets decode eagerly."""
+    if os.environ.get("DSPARK_TEST_FAST_PATH") != "1":
+        return
+    from dspark_hf import internals
+
+    config = cpu_compile_config()
+    monkeypatch.setattr(internals, "compile_config", lambda model, generation_config: None if (
+        generation_config.disable_compile or internals.row_masks_refused(model)) else config)
 
 
 @pytest.fixture

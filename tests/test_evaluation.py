@@ -129,18 +129,28 @@ def test_acceptance_plots_compare_drafts_side_by_side(tmp_path):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_dspark_bench_speed_reports_every_method(tiny_models, tmp_path, dtype):
+def test_dspark_bench_speed_reports_every_method(tiny_models, tmp_path, dtype, capsys):
+    """In float32, every arm: plain generate() and DSpark, each eager and with a static cache and torch.compile (the
+    fair baseline, compiled before timing), and prompt lookup eager and static; in bfloat16, the eager ones."""
     out = tmp_path / "bench.json"
     assert main(["bench", "speed", "--target", str(tiny_models / "target"), "--draft", str(tiny_models / "draft"),
                  "--prompts", str(tiny_models / "prompts.jsonl"), "--limit", "2", "--max-new-tokens", "8",
-                 "--repeats", "2", "--output", str(out), "--dtype", dtype]) == 0
+                 "--repeats", "2", "--output", str(out), "--dtype", dtype,
+                 *(["--no-compile"] if dtype == "bfloat16" else [])]) == 0
     report = json.loads(out.read_text())
     assert report["machine"]["dtype"] == dtype  # the target's, and the draft follows it
+    methods = report["methods"]
     if dtype == "float32":
-        assert report["methods"]["dspark"]["identical_rows"] == 2  # both greedy outputs equal plain generate()'s
-    assert set(report["methods"]) == {"plain", "prompt_lookup", "dspark"}
-    assert report["methods"]["plain"]["ratio_to_plain"] == 1.0
-    assert report["methods"]["dspark"]["acceptance_length"] >= 1
+        assert set(methods) == {"plain", "plain (static+compile)", "prompt_lookup", "prompt_lookup (static)",
+                                "dspark", "dspark (compiled)"}
+        # both greedy outputs of every arm equal plain generate()'s
+        assert all(m["identical_rows"] == 2 for name, m in methods.items() if name != "plain")
+        assert methods["plain (static+compile)"]["paired_ratio_to_compiled_plain"] == 1.0
+        assert "paired vs plain static+compile" in capsys.readouterr().out
+    else:
+        assert set(methods) == {"plain", "prompt_lookup", "dspark"}
+    assert methods["plain"]["ratio_to_plain"] == 1.0
+    assert methods["dspark"]["acceptance_length"] >= 1
     assert report["machine"]["torch_threads"] >= 1
 
 
@@ -149,7 +159,7 @@ def test_bench_speed_runs_the_default_policy_and_others_side_by_side_and_says_wh
     assert main(["bench", "speed", "--target", str(tiny_models / "target"), "--draft", str(tiny_models / "draft"),
                  "--policy", "auto", "--policy", "full block", "--policy", "fixed 2", "--prompts",
                  str(tiny_models / "prompts.jsonl"), "--limit", "2", "--max-new-tokens", "8", "--repeats", "1",
-                 "--output", str(out)]) == 0
+                 "--output", str(out), "--no-compile"]) == 0
     report = json.loads(out.read_text())
     assert report["settings"]["policies"] == {"dspark": "auto", "dspark (full block)": "full block",
                                               "dspark (fixed 2)": "fixed 2"}
@@ -168,7 +178,7 @@ def test_bench_speed_runs_a_single_token_draft_beside_dspark(tiny_models, tmp_pa
     assert main(["bench", "speed", "--target", str(tiny_models / "target"), "--draft", str(tiny_models / "draft"),
                  "--also-draft", f"single_token={tmp_path / 'single'}", "--prompts",
                  str(tiny_models / "prompts.jsonl"), "--limit", "2", "--max-new-tokens", "8", "--repeats", "1",
-                 "--output", str(out)]) == 0
+                 "--output", str(out), "--no-compile"]) == 0
     methods = json.loads(out.read_text())["methods"]
     assert set(methods) == {"plain", "prompt_lookup", "dspark", "single_token"}
     assert methods["single_token"]["identical_rows"] == 2 and 1 <= methods["single_token"]["acceptance_length"] <= 2
@@ -178,22 +188,28 @@ def test_bench_speed_runs_a_single_token_draft_beside_dspark(tiny_models, tmp_pa
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_dspark_bench_oracle_checks_identity_in_float32_and_counts_it_in_bfloat16(tiny_models, tmp_path, dtype):
+def test_dspark_bench_oracle_checks_identity_in_float32_and_counts_it_in_bfloat16(tiny_models, tmp_path, dtype, capsys):
+    """In float32 also the compiled arms: DSpark's compiled steps against plain generate() compiled alike."""
     out = tmp_path / "oracle.json"
     assert main(["bench", "oracle", "--target", str(tiny_models / "target"), "--draft", str(tiny_models / "draft"),
                  "--batch-sizes", "1", "3", "--max-new-tokens", "8", "--repeats", "1", "--output", str(out),
-                 "--dtype", dtype]) == 0
+                 "--dtype", dtype, *(["--no-compile"] if dtype == "bfloat16" else [])]) == 0
     results = json.loads(out.read_text())["results"]
     assert [r["batch_size"] for r in results] == [1, 3]
     if dtype == "float32":  # a differing row would have raised
         assert [r["identical_rows"] for r in results] == [1, 3]
+        assert [r["compiled"]["identical_rows"] for r in results] == [1, 3]
+        assert all(r["compiled"]["paired_speedup"] > 0 for r in results)
+        assert "DSpark compiled tok/s" in capsys.readouterr().out
+    else:
+        assert all("compiled" not in r for r in results)
 
 
 def test_bench_oracle_compares_policies_in_one_run(tiny_models, tmp_path):
     out = tmp_path / "oracle.json"
     assert main(["bench", "oracle", "--target", str(tiny_models / "target"), "--draft", str(tiny_models / "draft"),
                  "--batch-sizes", "1", "3", "--max-new-tokens", "8", "--repeats", "1", "--output", str(out),
-                 "--policy", "full block", "--policy", "auto"]) == 0
+                 "--policy", "full block", "--policy", "auto", "--no-compile"]) == 0
     report = json.loads(out.read_text())
     assert report["policies"] == ["full block", "auto"]
     for r in report["results"]:
@@ -569,7 +585,8 @@ def test_results_are_written_whole_and_replace_the_earlier_file(tiny_models, tmp
     out = tmp_path / "results.json"
     out.write_text("earlier run")
     assert main(["bench", "oracle", "--target", str(tiny_models / "target"), "--draft", str(tiny_models / "draft"),
-                 "--batch-sizes", "1", "--max-new-tokens", "4", "--repeats", "1", "--output", str(out)]) == 0
+                 "--batch-sizes", "1", "--max-new-tokens", "4", "--repeats", "1", "--output", str(out),
+                 "--no-compile"]) == 0
     assert "machine" in json.loads(out.read_text()) and [p.name for p in tmp_path.iterdir()] == ["results.json"]
 
 
@@ -792,7 +809,7 @@ def test_bench_speed_checks_greedy_identity_in_every_repeat_not_only_the_last(ti
     spy_generate(monkeypatch, target, first_timed_dspark_call)
     with pytest.raises(AssertionError, match="dspark: 1 of 2 greedy rows differ"):
         bench_speed(target, tokenizer, draft, tiny_prompts(tiny_models)[:2], max_new_tokens=6, repeats=2,
-                    progress=False)
+                    progress=False, compiled=False)
 
 
 def test_result_files_record_when_what_code_command_models_and_prompts_made_them(tiny_models, tmp_path):
@@ -966,7 +983,7 @@ def test_bench_oracle_rotates_its_call_order_per_repeat_and_heads_with_the_paire
 
     target, tokenizer, draft = loaded(tiny_models)
     calls = spy_generate(monkeypatch, target)
-    report = bench_oracle(target, tokenizer, draft, batch_sizes=(1,), max_new_tokens=6, repeats=2)
+    report = bench_oracle(target, tokenizer, draft, batch_sizes=(1,), max_new_tokens=6, repeats=2, compiled=False)
     timed = ["dspark" if speculative else "plain" for speculative, _, _ in calls[3:]]  # after reference, warm-up
     assert timed == ["plain", "dspark", "dspark", "plain"]
     entry = report["results"][0]

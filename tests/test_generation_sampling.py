@@ -80,6 +80,7 @@ def setup():
     return sampling_setup()
 
 
+@pytest.mark.lossless
 def test_sampling_matches_the_target_distribution(setup):
     target, draft, settings, probs = setup
     torch.manual_seed(0)
@@ -96,6 +97,7 @@ def test_sampling_matches_the_target_distribution(setup):
     assert p_value(samples, probs) > ALPHA
 
 
+@pytest.mark.lossless
 def test_trimmed_verification_stays_exact(setup):
     target, draft, settings, probs = setup
     torch.manual_seed(2)
@@ -103,6 +105,7 @@ def test_trimmed_verification_stays_exact(setup):
     assert p_value(samples, probs) > ALPHA
 
 
+@pytest.mark.lossless
 def test_the_default_policy_stays_exact(setup):
     target, draft, settings, probs = setup
     torch.manual_seed(4)
@@ -146,6 +149,7 @@ def test_a_draft_vocabulary_whose_every_token_the_processors_ban_stays_exact(set
     assert p_value(samples, exact_distribution(target, processors)) > ALPHA
 
 
+@pytest.mark.lossless
 def test_skipping_the_residual_is_caught(setup, monkeypatch):
     """Sampling the correction from p instead of norm(max(p - q, 0)) biases the output; the test must see it."""
     target, draft, settings, probs = setup
@@ -155,6 +159,7 @@ def test_skipping_the_residual_is_caught(setup, monkeypatch):
     assert p_value(samples, probs) < ALPHA
 
 
+@pytest.mark.lossless
 def test_a_draft_sampled_without_the_processors_is_caught(setup, monkeypatch):
     """Accepting against the unprocessed draft distribution (a classic bug) is also caught."""
     target, draft, settings, probs = setup

@@ -18,7 +18,7 @@ from ..model.modeling_dspark import DSparkDraftModel
 from ..options import (batch_sizes_option, max_new_tokens_option, option, plan_profile_option, repeats_option,
                        report_option)
 from ..scheduling.policies import FullBlock
-from .evaluate import check_identity
+from .evaluate import COMPILED_PLAIN, check_identity, static_compile
 from .machine import machine_info
 from .oracle import OracleDraft
 from .suites import DEFAULT_PROMPTS, chat_inputs
@@ -54,16 +54,20 @@ class OracleBench:
     policy: list[str] | None = option(None, "verification policy (default: 'full block', the ceiling); repeat to "
                                       "compare others in the same run, e.g. --policy 'full block' --policy auto",
                                       action="append", metavar="NAME")
+    no_compile: bool = option(False, "leave out the compiled arms (plain generate() with a static cache and "
+                              "torch.compile; DSpark's compiled steps), which compile before timing")
     profile: str | None = plan_profile_option()
     output: str = report_option("bench_oracle.json")
 
 
 def bench_oracle(target, tokenizer, draft: DSparkDraftModel, batch_sizes=(1, 8), max_new_tokens: int = 64,
                  repeats: int = 3, prompts: list[str] | None = None, progress=None,
-                 policies: dict | None = None) -> dict:
+                 policies: dict | None = None, compiled: bool = True) -> dict:
     """Run the benchmark; returns a JSON-ready dict with one entry per batch size. policies: name -> factory of the
     verification policy (default: the full block only); the first gives each entry's main figures, and every one
-    its speedup under "policies", all interleaved in one run, in an order rotated each repeat.
+    its speedup under "policies", all interleaved in one run, in an order rotated each repeat. compiled: also plain
+    generate() with a static cache and torch.compile (the fair baseline) and the first policy on DSpark's compiled
+    steps, each warmed up (compiled) before timing; their figures go under "compiled".
 
     At batch size B the first B prompts decode (wrapping around past the last); each entry names them by their index
     in `prompts` (DEFAULT_PROMPTS when None). Its "paired_speedup" is the median over repeats of plain's seconds
@@ -74,6 +78,8 @@ def bench_oracle(target, tokenizer, draft: DSparkDraftModel, batch_sizes=(1, 8),
     prompts = prompts or DEFAULT_PROMPTS
     eos_ids = eos_token_ids(target.generation_config)
     pad_id = target.generation_config.pad_token_id
+    first = next(iter(policies))
+    fast = f"{first} (compiled)"
     results = []
     for batch in batch_sizes:
         ids = [i % len(prompts) for i in range(batch)]
@@ -83,60 +89,79 @@ def bench_oracle(target, tokenizer, draft: DSparkDraftModel, batch_sizes=(1, 8),
         oracle = OracleDraft.from_draft(draft).set_references(target, reference, inputs["attention_mask"])
         P = inputs["input_ids"].shape[1]
         tokens = _new_tokens(reference, P, pad_id, eos_ids)
+        # name -> (generate() options, a factory of its policy or None for plain generate())
+        arms = {"plain": ({}, None), **{name: ({"assistant_model": oracle}, make) for name, make in policies.items()}}
+        if compiled:
+            arms[COMPILED_PLAIN] = (static_compile(P + max_new_tokens), None)
+            arms[fast] = ({"assistant_model": oracle, **static_compile()}, policies[first])
 
-        def plain():
-            return target.generate(**inputs, **kw)
+        def call(name):
+            options, make = arms[name]
+            if make is None:
+                return target.generate(**inputs, **kw, **options)
+            return target.generate(**inputs, **kw, **options, return_dict_in_generate=True,
+                                   verification_policy=make())
 
-        def dspark(make_policy):
-            return target.generate(**inputs, **kw, assistant_model=oracle, return_dict_in_generate=True,
-                                   verification_policy=make_policy())
-
-        plain(), [dspark(make) for make in policies.values()]  # warm-up (the default policy measures costs here)
-        plain_s, splits, taus = [], [], []
-        runs = {name: {"seconds": [], "taus": [], "same": batch} for name in policies}
-        order = [None, *policies]  # None: plain
+        for name in arms:  # warm-up: the default policy measures costs, the compiled arms compile
+            call(name)
+        seconds, splits = {name: [] for name in arms}, []
+        runs = {name: {"taus": [], "same": batch} for name in arms if arms[name][1] is not None}
+        order = list(arms)
         for repeat in range(repeats):
             # rotated as bench speed and serve do, so that no call always follows the same one
             for name in order[repeat % len(order):] + order[:repeat % len(order)]:
-                if name is None:
-                    start = clock(target.device)
-                    plain()
-                    plain_s.append(clock(target.device) - start)
-                    continue
                 start = clock(target.device)
-                out = dspark(policies[name])
-                runs[name]["seconds"].append(clock(target.device) - start)
+                out = call(name)
+                seconds[name].append(clock(target.device) - start)
+                if name not in runs:
+                    continue
                 same = check_identity(target, name, [out.sequences[:, P:]], [reference[:, P:]], eos_ids)
                 runs[name]["same"] = min(runs[name]["same"], same)
                 runs[name]["taus"].append(statistics.mean(r.tau for rows in out.rounds for r in rows))
-                if name == order[1]:
+                if name == first:
                     t = out.timings
                     rounds_s = t["total"] - t["prefill"]
                     splits.append({"draft": t["draft"] / rounds_s, "target": t["target"] / rounds_s,
                                    "other": (rounds_s - t["draft"] - t["target"]) / rounds_s})
             if progress is not None:
                 progress.update(1)
-        main = runs[next(iter(policies))]
-        dspark_s, taus, same = main["seconds"], main["taus"], main["same"]
-        plain_med, dspark_med = statistics.median(plain_s), statistics.median(dspark_s)
-        results.append({
+
+        def paired(name, baseline):
+            return statistics.median(p / s for p, s in zip(seconds[baseline], seconds[name]))
+
+        main, plain_s = runs[first], seconds["plain"]
+        plain_med, dspark_med = statistics.median(plain_s), statistics.median(seconds[first])
+        entry = {
             "batch_size": batch,
             "prompt_ids": ids,
             "new_tokens": tokens,
             "plain_tokens_per_s": tokens / plain_med,
             "dspark_tokens_per_s": tokens / dspark_med,
             "speedup": plain_med / dspark_med,
-            "paired_speedup": statistics.median(p / s for p, s in zip(plain_s, dspark_s)),
-            "tokens_per_round": statistics.mean(taus),
-            "identical_rows": same,
+            "paired_speedup": paired(first, "plain"),
+            "tokens_per_round": statistics.mean(main["taus"]),
+            "identical_rows": main["same"],
             "round_split": {k: statistics.mean(s[k] for s in splits) for k in ("draft", "target", "other")},
             "plain_seconds": plain_s,
-            "dspark_seconds": dspark_s,
-            "policies": {name: {"speedup": plain_med / statistics.median(r["seconds"]),
-                                "paired_speedup": statistics.median(p / s for p, s in zip(plain_s, r["seconds"])),
-                                "tokens_per_round": statistics.mean(r["taus"]), "identical_rows": r["same"],
-                                "dspark_seconds": r["seconds"]} for name, r in runs.items()},
-        })
+            "dspark_seconds": seconds[first],
+            "policies": {name: {"speedup": plain_med / statistics.median(seconds[name]),
+                                "paired_speedup": paired(name, "plain"),
+                                "tokens_per_round": statistics.mean(runs[name]["taus"]),
+                                "identical_rows": runs[name]["same"], "dspark_seconds": seconds[name]}
+                         for name in policies},
+        }
+        if compiled:
+            entry["compiled"] = {
+                "plain_tokens_per_s": tokens / statistics.median(seconds[COMPILED_PLAIN]),
+                "dspark_tokens_per_s": tokens / statistics.median(seconds[fast]),
+                # the fair comparison: DSpark's compiled steps against plain generate() compiled alike
+                "paired_speedup": paired(fast, COMPILED_PLAIN),
+                "paired_speedup_vs_eager_plain": paired(fast, "plain"),
+                "plain_compiled_vs_eager": paired(COMPILED_PLAIN, "plain"),
+                "eager_dspark_vs_compiled_plain": paired(first, COMPILED_PLAIN),
+                "tokens_per_round": statistics.mean(runs[fast]["taus"]), "identical_rows": runs[fast]["same"],
+                "plain_seconds": seconds[COMPILED_PLAIN], "dspark_seconds": seconds[fast]}
+        results.append(entry)
     return {"benchmark": "oracle", "max_new_tokens": max_new_tokens, "repeats": repeats, "policies": list(policies),
             "block_size": draft.config.block_size, "draft_layers": draft.config.num_hidden_layers,
             "prompts": list(prompts), "machine": machine_info(target, draft), "results": results}
@@ -160,4 +185,16 @@ def format_oracle_table(report: dict) -> str:
         for r in report["results"]:
             cells = [f"{v['speedup']:.2f}x ({v['paired_speedup']:.2f}x)" for v in r["policies"].values()]
             lines.append(f"| {r['batch_size']} | " + " | ".join(cells) + " |")
+    compiled = [r for r in report["results"] if "compiled" in r]
+    if compiled:
+        lines += ["", "With a static cache and torch.compile (DSpark's compiled steps against plain generate() compiled "
+                  "alike, the fair baseline):", "",
+                  "| batch | plain static+compile tok/s | DSpark compiled tok/s | speedup | vs eager plain | "
+                  "plain static+compile vs eager | eager DSpark vs plain static+compile |",
+                  "|---:|---:|---:|---:|---:|---:|---:|"]
+        for r in compiled:
+            c = r["compiled"]
+            lines.append(f"| {r['batch_size']} | {c['plain_tokens_per_s']:.1f} | {c['dspark_tokens_per_s']:.1f} | "
+                         f"{c['paired_speedup']:.2f}x | {c['paired_speedup_vs_eager_plain']:.2f}x | "
+                         f"{c['plain_compiled_vs_eager']:.2f}x | {c['eager_dspark_vs_compiled_plain']:.2f}x |")
     return "\n".join(lines)

@@ -204,7 +204,7 @@ def bench_ssd(target, tokenizer, draft, prompts: list[dict], cache_sizes=(2, 4, 
     speed = {}
     for b in batch_sizes:
         speed[b] = bench_speed(target, tokenizer, draft, prompts, b, max_new_tokens, repeats, progress=False,
-                               policy=FullBlock, extra_methods={"dspark + ssd": {
+                               policy=FullBlock, compiled=False, extra_methods={"dspark + ssd": {
                                    "assistant_model": draft, "ssd": ssd, "verification_policy": FullBlock}})
         tick()
 

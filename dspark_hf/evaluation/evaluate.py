@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import internals
 from ..devices import clock
 from ..generation.eos import eos_token_ids, until_eos
 from ..generation.records import DSparkRound
@@ -140,26 +141,52 @@ class SpeedBench:
     profile: str | None = plan_profile_option()
     also_draft: list[str] | None = option(None, "another draft to run beside --draft, e.g. a single-token draft "
                                           "(--block-size 1); repeatable", action="append", metavar="NAME=PATH")
+    no_compile: bool = option(False, "leave out the compiled arms (plain generate() and DSpark with a static cache "
+                              "and torch.compile), which compile before timing (minutes on a CPU)")
+
+
+# the compiled arms: plain generate() and DSpark with a static cache and torch.compile, and prompt lookup with a
+# static cache where transformers allows it (its assisted loop refuses one in some releases)
+COMPILED_PLAIN, COMPILED_DSPARK, STATIC_LOOKUP = "plain (static+compile)", "dspark (compiled)", \
+    "prompt_lookup (static)"
+
+
+def static_compile(max_cache_len: int | None = None) -> dict:
+    """generate() options of the fair baseline: a static cache and torch.compile, on any device (transformers compiles
+    off CUDA only when told to); `max_cache_len` sizes plain generate()'s cache once for every prompt of a run, so
+    that it compiles once."""
+    return {"cache_implementation": "static", "compile_config": internals.compile_config_anywhere(),
+            **({"max_cache_len": max_cache_len} if max_cache_len else {})}
 
 
 def bench_speed(target, tokenizer, draft, prompts: list[dict], batch_size: int = 1, max_new_tokens: int = 128,
                 repeats: int = 3, temperature: float = 0.0, extra_methods: dict | None = None,
-                progress: bool = True, policy=None) -> dict:
+                progress: bool = True, policy=None, compiled: bool = True) -> dict:
     """Tokens/s of plain generate(), prompt lookup decoding and DSpark (and `extra_methods`: name -> generate kwargs),
-    interleaved prompt by prompt in one run after a warm-up; median over repeats; ratios to plain. policy: a factory
-    of DSpark's verification policy (default: generate()'s own); a "verification_policy" in extra_methods is a
-    factory too (policies keep per-call state, so every call gets a fresh one)."""
+    interleaved prompt by prompt in one run after a warm-up; median over repeats; ratios to plain, eager and (with
+    `compiled`) with a static cache and torch.compile, the baseline a GPU user holds DSpark to. compiled also runs
+    DSpark's compiled steps and prompt lookup with a static cache (where transformers allows it); every compiled arm
+    decodes every batch once before timing, so that nothing compiles while the clock runs. policy: a factory of
+    DSpark's verification policy (default: generate()'s own); a "verification_policy" in extra_methods is a factory
+    too (policies keep per-call state, so every call gets a fresh one)."""
     from tqdm.auto import tqdm
 
     eos_ids = eos_token_ids(target.generation_config)
-    methods = {"plain": {}, "dspark": {"assistant_model": draft, **({"verification_policy": policy} if policy else {})}}
+    batches = [chat_batch(tokenizer, b, target.device) for b in _batches(prompts, batch_size)]
+    longest = max(b["input_ids"].shape[1] for b in batches) + max_new_tokens
+    dspark = {"assistant_model": draft, **({"verification_policy": policy} if policy else {})}
+    methods = {"plain": {}, "dspark": dspark}
+    if compiled:
+        methods[COMPILED_PLAIN] = static_compile(longest)
+        methods[COMPILED_DSPARK] = {**dspark, **static_compile()}
     skipped = {}
     if batch_size == 1:
         methods["prompt_lookup"] = {"prompt_lookup_num_tokens": 10}
+        if compiled:  # its cache holds the candidates past the last token too
+            methods[STATIC_LOOKUP] = {"prompt_lookup_num_tokens": 10, **static_compile(longest + 10 + 1)}
     else:
         skipped["prompt_lookup"] = f"transformers' prompt lookup decoding refuses batch size > 1 (here {batch_size})"
     methods.update(extra_methods or {})
-    batches = [chat_batch(tokenizer, b, target.device) for b in _batches(prompts, batch_size)]
     sampling = _sampling(temperature)
 
     def fresh(kw):
@@ -174,8 +201,19 @@ def bench_speed(target, tokenizer, draft, prompts: list[dict], batch_size: int =
         new = (out.sequences if hasattr(out, "sequences") else out)[:, inputs["input_ids"].shape[1]:]
         return user_tokens(new, eos_ids), seconds, new, [r for rows in getattr(out, "rounds", []) for r in rows]
 
-    for kw in methods.values():  # warm-up on the first batch (the default policy measures its costs here, once)
-        target.generate(**batches[0], max_new_tokens=8, **sampling, **fresh(kw))
+    # warm-up (the default policy measures its costs here, once); the compiled arms decode every batch in full, and
+    # prompt lookup with a static cache leaves the run where this transformers refuses it
+    for name, kw in list(methods.items()):
+        warm = batches if kw.get("cache_implementation") == "static" else batches[:1]
+        try:
+            for inputs in warm:
+                target.generate(**inputs, max_new_tokens=max_new_tokens if len(warm) > 1 else 8, **sampling,
+                                **fresh(kw))
+        except (ValueError, RuntimeError) as error:
+            if name != STATIC_LOOKUP:
+                raise
+            skipped[name] = f"transformers fails it: {type(error).__name__}: {' '.join(str(error).split())[:200]}"
+            del methods[name]
     seconds, tokens, rounds, same = defaultdict(list), defaultdict(list), defaultdict(list), defaultdict(list)
     names = list(methods)
     greedy = temperature == 0
@@ -201,17 +239,22 @@ def bench_speed(target, tokenizer, draft, prompts: list[dict], batch_size: int =
                 same[name].append(check_identity(target, name, outputs[name], outputs["plain"], eos_ids))
     bar.close()
     rates = {m: statistics.median(n / s for n, s in zip(tokens[m], seconds[m])) for m in methods}
+
+    def paired(m, reference):
+        """The median of ratios taken within each repeat: drift between repeats cancels."""
+        return statistics.median((n / s) / (n0 / s0) for n, s, n0, s0 in zip(tokens[m], seconds[m],
+                                                                            tokens[reference], seconds[reference]))
+
     return {
         "settings": {"batch_size": batch_size, "max_new_tokens": max_new_tokens, "repeats": repeats,
                      "temperature": temperature, "prompts": len(prompts), "block_size": draft.config.block_size,
-                     "prompt_ids": [p["id"] for p in prompts]},
+                     "prompt_ids": [p["id"] for p in prompts],
+                     "compiled_baseline": COMPILED_PLAIN if compiled else None},
         "machine": machine_info(target, draft),
         "skipped": skipped,
         "methods": {m: {"tokens_per_s": rates[m], "ratio_to_plain": rates[m] / rates["plain"],
-                        # the median of ratios taken within each repeat: drift between repeats cancels
-                        "paired_ratio_to_plain": statistics.median(
-                            (n / s) / (n0 / s0) for n, s, n0, s0 in zip(tokens[m], seconds[m], tokens["plain"],
-                                                                        seconds["plain"])),
+                        "paired_ratio_to_plain": paired(m, "plain"),
+                        **({"paired_ratio_to_compiled_plain": paired(m, COMPILED_PLAIN)} if compiled else {}),
                         "acceptance_length": (sum(r.tau for r in rounds[m]) / len(rounds[m])) if rounds[m] else None,
                         "seconds": seconds[m], "tokens": tokens[m],
                         # greedy only: rows whose output equals plain generate()'s, in the repeat with fewest
@@ -241,16 +284,25 @@ def check_identity(target, name: str, outputs: list[torch.Tensor], reference: li
 
 
 def format_speed_table(report: dict) -> str:
+    """The report as a markdown table: tokens/s, against plain generate() (eager, and with a static cache and
+    torch.compile where the run measured it: the fair baseline), tokens per round, and greedy identity."""
     greedy = report["settings"]["temperature"] == 0
-    lines = ["| method | tokens/s | vs plain | paired vs plain | tau |" + (" identical to plain |" if greedy else ""),
-             "|---|---:|---:|---:|---:|" + ("---:|" if greedy else "")]
+    compiled = report["settings"].get("compiled_baseline") is not None  # reports before it have none
+    lines = ["| method | tokens/s | vs plain | paired vs plain |" + (" paired vs plain static+compile |" if compiled
+                                                                    else "") + " tau |" +
+             (" identical to plain |" if greedy else ""),
+             "|---|---:|---:|---:|" + ("---:|" if compiled else "") + "---:|" + ("---:|" if greedy else "")]
     for name, m in report["methods"].items():
         tau = "" if m["acceptance_length"] is None else f"{m['acceptance_length']:.2f}"
         same = m.get("identical_rows")  # None for plain, sampling, and reports written before rows were compared
         cell = ("" if same is None else f" {same}/{report['settings']['prompts']}") + " |" if greedy else ""
         paired = m.get("paired_ratio_to_plain")  # absent from reports written before it was
         paired = "" if paired is None else f"{paired:.2f}x"
-        lines.append(f"| {name} | {m['tokens_per_s']:.1f} | {m['ratio_to_plain']:.2f}x | {paired} | {tau} |{cell}")
+        against_compiled = f" {m['paired_ratio_to_compiled_plain']:.2f}x |" if compiled else ""
+        lines.append(f"| {name} | {m['tokens_per_s']:.1f} | {m['ratio_to_plain']:.2f}x | {paired} |"
+                     f"{against_compiled} {tau} |{cell}")
+    for name, why in report.get("skipped", {}).items():
+        lines.append(f"\n{name}: not measured ({why})")
     return "\n".join(lines)
 
 

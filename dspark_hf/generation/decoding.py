@@ -1,36 +1,42 @@
 """DSpark speculative decoding as a `generate()` decoding method, for any batch size.
 
-Each round: the draft proposes a full block from every row's anchor; a verification policy decides how many of
-those tokens each row sends to the target; one target forward scores them all; rejection sampling (or argmax
-matching) keeps a prefix and adds the target's own next token. The target's hidden states of the kept tokens
-become new draft context. Rows live flush right in every buffer (see `ragged`), finished rows leave the batch.
+Each round: the draft's block, proposed from every row's anchor, is verified as far as the verification policy
+chose for each row, in one target forward; rejection sampling (or argmax matching) keeps a prefix and adds the
+target's own next token; the target's features of the kept tokens become new draft context; and the next block is
+drafted from the new anchors. Every buffer is preallocated (`state.DecodingState`): rows write at their own offsets
+and the batch keeps its shape to the end, rows that have finished committing nothing.
 
-A round is a function of explicit state: the call's [`Decoding`] (models, policy, the output so far) and the rows
-still decoding ([`Live`]) in, the rows after it out. Where its block comes from is a [`BlockSource`]'s.
+The device is never waited for within a round but once: everything the host must know to go on (what each row
+accepted and committed, where it stopped, the next block's confidences and whether it is finite) comes back in one
+transfer at the round's end (`host.HostRead`), and the policy plans the next round from it. The next block is
+drafted before that read, so the policy's choice whether to draft a round is made before the previous round's
+outcome reaches it. With ``cache_implementation="static"`` the two forwards are compiled (`steps.Steps`).
 """
 
 from __future__ import annotations
 
-import functools
-from dataclasses import dataclass, field, replace
-from typing import Callable
+from dataclasses import dataclass
 
 import torch
-from transformers import DynamicCache, LogitsProcessorList, StoppingCriteriaList
+from transformers import LogitsProcessorList, StoppingCriteriaList
 from transformers.generation.configuration_utils import GenerationMode
 
-from .. import internals
-from ..devices import clock
-from ..model.modeling_dspark import DSparkContext, DSparkDraftModel
+from ..devices import Stopwatch
+from ..model.modeling_dspark import DSparkDraftModel
+from ..model.sampling import raise_if_not_finite
 from ..scheduling.auto import AutoScheduled
-from ..scheduling.policies import FullBlock, VerificationPolicy, as_policy, checked_lengths
+from ..scheduling.policies import FullBlock, VerificationPolicy, as_policy, learn_outcome, plan_lengths
 from . import verify
 from .drafting import BlockSource, Drafter, Outcome, Proposal, empty_block
-from .ragged import Commit, leading_padding
+from .host import HostRead, to_device
 from .records import DSparkGenerateOutput
 from .request import check_request
 from .ssd import SSDConfig, SSDSource
+from .state import DecodingState
+from .steps import Steps
 from .transcript import Transcript
+
+PHASES = ("prefill", "draft", "target", "total")
 
 
 def dspark_generate(
@@ -56,8 +62,9 @@ def dspark_generate(
     plans against this machine's measured costs and drafts only while drafting pays; with `ssd`, `FullBlock()`), ssd
     (an [`SSDConfig`]: speculative speculative decoding, the next block prepared while the target verifies). Stop
     strings work on both routes (with `tokenizer=`, which generate() drops on this one, so `import dspark_hf` turns
-    them into a `StopStringCriteria` first). Returns what `generate()` returns; with ``return_dict_in_generate=True``
-    a [`DSparkGenerateOutput`].
+    them into a `StopStringCriteria` first). ``cache_implementation="static"`` compiles the round's forwards where
+    plain generate() would compile its step (`steps.Steps`). Returns what `generate()` returns; with
+    ``return_dict_in_generate=True`` a [`DSparkGenerateOutput`].
     """
     input_ids = input_ids.long()  # plain generate() returns int64 ids for any integer prompt
     if model_kwargs.get("attention_mask") is not None:  # a float mask too: positions are sums of it
@@ -66,17 +73,20 @@ def dspark_generate(
                   token_streamer, ssd)
     if not draft_model.is_bound_to(model):
         draft_model.bind_target(model)
+    steps = Steps.for_call(model, draft_model, generation_config, ssd)
     out = Transcript.start(input_ids, model_kwargs.get("attention_mask"), logits_processor, stopping_criteria,
-                           generation_config, token_streamer)
+                           generation_config, token_streamer, draft_model.config.block_size)
     do_sample = generation_config.get_generation_mode() == GenerationMode.SAMPLE
+    # timings are read only where they are returned: on a GPU, CUDA events (no wait until the call's end)
+    watch = Stopwatch(input_ids.device, enabled=generation_config.return_dict_in_generate)
     if ssd is None:
         policy = AutoScheduled() if verification_policy is None else as_policy(verification_policy)
-        call = Decoding(model, draft_model, policy, do_sample, functools.partial(clock, input_ids.device), out)
-        return decode(call, Drafter(draft_model, do_sample))
+        call = Decoding(model, draft_model, policy, do_sample, steps, out, watch)
+        return decode(call, Drafter(draft_model, do_sample, steps.draft_block))
     policy = FullBlock() if verification_policy is None else as_policy(verification_policy)
     source = SSDSource(ssd, model, draft_model, out, do_sample)
     try:
-        result = decode(Decoding(model, draft_model, policy, do_sample, source.clock, out), source)
+        result = decode(Decoding(model, draft_model, policy, do_sample, steps, out, watch), source)
     finally:
         source.close()
     if isinstance(result, DSparkGenerateOutput):
@@ -87,180 +97,177 @@ def dspark_generate(
 
 @dataclass
 class Decoding:
-    """One generate() call: the target and draft, the verification policy, whether it samples, the clock its timings
-    read, its output so far (`out`, see [`Transcript`]) and its seconds by phase (`timings`: prefill, then over all
-    rounds draft and target, and total)."""
+    """One generate() call: the target and draft, the verification policy, whether it samples, how its forwards run
+    (`steps`), its output so far (`out`, see [`Transcript`]) and its seconds by phase (`watch`: the prefill, then
+    over all rounds the draft and the target, and the total)."""
 
     target: object
     draft: DSparkDraftModel
     policy: VerificationPolicy
     do_sample: bool
-    clock: Callable[[], float]
+    steps: Steps
     out: Transcript
-    timings: dict[str, float] = field(default_factory=lambda: dict.fromkeys(("prefill", "draft", "target", "total"),
-                                                                            0.0))
+    watch: Stopwatch
 
 
 @dataclass
-class Live:
-    """The rows still decoding, flush right in every buffer (see `ragged`). rows (R,): their index in the batch;
-    mask (R, T): attention mask over every committed token, the anchor last; cache: the target's KV of every
-    committed token but the anchor (changed in place, as transformers' caches are); context: the draft's context
-    of the same tokens, followed by pending (R, T', F) target features of tokens committed in rounds without a
-    draft at pending_positions (R, T'), encoded when drafting resumes; anchor (R,): the last committed token."""
+class Plan:
+    """What a round verifies: the proposal (its block), and per row how many of its tokens (verify_len (B,) on the
+    device, 0 for rows that have finished; `lengths` on the host, for `rows`, the rows still decoding, which `live`
+    (B,) marks on the device)."""
 
-    rows: torch.Tensor
-    mask: torch.Tensor
-    cache: DynamicCache
-    context: DSparkContext
-    anchor: torch.Tensor
-    pending: torch.Tensor
-    pending_positions: torch.Tensor
+    proposal: Proposal
+    verify_len: torch.Tensor
+    live: torch.Tensor
+    lengths: list[int]
+    rows: list[int]
+    one_token_left: bool
 
-    def with_pending_encoded(self, draft: DSparkDraftModel) -> "Live":
-        """The pending features turned into draft context, all in one pass (before a draft reads the context)."""
-        if self.pending_positions.shape[1] == 0:
-            return self
-        valid = torch.ones_like(self.pending_positions, dtype=torch.bool)
-        context = self.context.cat(draft.encode_context(self.pending, self.pending_positions, valid))
-        return replace(self, context=context, pending=self.pending[:, :0],
-                       pending_positions=self.pending_positions[:, :0])
-
-    def committed(self, commit: Commit, mask, anchor, features, positions, draft, drafted: bool) -> "Live":
-        """After a round appended [anchor, verified drafts] (their target `features` (R, L + 1, F) at `positions`;
-        `mask` (R, T + L + 1) covers them and the next anchor): each row keeps its anchor and accepted drafts
-        (`commit`), and `anchor` (R,) is its next one."""
-        if not commit.keeps_all:
-            for layer in self.cache.layers:
-                layer.keys, layer.values = commit(layer.keys, 2), commit(layer.values, 2)
-        if not drafted:  # every row keeps its one token; nothing reads the draft context before the next draft
-            return replace(self, mask=commit(mask, 1), anchor=anchor, pending=torch.cat([self.pending, features], 1),
-                           pending_positions=torch.cat([self.pending_positions, positions], 1))
-        added = draft.encode_context(features, positions, torch.ones_like(positions, dtype=torch.bool))
-        return replace(self, mask=commit(mask, 1), anchor=anchor, context=self.context.cat(added).map(commit))
-
-    def select(self, alive: torch.Tensor) -> "Live":
-        """The rows that decode on (alive (R,) bool), without the padding columns no row needs any more."""
-        live = self
-        if not bool(alive.all()):
-            idx = alive.nonzero().squeeze(1)
-            self.cache.batch_select_indices(idx)
-            live = Live(self.rows[idx], self.mask[idx], self.cache, self.context.map(lambda t, dim: t[idx]),
-                        self.anchor[idx], self.pending[idx], self.pending_positions[idx])
-        drop = leading_padding(live.mask) if live.rows.numel() else 0
-        if not drop:
-            return live
-        for layer in live.cache.layers:
-            layer.keys, layer.values = layer.keys[:, :, drop:], layer.values[:, :, drop:]
-        return replace(live, mask=live.mask[:, drop:],
-                       context=live.context.map(lambda t, dim: t.narrow(dim, drop, t.shape[dim] - drop)))
+    @property
+    def longest(self) -> int:
+        return max(self.lengths, default=0)
 
 
 def decode(s: Decoding, source: BlockSource):
     """The call: the prompt once, then rounds until every row is done. Returns what generate() returns."""
-    start = s.clock()
-    s.out.open()
-    if s.out.max_new > 0:
-        s.policy.prepare(s.target, s.draft, s.out.prompt.shape[0], sampling=s.do_sample)
-        live = _prefill(s)
-        s.timings["prefill"] = s.clock() - start
-        while live.rows.numel() > 0:
-            live = _round(s, source, live)
-    s.timings["total"] = s.clock() - start
-    return s.out.close(s.timings)
+    with s.watch.phase("total"):
+        s.out.open()
+        if s.out.max_new > 0:
+            B, P = s.out.prompt.shape
+            s.policy.prepare(s.target, s.draft, B, sampling=s.do_sample)
+            state = s.steps.state(B, P, s.out.max_new)
+            try:
+                plan = _prefill(s, source, state)
+                while plan is not None:
+                    plan = _round(s, source, state, plan)
+            finally:
+                s.steps.release(state)
+    return s.out.close(s.watch.totals(PHASES))
 
 
-def _prefill(s: Decoding) -> Live:
-    """Run the prompt once, pick the first token (it becomes the first anchor), seed the draft context."""
+def _prefill(s: Decoding, source: BlockSource, state: DecodingState) -> Plan | None:
+    """Run the prompt once, pick the first token (it becomes the first anchor), seed the draft context, draft the
+    first block."""
     prompt, mask = s.out.prompt, s.out.prompt_mask
     B = prompt.shape[0]
-    rows = torch.arange(B, device=prompt.device)
-    positions = (mask.long().cumsum(1) - 1).clamp_min(0)
-    cache = DynamicCache()
-    target_out = _forward(s, prompt, mask, positions, cache, logits_to_keep=1)  # timed as the prefill
-    scores = s.out.process(rows, prompt.new_zeros(B, 0), target_out.logits[:, -1])
-    token = torch.multinomial(torch.softmax(scores, -1), 1).squeeze(1) if s.do_sample else scores.argmax(-1)
-    features = s.draft.target_features(target_out.hidden_states)
-    context = s.draft.encode_context(features, positions, mask.bool())
-    ones = torch.ones_like(token)
-    stop_at = s.out.stop_index(rows, token[:, None], ones, scores[:, None])
-    done = s.out.commit(rows, token[:, None], ones, stop_at)
-    live = Live(rows, torch.cat([mask, ones[:, None].to(mask.dtype)], 1), cache, context, token, features[:, :0],
-                positions[:, :0])
-    return live.select(~done)
+    with s.watch.phase("prefill"):
+        logits = state.prefill(s.target, s.draft, prompt, mask)
+        s.steps.prepared(state)
+        scores = s.out.process(prompt.new_zeros(B, 0), logits[:, -1])
+        token = torch.multinomial(torch.softmax(scores, -1), 1).squeeze(1) if s.do_sample else scores.argmax(-1)
+        ones = torch.ones_like(token)
+        stop_at = s.out.stop_index(token[:, None], ones, scores[:, None])
+        s.out.commit(token[:, None], ones, stop_at)
+        state.anchor = token
+    proposal = _propose(s, source, state, rows=list(range(B)), bound=state.host_end,
+                        remaining=[s.out.limit - 1] * B)
+    read = _read(s, proposal, HostRead().add("stop_at", stop_at).add("token", token[:1]))
+    s.out.committed_on_host([1] * B, read["stop_at"])
+    s.out.stream(read["token"])
+    return _plan(s, proposal, read)
 
 
-def _round(s: Decoding, source: BlockSource, live: Live) -> Live:
-    """One round over the live rows, in the order of the math: propose a block, verify it in one target forward,
-    accept a prefix and the target's own next token, commit them. Returns the rows that decode on."""
-    out, rows = s.out, live.rows
-    anchor_pos = live.mask.sum(1) - 1
-    one_token_left = out.one_token_left(rows)
-    live, proposal, verify_len = _propose(s, source, live, anchor_pos, one_token_left)
-    block, L = proposal.block, int(verify_len.max())
+def _round(s: Decoding, source: BlockSource, state: DecodingState, plan: Plan) -> Plan | None:
+    """One round, in the order of the math: verify the planned prefix of the block in one target forward, accept a
+    prefix and the target's own next token, commit them; then draft the next block and read what the host needs."""
+    out, proposal, L = s.out, plan.proposal, plan.longest
+    block = proposal.block
     x = block.tokens[:, :L]
 
-    # verify: one target forward over [anchor, x] after the cached tokens
-    inputs = torch.cat([live.anchor[:, None], x], 1)
-    positions = anchor_pos[:, None] + torch.arange(L + 1, device=x.device)
-    mask = torch.cat([live.mask, live.mask.new_ones(rows.numel(), L + 1)], 1)  # [cache, anchor, x, next anchor]
-    with source.verifying(proposal, verify_len, live.anchor, anchor_pos, live.context):
-        start = s.clock()
-        target_out = _forward(s, inputs, mask[:, :-1], positions, live.cache, logits_to_keep=0)  # a column per key
-        s.timings["target"] += s.clock() - start
-    scores = torch.stack([out.process(rows, x[:, :j], target_out.logits[:, j]) for j in range(L + 1)], 1)
+    # verify: one target forward over [anchor, x] after each row's committed tokens
+    Q = s.steps.width(L + 1)
+    inputs = torch.cat([state.anchor[:, None], x, x.new_zeros(x.shape[0], Q - L - 1)], 1)  # padded to a bucket
+    with source.verifying(proposal, plan.verify_len, state.anchor, state.count, _context(s, state, 0)), \
+            s.watch.phase("target"):
+        logits = s.steps.verify(state, inputs)
+    scores = out.process_block(x, logits)
 
     # accept: a prefix of x, then the target's own token (a correction, or a bonus after every verified draft)
-    n, nxt = _accept(s.do_sample, scores, block, x, verify_len)
-    chunk = torch.cat([x, x.new_zeros(rows.numel(), 1)], 1).scatter(1, n[:, None], nxt[:, None])
-    stop_at = out.stop_index(rows, chunk, n + 1, scores)
-    committed = torch.where(stop_at > 0, stop_at, n + 1) if out.pads_finished else n + 1
+    n, nxt = _accept(s.do_sample, scores, block, x, plan.verify_len)
+    chunk = torch.cat([x, x.new_zeros(x.shape[0], 1)], 1).scatter(1, n[:, None], nxt[:, None])
+    kept = torch.where(plan.live, n + 1, 0)
+    stop_at = out.stop_index(chunk, kept, scores)
+    committed = torch.where(stop_at > 0, stop_at, kept) if out.pads_finished else kept
 
-    # commit: to the policy, the records, the output and the source; every buffer keeps [anchor, accepted drafts]
-    outcome = Outcome(proposal, verify_len, n, nxt, committed)
-    s.policy.observe(verify_len, n, drafted=proposal.drafted)
-    out.record(rows, outcome, stop_at, one_token_left)
-    alive = ~out.commit(rows, chunk, committed, stop_at)
-    source.learn(outcome, alive)
-    features = s.draft.target_features(target_out.hidden_states)
-    live = live.committed(Commit(L + 1, keep=n + 1), mask, nxt, features, positions, s.draft, proposal.drafted)
-    return live.select(alive)
+    # commit: to the output, the state and the source; then the next block, drafted while this round is on the device
+    outcome = Outcome(proposal, plan.verify_len, n, nxt, committed)
+    out.commit(chunk, committed, stop_at)
+    state.keep(kept, nxt, Q)
+    source.learn(outcome, plan.rows)
+    remaining = [r - 1 for r in out.remaining(plan.rows)]  # at most, once every row has committed its token
+    upcoming = _propose(s, source, state, plan.rows, bound=state.host_end + Q, remaining=remaining)
 
-
-def _propose(s: Decoding, source: BlockSource, live: Live, anchor_pos: torch.Tensor,
-             one_token_left: bool) -> tuple[Live, Proposal, torch.Tensor]:
-    """This round's block and how much of it each row verifies: (the rows, their context up to date; the proposal;
-    verify_len (R,)). A policy may switch drafting off for a round when, under the current load, plain decoding is
-    faster; it decides before this round's block exists, so the choice cannot depend on it (lossless). A round
-    where no row has more than one token left can verify nothing: it drafts nothing (nor does the policy count it)."""
-    if one_token_left or not s.policy.draft_this_round(live.rows.numel()):
-        return live, Proposal(empty_block(s.draft, live.anchor)), torch.zeros_like(live.rows)
-    start = s.clock()
-    live = live.with_pending_encoded(s.draft)
-    proposal = source.propose(live.rows, live.anchor, anchor_pos, live.context,
-                              functools.partial(s.out.process, live.rows))
-    s.timings["draft"] += s.clock() - start
-    return live, proposal, _verify_lengths(s, live.rows, proposal)
+    # what the host learns of the round, in one read
+    read = _read(s, upcoming, HostRead().add("accepted", n).add("committed", committed).add("stop_at", stop_at)
+                 .add("chunk", chunk[0] if out.streamer is not None else None))
+    rows, live = plan.rows, set(plan.rows)
+    state.kept_on_host([a + 1 if b in live else 0 for b, a in enumerate(read["accepted"])], Q)
+    out.committed_on_host(read["committed"], read["stop_at"])
+    learn_outcome(s.policy, plan.lengths, [read["accepted"][b] for b in rows], drafted=proposal.drafted)
+    out.record(rows, outcome, plan.lengths, plan.one_token_left, read["stop_at"])
+    if read["chunk"] is not None and 0 in rows:
+        stop = read["stop_at"][0]
+        out.stream(read["chunk"][: stop or read["committed"][0]])
+    return _plan(s, upcoming, read)
 
 
-def _verify_lengths(s: Decoding, rows: torch.Tensor, proposal: Proposal) -> torch.Tensor:
-    """The policy's choice of how much of the block each row verifies, never past the length limit or the block's
-    reach."""
-    gamma, R = s.draft.config.block_size, rows.numel()
-    chosen = checked_lengths(s.policy(proposal.block.confidences, gamma, R), gamma, R, s.policy)
-    lengths = torch.minimum(chosen.to(rows.device), s.out.remaining(rows) - 1)
-    return lengths if proposal.reach is None else torch.minimum(lengths, proposal.reach)
+def _propose(s: Decoding, source: BlockSource, state: DecodingState, rows: list[int], bound: int,
+             remaining: list[int]) -> Proposal:
+    """The next round's block, drafted before the host knows how this round ended: unless the policy pauses drafting
+    (decided from past rounds only, so it cannot depend on the block: lossless), or no row can have more than one
+    token left (`remaining`: each row's most tokens left after this round; nothing could be verified)."""
+    if all(r <= 1 for r in remaining) or not s.policy.draft_this_round(len(rows)):
+        return Proposal(empty_block(s.draft, state.anchor))
+    with s.watch.phase("draft"):
+        B = state.anchor.shape[0]
+        return source.propose(torch.arange(B, device=state.anchor.device), state.anchor, state.count,
+                              _context(s, state, bound), s.out.process)
 
 
-def _forward(s: Decoding, input_ids, mask, positions, cache, logits_to_keep: int):
-    """The target's forward, returning only the hidden states the draft reads."""
-    return s.target(input_ids=input_ids, attention_mask=mask, position_ids=positions, **internals.with_cache(cache),
-                    use_cache=True, output_hidden_states=s.draft.hidden_states_request, logits_to_keep=logits_to_keep)
+def _context(s: Decoding, state: DecodingState, bound: int):
+    """The draft's context: every slot a row may have filled (up to `bound`; compiled: all)."""
+    return state.context(s.steps.context_width(state, max(bound, state.host_end)))
+
+
+def _read(s: Decoding, proposal: Proposal, read: HostRead) -> dict:
+    """The round's one read, with what the next plan needs of its block; a non-finite block is refused here."""
+    block = proposal.block
+    read.add("confidences", block.confidences if proposal.drafted else None)
+    read.add("reach", proposal.reach if proposal.drafted else None)
+    values = read.add("finite", block.finite if proposal.drafted else None).read()
+    if values["finite"] is not None:
+        raise_if_not_finite(values["finite"])
+    return values
+
+
+def _plan(s: Decoding, proposal: Proposal, read: dict) -> Plan | None:
+    """The next round's verify lengths for the rows still decoding, by the policy, never past a row's length limit
+    or its block's reach; None when every row is done."""
+    rows = s.out.live_rows()
+    if not rows:
+        return None
+    remaining = s.out.remaining(rows)
+    gamma, B = s.draft.config.block_size, s.out.prompt.shape[0]
+    one_token_left = all(r <= 1 for r in remaining)
+    if one_token_left or not proposal.drafted:  # a block drafted for a round that can verify nothing goes unused
+        proposal = Proposal(empty_block(s.draft, proposal.block.tokens.new_zeros(B)))
+        lengths = [0] * len(rows)
+    else:
+        confidences = None if read["confidences"] is None else [read["confidences"][b] for b in rows]
+        chosen = plan_lengths(s.policy, confidences, gamma, len(rows))
+        reach = read["reach"] or [gamma] * B
+        lengths = [min(n, left - 1, reach[b]) for n, left, b in zip(chosen, remaining, rows)]
+    per_row, live = [0] * B, [False] * B
+    for b, n in zip(rows, lengths):
+        per_row[b], live[b] = n, True
+    device = proposal.block.tokens.device
+    return Plan(proposal, to_device(per_row, torch.long, device), to_device(live, torch.bool, device), lengths, rows,
+                one_token_left)
 
 
 def _accept(do_sample: bool, scores, block, x, verify_len) -> tuple[torch.Tensor, torch.Tensor]:
-    """How many drafted tokens x (R, L) the target keeps and its own next token, from its processed scores
-    (R, L + 1, V): (n (R,), next token (R,)), by `verify`."""
+    """How many drafted tokens x (B, L) the target keeps and its own next token, from its processed scores
+    (B, L + 1, V): (n (B,), next token (B,)), by `verify`."""
     if do_sample:
         return verify.verify_sampling(torch.softmax(scores, -1), block.probs[:, :x.shape[1]], x, verify_len)
     return verify.verify_greedy(scores, x, verify_len)

@@ -25,8 +25,8 @@ __all__ = ["BlockSource", "Drafter", "Outcome", "Proposal", "empty_block", "Bloc
 
 @dataclass
 class Proposal:
-    """A round's block for its R rows, and what its source says of it. reach (R,): how many of its tokens a row may
-    verify, where fewer than the block (an n-gram lookup proposes fewer), else None; cache_hit (R,) bool: whether
+    """A round's block for the B rows, and what its source says of it. reach (B,): how many of its tokens a row may
+    verify, where fewer than the block (an n-gram lookup proposes fewer), else None; cache_hit (B,) bool: whether
     the block came ready from a speculation cache, None for a source without one."""
 
     block: DraftBlock
@@ -41,8 +41,9 @@ class Proposal:
 
 @dataclass
 class Outcome:
-    """What verification made of a round's proposal, per row (R,): how many tokens it verified and accepted, the
-    target's own next token, and how many tokens reached the output (fewer where a stop cut the chunk short)."""
+    """What verification made of a round's proposal, per row (B,): how many tokens it verified and accepted, the
+    target's own next token, and how many tokens reached the output (fewer where a stop cut the chunk short, none
+    for a row that had finished)."""
 
     proposal: Proposal
     verified: torch.Tensor
@@ -57,32 +58,36 @@ class BlockSource(Protocol):
 
     def propose(self, rows: torch.Tensor, anchor: torch.Tensor, anchor_positions: torch.Tensor,
                 context: DSparkContext, process_logits: ProcessLogits) -> Proposal:
-        """The block for the rows still decoding (R,) (their index in the batch), from their anchors (R,) at
-        `anchor_positions` (R,) after `context`; `process_logits` applies the call's logits processors to them."""
+        """The block for every row of the batch (rows (B,): their index), from their anchors (B,) at
+        `anchor_positions` (B,) after `context`; `process_logits` applies the call's logits processors to them.
+        A row that has finished gets a block too (its outcome is never used): the batch keeps its shape."""
 
     def verifying(self, proposal: Proposal, verify_len: torch.Tensor, anchor: torch.Tensor,
                   anchor_positions: torch.Tensor, context: DSparkContext) -> ContextManager[None]:
         """Held while the target verifies the first verify_len (R,) tokens of the block: a source may work meanwhile
         (SSD prepares the next blocks)."""
 
-    def learn(self, outcome: Outcome, alive: torch.Tensor) -> None:
-        """The round's outcome; alive (R,) bool: the rows that decode on, in order (the next round's rows)."""
+    def learn(self, outcome: Outcome, rows: list[int]) -> None:
+        """The round's outcome (B,) for every row of the batch; `rows`: those that decoded in the round (the others
+        had finished before it)."""
 
 
 class Drafter:
-    """A [`BlockSource`] that drafts each block in time: `sample_block`, or a [`BlockProposer`]'s own."""
+    """A [`BlockSource`] that drafts each block in time: `sample_block`, or a [`BlockProposer`]'s own (through
+    `draft_block`, the call's drafting step: compiled or not, see `steps.Steps`). Its blocks are drawn without
+    their finiteness check, which the round reads with its other values."""
 
-    def __init__(self, draft: DSparkDraftModel, do_sample: bool):
-        self.draft_block, self.do_sample = drafter(draft), do_sample
+    def __init__(self, draft: DSparkDraftModel, do_sample: bool, draft_block=None):
+        self.draft_block, self.do_sample = draft_block or drafter(draft), do_sample
 
     def propose(self, rows, anchor, anchor_positions, context, process_logits) -> Proposal:
         return Proposal(self.draft_block(anchor, anchor_positions, context, self.do_sample,
-                                         process_logits=process_logits))
+                                         process_logits=process_logits, check=False))
 
     def verifying(self, proposal, verify_len, anchor, anchor_positions, context) -> ContextManager[None]:
         return contextlib.nullcontext()
 
-    def learn(self, outcome: Outcome, alive: torch.Tensor) -> None:
+    def learn(self, outcome: Outcome, rows: list[int]) -> None:
         """A drafter learns nothing: each block depends on the context alone."""
 
 

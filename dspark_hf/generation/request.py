@@ -56,8 +56,8 @@ def refuse_on_the_way_in(model, bound: dict, extra: dict) -> None:
     given = internals.cache_given(extra)
     if given is not None:  # under every name a transformers release accepts, so the message is the same on all
         name = given[0]
-        raise ValueError(f"{name} is not supported with a DSpark draft: it keeps its own cache, re-aligned every "
-                         f"round, so a cache passed in would not be filled for reuse. Drop {name}.")
+        raise ValueError(f"{name} is not supported with a DSpark draft: it keeps its own cache (each row at its "
+                         f"own offset), so a cache passed in would not be filled for reuse. Drop {name}.")
     if effective_option(model, bound, extra, "token_healing"):
         raise ValueError("token_healing=True is not supported with a DSpark draft: heal the prompt first, "
                          "input_ids = target.heal_tokens(input_ids, tokenizer), and generate without token_healing.")
@@ -159,14 +159,15 @@ def _check_generation_config(cfg, mode: GenerationMode, synced_gpus: bool) -> No
         raise ValueError("synced_gpus=True is not supported with a DSpark draft.")
     if cfg.use_cache is False:
         raise ValueError("DSpark decoding needs the KV cache; do not pass use_cache=False.")
-    if cfg.cache_implementation not in (None, "dynamic"):
+    if cfg.cache_implementation not in (None, "dynamic", "static"):
         raise ValueError(f"cache_implementation={cfg.cache_implementation!r} is not supported with a DSpark draft: "
-                         "it keeps its own dynamic cache (rows are re-aligned every round).")
+                         "it keeps its own cache, preallocated for the call with each row at its own offset; "
+                         "'static' also compiles its steps, as plain generate() compiles with a static cache.")
 
 
 def _check_model_kwargs(model_kwargs: dict) -> None:
     """generate() hands over the empty cache it prepared (a caller's own was refused on the way in), which DSpark
-    leaves unused: its own is re-aligned every round."""
+    leaves unused: its own keeps each row at its own offset."""
     if model_kwargs.get("inputs_embeds") is not None:
         raise ValueError("inputs_embeds is not supported with a DSpark draft, which reads token ids: pass input_ids "
                          "instead (or drop the draft).")

@@ -170,10 +170,13 @@ class SSDSource:
             target, draft, sorted({1, transcript.prompt.shape[0]}), progress=config.progress)
         # N x S blocks: kept over the draft's own vocabulary, unless a processor reads which token a column is
         self._needs_target_vocab = not all(isinstance(p, VOCAB_FREE_PROCESSORS) for p in transcript.processors)
-        self._next: _Ready | None = None  # blocks ready for this round's rows
+        self._next: _Ready | None = None  # blocks ready for the next round's rows
         self._speculation: _Speculation | None = None  # made during this round's verification
-        self._looked_up: torch.Tensor | None = None  # (R,) rows whose block this round an n-gram / random lookup made
-        self._lag: torch.Tensor | None = None  # (R,) tokens before each anchor its block saw without their features
+        self._looked_up: torch.Tensor | None = None  # (B,) rows whose block this round an n-gram / random lookup made
+        self._lag: torch.Tensor | None = None  # (B,) tokens before each anchor its block saw without their features
+        # how this round's block was found, counted once the round's rows are known: (the cache looked in or None,
+        # its hits (B,), the fallback's kind or None, the rows it served (B,))
+        self._found: tuple | None = None
         # running counts for the fan-out and the fallback: rounds, hits, tokens committed after hits / misses
         self.stats = {"rounds": 0, "hits": 0, "accepted": 0, "verified": 0, "rejections": 0, "tokens_hit": 0,
                       "rounds_hit": 0, "tokens_miss": 0, "rounds_miss": 0,
@@ -202,35 +205,32 @@ class SSDSource:
         hit = ready.hit if ready is not None else torch.zeros(R, dtype=torch.bool, device=rows.device)
         reach = torch.full((R,), self.draft.config.block_size, device=rows.device)
         self._looked_up = torch.zeros(R, dtype=torch.bool, device=rows.device)
+        kind = None
         if bool(hit.all()):
             block = ready.block
         else:
-            block = self._fallback(rows, anchor, anchor_positions, context, process_logits, ~hit, reach)
+            block, kind = self._fallback(rows, anchor, anchor_positions, context, process_logits, ~hit, reach)
             if ready is not None and bool(hit.any()):
                 block = _merge(block, ready.block, hit)
         self._lag = torch.where(hit, ready.lag, 0) if ready is not None else torch.zeros_like(rows)
-        if ready is not None:  # the rounds that had a cache to look in
-            self.stats["rounds"] += R
-            self.stats["hits"] += int(hit.sum())
-            self._record_outcomes(ready.accepted, ready.rank)
+        self._found = (ready, hit, kind, ~hit)
         return Proposal(block, reach, hit)
 
-    def _fallback(self, rows, anchor, anchor_positions, context, process_logits, missed, reach) -> DraftBlock:
+    def _fallback(self, rows, anchor, anchor_positions, context, process_logits, missed,
+                  reach) -> tuple[DraftBlock, str]:
         """A block for every row (only the `missed` rows' are used): the draft's, or an n-gram / random one (whose
-        rows' `reach` it cuts to what the lookup proposed)."""
+        rows' `reach` it cuts to what the lookup proposed); and which fallback made it."""
         kind = self.config.fallback
         if kind == "auto":
             kind = "ngram" if rows.numel() >= self.critical_batch_size(rows.numel()) else "draft"
-        if self._next is not None:  # a real miss (the first round has no cache to miss)
-            self.stats["fallbacks"][kind] += int(missed.sum())
         if kind == "draft":
             if isinstance(self.draft, BlockProposer):
                 return self.draft.propose_block(anchor, anchor_positions, context, self.do_sample,
-                                                process_logits=process_logits)
+                                                process_logits=process_logits), kind
             return sample_blocks(self.draft, anchor[:, None], anchor_positions[:, None], context, self.do_sample,
-                                 process_logits, reweight=self._reweight(self._fan_out())).index(slice(None), 0)
+                                 process_logits, reweight=self._reweight(self._fan_out())).index(slice(None), 0), kind
         self._looked_up = missed
-        return self._lookup_block(rows, missed, reach, random=kind == "random")
+        return self._lookup_block(rows, missed, reach, random=kind == "random"), kind
 
     def _lookup_block(self, rows, missed, reach, random: bool) -> DraftBlock:
         """One-hot blocks of tokens proposed without the draft: exact to verify like any other, as the proposal
@@ -318,13 +318,21 @@ class SSDSource:
         return speculation
 
     # -- what the round's outcome tells ----------------------------------------------------------------------------
-    def learn(self, outcome: Outcome, alive: torch.Tensor) -> None:
-        """Count the round, and keep the blocks the cache holds for its real outcome, for the rows that go on."""
+    def learn(self, outcome: Outcome, rows: list[int]) -> None:
+        """Count the round (its `rows`, those that decoded in it), and keep the blocks the cache holds for its real
+        outcome."""
         if outcome.proposal.drafted:
-            self._count(outcome)
+            index = torch.tensor(rows, device=outcome.accepted.device)
+            ready, hit, kind, missed = self._found
+            if ready is not None:  # the rounds that had a cache to look in
+                self.stats["rounds"] += len(rows)
+                self.stats["hits"] += int(hit[index].sum())
+                self._record_outcomes(ready.accepted[index], ready.rank[index])
+                if kind is not None:  # a real miss (the first round has no cache to miss)
+                    self.stats["fallbacks"][kind] += int(missed[index].sum())
+            self._count(outcome, index)
+        self._found = None
         self._next = self._ready(outcome.accepted, outcome.next_token)
-        if self._next is not None and not bool(alive.all()):
-            self._next = self._next.select(alive.nonzero().squeeze(1))
 
     def _ready(self, accepted, next_token) -> _Ready | None:
         """The next round's blocks: where this round's speculation holds the real outcome, (R,) accepted and next
@@ -340,15 +348,15 @@ class SSDSource:
         block = spec.blocks.index(rows, slot).in_target_vocab(self.draft.config.target_vocab_size)
         return _Ready(hit, block, spec.outcomes.accepted[rows, slot] + 1, accepted, rank)
 
-    def _count(self, outcome: Outcome) -> None:
-        hits, n, verified = outcome.proposal.cache_hit, outcome.accepted, outcome.verified
-        for h, c in zip(hits.tolist(), outcome.committed.tolist()):  # committed: a stop may cut the chunk short
+    def _count(self, outcome: Outcome, rows: torch.Tensor) -> None:
+        hits, n, verified = outcome.proposal.cache_hit[rows], outcome.accepted[rows], outcome.verified[rows]
+        for h, c in zip(hits.tolist(), outcome.committed[rows].tolist()):  # a stop may cut the chunk short
             key = "hit" if h else "miss"
             self.stats[f"tokens_{key}"] += c
             self.stats[f"rounds_{key}"] += 1
         self.stats["accepted"] += int(n.sum())
         self.stats["rejections"] += int((n < verified).sum())
-        for lag, a, v in zip(self._lag.tolist(), n.tolist(), verified.tolist()):
+        for lag, a, v in zip(self._lag[rows].tolist(), n.tolist(), verified.tolist()):
             seen = self.stats["by_lag"].setdefault(lag, [0, 0, 0])
             seen[0] += a
             seen[1] += v

@@ -34,19 +34,22 @@ class DraftBlock:
     drawn from (after logits processors); confidences (N, gamma) calibrated c_k in (0, 1), or None; unweighted
     (N, gamma, V) the draft's own distributions when the tokens were drawn from reweighted ones (Saguaro
     sampling), else None; vocab (V',) the target ids of the distributions' columns when they cover only the
-    draft's vocabulary (probs (N, gamma, V'): a speculation cache keeps many blocks), else None."""
+    draft's vocabulary (probs (N, gamma, V'): a speculation cache keeps many blocks), else None; finite
+    (gamma + 1,) bool: whether the probabilities at each position, and the confidences, were all finite, for a
+    block drawn without its check ([`raise_if_not_finite`] reads it with a round's other values), else None."""
 
     tokens: torch.Tensor
     probs: torch.Tensor
     confidences: torch.Tensor | None
     unweighted: torch.Tensor | None = None
     vocab: torch.Tensor | None = None
+    finite: torch.Tensor | None = None
 
     def index(self, *index) -> "DraftBlock":
         """The same rows (and blocks) of every tensor, e.g. block.index(rows) or block.index(rows, slots)."""
         pick = (lambda t: None if t is None else t[index])
         return DraftBlock(self.tokens[index], self.probs[index], pick(self.confidences), pick(self.unweighted),
-                          self.vocab)
+                          self.vocab, self.finite)
 
     def in_target_vocab(self, vocab_size: int) -> "DraftBlock":
         """The block with its distributions over all `vocab_size` target ids (zero where the draft proposes
@@ -55,7 +58,8 @@ class DraftBlock:
             return self
         spread = (lambda t: None if t is None else
                   t.new_zeros(*t.shape[:-1], vocab_size).index_copy_(-1, self.vocab, t))
-        return DraftBlock(self.tokens, spread(self.probs), self.confidences, spread(self.unweighted))
+        return DraftBlock(self.tokens, spread(self.probs), self.confidences, spread(self.unweighted),
+                          finite=self.finite)
 
 
 @runtime_checkable
@@ -64,7 +68,7 @@ class BlockProposer(Protocol):
 
     def propose_block(self, anchor_ids: torch.Tensor, anchor_positions: torch.Tensor, context: DSparkContext,
                       do_sample: bool = False, process_logits: ProcessLogits | None = None,
-                      generator: torch.Generator | None = None) -> DraftBlock:
+                      generator: torch.Generator | None = None, check: bool = True) -> DraftBlock:
         ...
 
 
@@ -79,15 +83,16 @@ def drafter(draft: DSparkDraftModel) -> Callable[..., DraftBlock]:
 @torch.no_grad()
 def sample_block(draft: DSparkDraftModel, anchor_ids: torch.Tensor, anchor_positions: torch.Tensor,
                  context: DSparkContext, do_sample: bool = False, process_logits: ProcessLogits | None = None,
-                 generator: torch.Generator | None = None) -> DraftBlock:
+                 generator: torch.Generator | None = None, check: bool = True) -> DraftBlock:
     """Draft one block per row, left to right (eq. 4): anchor_ids, anchor_positions (N,) -> a block of (N, gamma).
 
     `process_logits(tokens_so_far (N, k), logits (N, V)) -> logits` applies generation's logits processors
     (temperature, top-k, ...) exactly as they will be applied to the target. Greedy (do_sample=False) takes the
-    argmax of the processed logits; sampling draws with `generator`.
+    argmax of the processed logits; sampling draws with `generator`. check=False leaves the finiteness check to the
+    caller (`DraftBlock.finite`, read with other values: the check reads the device).
     """
     blocks = _draw(draft, anchor_ids[:, None], anchor_positions[:, None], context, _drawn(do_sample, generator),
-                   process_logits)
+                   process_logits, check=check)
     return blocks.index(slice(None), 0)
 
 
@@ -136,7 +141,7 @@ def _drawn(do_sample: bool, generator: torch.Generator | None) -> _Choose:
 
 def _draw(draft: DSparkDraftModel, anchors: torch.Tensor, positions: torch.Tensor, context: DSparkContext,
           choose: _Choose, process_logits: ProcessLogits | None, known: torch.Tensor | None = None,
-          reweight: Reweight | None = None, target_vocab: bool = True) -> DraftBlock:
+          reweight: Reweight | None = None, target_vocab: bool = True, check: bool = True) -> DraftBlock:
     """Blocks at anchors, positions (N, A), left to right through the sequential head: (N, A, gamma) tensors."""
     h = draft.backbone(anchors, positions, context, known)  # (N, A, gamma, d)
     N, A, gamma = h.shape[:3]
@@ -180,15 +185,23 @@ def _draw(draft: DSparkDraftModel, anchors: torch.Tensor, positions: torch.Tenso
     finite = torch.stack(finite, 1)
     shape = (N, A, gamma)
     confidences = draft.calibrated(torch.stack(conf_logits, 1).float()).view(shape) if conf_logits else None
-    # the policies plan on the confidences: NaN ones would make every plan arbitrary (one sync for both checks)
-    usable = finite.all() if confidences is None else finite.all() & torch.isfinite(confidences).all()
-    if not bool(usable):
-        if not bool(finite.all()):
-            position = int((~finite).any(0).float().argmax()) + 1
-            raise FloatingPointError(f"The draft produced non-finite probabilities (NaN or inf) at block position "
-                                     f"{position}: its weights or the logits processors' output are not finite. "
-                                     "Reload the draft (or check training for divergence).")
-        raise FloatingPointError("The draft produced non-finite confidences (NaN): its confidence head's weights are "
-                                 "not finite. Reload the draft (or check training for divergence).")
+    # the policies plan on the confidences: NaN ones would make every plan arbitrary
+    usable = torch.cat([finite.all(0), torch.isfinite(confidences).all()[None] if confidences is not None else
+                        finite.new_ones(1)])
+    if check:
+        raise_if_not_finite(usable.tolist())  # one read for both checks
     return DraftBlock(torch.stack(tokens, 1).view(shape), torch.stack(probs, 1).view(*shape, -1), confidences,
-                      torch.stack(unweighted, 1).view(*shape, -1) if unweighted else None, vocab)
+                      torch.stack(unweighted, 1).view(*shape, -1) if unweighted else None, vocab, usable)
+
+
+def raise_if_not_finite(finite: list[bool]) -> None:
+    """One line for a draft whose block was not finite: `finite` read from `DraftBlock.finite`."""
+    if all(finite):
+        return
+    if not all(finite[:-1]):
+        position = finite.index(False) + 1
+        raise FloatingPointError(f"The draft produced non-finite probabilities (NaN or inf) at block position "
+                                 f"{position}: its weights or the logits processors' output are not finite. "
+                                 "Reload the draft (or check training for divergence).")
+    raise FloatingPointError("The draft produced non-finite confidences (NaN): its confidence head's weights are "
+                             "not finite. Reload the draft (or check training for divergence).")

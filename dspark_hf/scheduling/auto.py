@@ -20,7 +20,7 @@ from .scheduler import prefix_schedule
 class Learned:
     """What the default policy has learned about a draft beside a target at one batch size."""
 
-    seen: torch.Tensor  # per position: (rounds examined, tokens accepted, confidence spent), (3, gamma)
+    seen: list[list[float]]  # per position: rounds examined, tokens accepted, confidence spent (3 lists of gamma)
     pause: int  # rounds the next pause lasts, should the estimate stay below 1
     gain: float = 1.0  # running estimate of drafting's speed over plain decoding's; starts at break-even
     skip: int = 0  # rounds left in the current pause
@@ -82,7 +82,7 @@ class AutoScheduled(Policy):
         self.costs: EngineCosts | None = None
         self._fetched = (None, None)  # (what prepare measured the costs for, those costs)
         self.learned: Learned | None = None
-        self._planned = None  # this round's raw confidences (R, gamma), or None
+        self._planned = None  # this round's raw confidences (R lists of gamma), or None
 
     @property
     def gain(self) -> float:
@@ -91,7 +91,7 @@ class AutoScheduled(Policy):
 
     def fresh(self, block_size: int) -> Learned:
         """What a policy knows before its first round: nothing."""
-        return Learned(seen=torch.zeros(3, block_size, dtype=torch.float64, device="cpu"), pause=self.probe_every)
+        return Learned(seen=[[0.0] * block_size for _ in range(3)], pause=self.probe_every)
 
     def prepare(self, target, draft, batch_size: int, sampling: bool = False) -> None:
         if self.profile is not None:
@@ -120,34 +120,37 @@ class AutoScheduled(Policy):
         return True
 
     def __call__(self, confidences, gamma: int, num_rows: int) -> torch.Tensor:
+        planned = None if confidences is None else confidences.detach().to("cpu", torch.float64).tolist()
+        return torch.tensor(self.plan(planned, gamma, num_rows), dtype=torch.long, device="cpu")
+
+    def plan(self, confidences: list[list[float]] | None, gamma: int, num_rows: int) -> list[int]:
         if self.costs is None:
             raise RuntimeError("AutoScheduled.prepare(target, draft, batch_size) must run before the first round "
                                "(generate() does it).")
-        self._planned = None if confidences is None else confidences.detach().to("cpu", torch.float64)
+        self._planned = confidences
         lengths = self._plan(self._planned, num_rows)
         # A plan learns only at the positions it verifies: a probe (the first drafted round, and the first after each
         # pause) verifies at least one token, so that a draft planned at zero can still be found out. The gain
         # estimate counts a probe as the plan would have done in it, not at what exploring cost.
-        return lengths.clamp_min(1) if self.learned.probing else lengths
+        return [max(n, 1) for n in lengths] if self.learned.probing else lengths
 
-    def _plan(self, planned: torch.Tensor | None, num_rows: int) -> torch.Tensor:
-        """This round's (R,) lengths on the CPU: every row verifies at least `_common_length`, and further where
-        Algorithm 1 (with its lossless early stop) over the recalibrated confidences finds it pays."""
+    def _plan(self, planned: list[list[float]] | None, num_rows: int) -> list[int]:
+        """This round's lengths: every row verifies at least `_common_length`, and further where Algorithm 1 (with
+        its lossless early stop) over the recalibrated confidences finds it pays."""
         common = self._common_length(num_rows)
         if planned is None:  # no confidence head: the acceptance seen is all there is to plan with
-            return torch.full((num_rows,), common, dtype=torch.long, device="cpu")
-        c = self._recalibrated(planned)
+            return [common] * num_rows
         t_draft = self.costs.draft(num_rows)
-        lengths = prefix_schedule(c, lambda b: 1.0 / (t_draft + self.costs.verify(num_rows, b // num_rows)),
-                                  padded=True)
-        return torch.tensor(lengths, dtype=torch.long, device="cpu").clamp_min(common)
+        lengths = prefix_schedule(self._recalibrated(planned),
+                                  lambda b: 1.0 / (t_draft + self.costs.verify(num_rows, b // num_rows)), padded=True)
+        return [max(n, common) for n in lengths]
 
     def _common_length(self, num_rows: int) -> int:
         """The length that maximises expected tokens per second when every row verifies it, by the acceptance rates
         seen in past rounds. Algorithm 1 alone cannot find it on a padded batch: its first admission pays the
         padding of every row for one row's token, so its early stop ends the search there. Reading only past
         rounds, never this block, it is lossless as it is."""
-        survival = self._survival().tolist()
+        survival = self._survival()
         t_draft, best, best_rate = self.costs.draft(num_rows), 0, 0.0
         for length in range(len(survival) + 1):
             rate = (1 + sum(survival[:length])) / (t_draft + self.costs.verify(num_rows, 1 + length))
@@ -155,46 +158,49 @@ class AutoScheduled(Policy):
                 best, best_rate = length, rate
         return best
 
-    def _recalibrated(self, planned: torch.Tensor) -> torch.Tensor:
+    def _recalibrated(self, planned: list[list[float]]) -> list[list[float]]:
         """The head's confidences (R, gamma) scaled by the acceptance seen per unit of confidence spent: `_plan` and
         the gain estimate must read the same numbers, or a plan would be judged by odds it was not made with."""
-        return (planned * self._rates(prior=1.0, weight=1.0, against=self.learned.seen[2])).clamp(0, 1)
+        rates = self._rates(prior=1.0, weight=1.0, against=self.learned.seen[2])
+        return [[min(max(c * rate, 0.0), 1.0) for c, rate in zip(row, rates)] for row in planned]
 
-    def _survival(self) -> torch.Tensor:
+    def _survival(self) -> list[float]:
         """(gamma,) chance that every position up to each one is accepted, by the acceptance rates seen, for a draft
         without a confidence head: `_common_length` plans by it and the gain estimate prices the round by it."""
-        return torch.cumprod(self._rates(prior=0.5, weight=2.0, against=self.learned.seen[0]), 0)
+        return _cumulative_product(self._rates(prior=0.5, weight=2.0, against=self.learned.seen[0]))
 
-    def _rates(self, prior: float, weight: float, against: torch.Tensor) -> torch.Tensor:
+    def _rates(self, prior: float, weight: float, against: list[float]) -> list[float]:
         """Per position, tokens accepted over `against` (rounds examined, or confidence spent), shrunk towards the
         previous position's rate (the first towards `prior`) with `weight`: positions verified rarely or never so
         far inherit what was seen before them."""
         rates, previous = [], prior
-        for took, seen in zip(self.learned.seen[1].tolist(), against.tolist()):
+        for took, seen in zip(self.learned.seen[1], against):
             previous = (took + weight * previous) / (seen + weight)
             rates.append(previous)
-        return torch.tensor(rates, dtype=torch.float64, device="cpu")
+        return rates
 
     def observe(self, verified: torch.Tensor, accepted: torch.Tensor, drafted: bool) -> None:
+        self.learn(verified.tolist(), accepted.tolist(), drafted)
+
+    def learn(self, verified: list[int], accepted: list[int], drafted: bool) -> None:
         if not drafted:
             return
-        verified, accepted = verified.cpu(), accepted.cpu()
         learned = self.learned
-        R, gamma = verified.shape[0], learned.seen.shape[1]
-        k = torch.arange(1, gamma + 1, device="cpu")
-        examined = (k <= verified[:, None]) & (k <= accepted[:, None] + 1)  # verified, all before it accepted
-        took = k <= accepted[:, None]
-        learned.seen[0] += examined.sum(0)
-        learned.seen[1] += took.sum(0)
-        if self._planned is not None:
-            learned.seen[2] += (self._planned * examined).sum(0)
+        R, gamma = len(verified), len(learned.seen[0])
+        for r, (v, a) in enumerate(zip(verified, accepted)):
+            for k in range(min(v, a + 1, gamma)):  # positions verified, all before them accepted
+                learned.seen[0][k] += 1
+                if self._planned is not None:
+                    learned.seen[2][k] += self._planned[r][k]
+            for k in range(min(a, gamma)):
+                learned.seen[1][k] += 1
 
-        longest = int(verified.max())  # what this round really verified: the next probe's cost is priced by it
+        longest = max(verified)  # what this round really verified: the next probe's cost is priced by it
         if learned.probing:
-            verified = torch.minimum(self._plan(self._planned, R), verified)  # as the plan would have verified
+            verified = [min(p, v) for p, v in zip(self._plan(self._planned, R), verified)]  # as the plan would have
             learned.probing = False
         plain_rate = R / self.costs.verify(R, 1)
-        round_seconds = self.costs.draft(R) + self.costs.verify(R, 1 + int(verified.max()))
+        round_seconds = self.costs.draft(R) + self.costs.verify(R, 1 + max(verified))
         this_round = self._expected_tokens(verified) / round_seconds / plain_rate
         learned.gain = (1 - self.smoothing) * learned.gain + self.smoothing * this_round
         if learned.gain >= 1:
@@ -212,16 +218,23 @@ class AutoScheduled(Policy):
         plain = self.costs.verify(num_rows, 1)
         return (self.costs.draft(num_rows) + self.costs.verify(num_rows, 1 + max(verified, 1)) - plain) / plain
 
-    def _expected_tokens(self, verified: torch.Tensor) -> float:
-        """Tokens this round commits in expectation over its rows, given what each row verified (R,): 1 + the sum of
+    def _expected_tokens(self, verified: list[int]) -> float:
+        """Tokens this round commits in expectation over its rows, given what each row verified: 1 + the sum of
         the recalibrated prefix survival c_1 ... c_k over the verified positions (the acceptance rates seen so far
         for a draft without a confidence head). An expectation given the block, not the tokens accepted: a round of
         a draft that pays accepts nothing half the time, and a running estimate of counts that noisy paused drafting
         where it paid (the draft of 2026-11-26 drafted in about 1% of rounds, where verifying 2 tokens a round
         gained about 15% by the costs). The counts still recalibrate the confidences (`_rates`)."""
         if self._planned is None:
-            survival = self._survival().expand(verified.shape[0], -1)
+            survival = [self._survival()] * len(verified)
         else:
-            survival = torch.cumprod(self._recalibrated(self._planned), 1)
-        k = torch.arange(1, survival.shape[1] + 1, device="cpu")
-        return float(verified.shape[0] + (survival * (k <= verified[:, None])).sum())
+            survival = [_cumulative_product(row) for row in self._recalibrated(self._planned)]
+        return float(len(verified) + sum(sum(s[:v]) for s, v in zip(survival, verified)))
+
+
+def _cumulative_product(values: list[float]) -> list[float]:
+    out, product = [], 1.0
+    for v in values:
+        product *= v
+        out.append(product)
+    return out

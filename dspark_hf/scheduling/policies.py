@@ -2,8 +2,13 @@
 
 A policy is anything that implements [`VerificationPolicy`] (subclass [`Policy`] for its defaults), or a plain
 callable `(confidences, gamma, num_rows) -> lengths`, adapted by [`as_policy`]. confidences is None for a draft
-without a confidence head; lengths are (R,) in [0, gamma], on any device (policies that decide on the host return
-CPU tensors; the decoding loop moves them).
+without a confidence head; lengths are (R,) in [0, gamma], a tensor or a list.
+
+Policies decide on the host, from values the decoding loop has already read from the device with the rest of its
+round (one transfer a round: `generation/host.py`): they get CPU tensors. A [`Policy`] may also take them as plain
+Python numbers (`plan` and `learn`), which the loop calls: the built-in ones do all their work there, so that
+deciding reads nothing more, not even from a CPU tensor. [`plan_lengths`] and [`learn_outcome`] are how the loop
+asks any policy.
 
 Drafting always uses the full trained block; only verification is trimmed, which never changes the output
 distribution as long as a row's length is decided before its tokens are revealed to the decision (see the
@@ -30,7 +35,8 @@ class VerificationPolicy(Protocol):
 
     def draft_this_round(self, num_rows: int) -> bool:
         """Before each round's draft; False decodes one plain token per row. Decided from past rounds only, so it
-        cannot depend on the block."""
+        cannot depend on the block. The loop drafts a round's block while the round before it is still on the
+        device: this is asked before that round's outcome is observed."""
 
     def __call__(self, confidences: torch.Tensor | None, gamma: int, num_rows: int) -> torch.Tensor:
         """(R,) lengths in [0, gamma]: how many of its drafted tokens each row verifies."""
@@ -40,11 +46,21 @@ class VerificationPolicy(Protocol):
 
 
 class Policy:
-    """Base of the verification policies: drafts every round, learns nothing from the outcome."""
+    """Base of the verification policies: drafts every round, learns nothing from the outcome. Define `__call__`
+    (and `observe` to learn); define `plan` and `learn` too where the policy can work on plain Python numbers."""
 
     def __call__(self, confidences: torch.Tensor | None, gamma: int, num_rows: int) -> torch.Tensor:
         raise NotImplementedError(f"{type(self).__name__} must define __call__(confidences, gamma, num_rows) -> (R,) "
                                   "lengths.")
+
+    def plan(self, confidences: list[list[float]] | None, gamma: int, num_rows: int) -> list[int]:
+        """`__call__` on the confidences as Python numbers, its answer as a list (what the decoding loop calls)."""
+        c = None if confidences is None else _host(confidences, torch.float32).view(num_rows, gamma)
+        return checked_lengths(self(c, gamma, num_rows), gamma, num_rows, self)
+
+    def learn(self, verified: list[int], accepted: list[int], drafted: bool) -> None:
+        """`observe` on the counts as Python numbers (what the decoding loop calls)."""
+        self.observe(_host(verified, torch.long), _host(accepted, torch.long), drafted)
 
     def prepare(self, target, draft, batch_size: int, sampling: bool = False) -> None:
         """Called once per generate() call before the first round."""
@@ -62,6 +78,9 @@ class FullBlock(Policy):
     def __call__(self, confidences: torch.Tensor | None, gamma: int, num_rows: int) -> torch.Tensor:
         return torch.full((num_rows,), gamma, dtype=torch.long, device="cpu")
 
+    def plan(self, confidences, gamma: int, num_rows: int) -> list[int]:
+        return [gamma] * num_rows
+
 
 class FixedLength(Policy):
     """Verify the first `length` drafted tokens of every row."""
@@ -71,6 +90,9 @@ class FixedLength(Policy):
 
     def __call__(self, confidences: torch.Tensor | None, gamma: int, num_rows: int) -> torch.Tensor:
         return torch.full((num_rows,), min(self.length, gamma), dtype=torch.long, device="cpu")
+
+    def plan(self, confidences, gamma: int, num_rows: int) -> list[int]:
+        return [min(self.length, gamma)] * num_rows
 
 
 class _Callable(Policy):
@@ -99,26 +121,56 @@ def as_policy(policy) -> VerificationPolicy:
     return _Callable(policy)
 
 
-def checked_lengths(lengths, gamma: int, num_rows: int, policy) -> torch.Tensor:
-    """A policy's answer as (num_rows,) long lengths in [0, gamma] on its device, or one line saying what is wrong
-    with it (a list, as `prefix_schedule` returns, is taken as it is)."""
+def plan_lengths(policy: VerificationPolicy, confidences: list[list[float]] | None, gamma: int,
+                 num_rows: int) -> list[int]:
+    """How many tokens each of `num_rows` rows verifies, by `policy`, from its block's confidences as read to the
+    host (None without a confidence head): a list of whole numbers in [0, gamma], or one line saying what is wrong."""
+    if isinstance(policy, Policy):
+        return checked_lengths(policy.plan(confidences, gamma, num_rows), gamma, num_rows, policy)
+    c = None if confidences is None else _host(confidences, torch.float32).view(num_rows, gamma)
+    return checked_lengths(policy(c, gamma, num_rows), gamma, num_rows, policy)
+
+
+def learn_outcome(policy: VerificationPolicy, verified: list[int], accepted: list[int], drafted: bool) -> None:
+    """Tell `policy` how many tokens each row verified and accepted in a round."""
+    if isinstance(policy, Policy):
+        policy.learn(verified, accepted, drafted)
+    else:
+        policy.observe(_host(verified, torch.long), _host(accepted, torch.long), drafted)
+
+
+def checked_lengths(lengths, gamma: int, num_rows: int, policy) -> list[int]:
+    """A policy's answer (a tensor, or a list as `prefix_schedule` returns it) as a list of `num_rows` whole numbers
+    in [0, gamma], or one line saying what is wrong with it."""
     name = policy_name(policy)
-    try:
-        lengths = lengths if isinstance(lengths, torch.Tensor) else torch.tensor(lengths, device="cpu")
-    except (TypeError, ValueError, RuntimeError):
-        raise TypeError(f"verification policy {name} returned {type(lengths).__name__}; it must return a ({num_rows},) "
-                        "tensor or list of whole numbers of tokens to verify.") from None
-    if tuple(lengths.shape) != (num_rows,):
-        raise ValueError(f"verification policy {name} returned lengths of shape {tuple(lengths.shape)}; it must "
-                         f"return one per row still decoding, shape ({num_rows},).")
-    whole_numbers = not lengths.is_floating_point() or bool((lengths == lengths.round()).all())
-    if lengths.dtype == torch.bool or lengths.is_complex() or not whole_numbers:
-        raise ValueError(f"verification policy {name} returned {lengths.tolist()}: lengths are whole numbers of "
-                         "tokens.")
-    if num_rows and not (0 <= float(lengths.min()) and float(lengths.max()) <= gamma):
-        raise ValueError(f"verification policy {name} returned {lengths.tolist()}: each row verifies between 0 and "
-                         f"the block's {gamma} drafted tokens.")
-    return lengths.long()
+    numbers_only = isinstance(lengths, (list, tuple)) and all(
+        isinstance(x, numbers.Real) and not isinstance(x, bool) for x in lengths)
+    if numbers_only:  # the built-in policies' answer: checked without a tensor
+        shape, values = (len(lengths),), list(lengths)
+    else:
+        try:
+            tensor = lengths if isinstance(lengths, torch.Tensor) else torch.tensor(lengths, device="cpu")
+        except (TypeError, ValueError, RuntimeError):
+            raise TypeError(f"verification policy {name} returned {type(lengths).__name__}; it must return a "
+                            f"({num_rows},) tensor or list of whole numbers of tokens to verify.") from None
+        if tensor.dtype == torch.bool or tensor.is_complex():
+            raise ValueError(f"verification policy {name} returned {tensor.tolist()}: lengths are whole numbers of "
+                             "tokens.")
+        shape, values = tuple(tensor.shape), tensor.tolist()
+    if shape != (num_rows,):
+        raise ValueError(f"verification policy {name} returned lengths of shape {shape}; it must return one per "
+                         f"row still decoding, shape ({num_rows},).")
+    if not all(float(x).is_integer() for x in values):
+        raise ValueError(f"verification policy {name} returned {values}: lengths are whole numbers of tokens.")
+    if not all(0 <= x <= gamma for x in values):
+        raise ValueError(f"verification policy {name} returned {values}: each row verifies between 0 and the "
+                         f"block's {gamma} drafted tokens.")
+    return [int(x) for x in values]
+
+
+def _host(values, dtype: torch.dtype) -> torch.Tensor:
+    """Host values as the CPU tensor a policy's tensor methods take."""
+    return torch.tensor(values, dtype=dtype, device="cpu")
 
 
 def policy_name(policy) -> str:

@@ -64,10 +64,24 @@ def survival(confidences) -> torch.Tensor:
     return torch.cumprod(c, dim=1)
 
 
-def _candidates(a: torch.Tensor) -> list[tuple[float, int, int]]:
+def _survival_rows(confidences) -> list[list[float]]:
+    """a (R, gamma) as Python lists: from nested lists without a tensor (as the decoding loop plans), else read
+    once from the tensor."""
+    if isinstance(confidences, torch.Tensor) or not all(isinstance(row, (list, tuple)) for row in confidences):
+        return survival(confidences).tolist()
+    rows = []
+    for row in confidences:
+        a, product = [], 1.0
+        for c in row:
+            product *= float(c)
+            a.append(product)
+        rows.append(a)
+    return rows
+
+
+def _candidates(a: list[list[float]]) -> list[tuple[float, int, int]]:
     """(a_{r,j}, r, j) for a > 0, by descending a; ties by request then position (prefix order)."""
-    R, gamma = a.shape
-    rows = [(float(a[r, j]), r, j + 1) for r in range(R) for j in range(gamma) if a[r, j] > 0]
+    rows = [(a_rj, r, j + 1) for r, row in enumerate(a) for j, a_rj in enumerate(row) if a_rj > 0]
     return sorted(rows, key=lambda x: (-x[0], x[1], x[2]))
 
 
@@ -80,8 +94,8 @@ def prefix_schedule(confidences, sps: SPS, early_stop: bool = True, padded: bool
     padded: the engine verifies a rectangle, every request padded to the longest length, B = R * (1 + max l_r)
     (this library's batched `generate()`); default: a packed engine, B = sum(1 + l_r) (the paper's setting).
     """
-    a = survival(confidences)
-    R = a.shape[0]
+    a = _survival_rows(confidences)
+    R = len(a)
     sps = _sps_fn(sps)
     lengths, best_lengths = [0] * R, [0] * R
     tau, admitted, longest = float(R), 0, 0
@@ -107,8 +121,8 @@ def topk_schedule(confidences, capacity: int, padded: bool = False) -> list[int]
     padded: capacity is the longest length instead, and every request verifies its candidates (a > 0) up to it:
     the padded engine verifies R x (1 + capacity) tokens whatever the rows are given below that, so they cost
     nothing more. Whether position k is admitted reads a_{r,k} only, never x_{r,k}."""
-    a = survival(confidences)
-    lengths = [0] * a.shape[0]
+    a = _survival_rows(confidences)
+    lengths = [0] * len(a)
     chosen = [c for c in _candidates(a) if c[2] <= capacity] if padded else _candidates(a)[: max(capacity, 0)]
     for _, r, j in chosen:
         lengths[r] = j

@@ -1,0 +1,102 @@
+"""The target's KV cache while DSpark decodes: preallocated for the call, and written by each row at its own offset.
+
+transformers' caches keep one length for the whole batch: `DynamicCache` grows by concatenation and `StaticLayer`
+keeps one `cumulative_length`. The rows of a DSpark batch commit different numbers of tokens every round, so this
+cache writes each row's new keys and values at that row's own next slot (`write_at`, (B,)). What a round rejects
+stays past the row's end and the next round writes over it: nothing is ever copied, cloned or shifted. Which slots a
+query may read is the attention mask's business, built per row from the same offsets (`state.DecodingState`).
+
+The models see it as any transformers `Cache`: their attention calls `update`, which writes the new entries and
+returns the first `width` slots of every row; `get_seq_length` and `get_mask_sizes` describe that frame to a model
+that builds its own mask from a 2D one (its queries are the frame's last ones).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+
+class _Slots(CacheLayerMixin):
+    """One layer's keys and values (B, H_kv, S, head_dim), allocated at their first write (whatever heads and head
+    size the layer has) and written by `DecodingCache.update`."""
+
+    is_compileable = True
+    is_sliding = False  # sliding windows are the mask's business: every layer keeps every slot
+
+    def __init__(self, slots: int):
+        super().__init__()
+        self.slots, self.keys, self.values = slots, None, None
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        B, H = key_states.shape[:2]
+        self.keys = key_states.new_zeros(B, H, self.slots, key_states.shape[-1])
+        self.values = value_states.new_zeros(B, value_states.shape[1], self.slots, value_states.shape[-1])
+        self.is_initialized = True
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        raise NotImplementedError("DecodingCache.update writes its layers")
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.slots, 0
+
+    def get_seq_length(self) -> int:
+        return self.slots
+
+    def get_max_length(self) -> int:
+        return self.slots
+
+
+def write_rows(buffer: torch.Tensor, start: torch.Tensor, values: torch.Tensor, dim: int) -> None:
+    """Write values (B, ..., Q, ...) into buffer (B, ..., S, ...) along `dim`, row b from slot start[b] on."""
+    Q = values.shape[dim]
+    slots = start[:, None] + torch.arange(Q, device=start.device)  # (B, Q)
+    shape = [slots.shape[0]] + [1] * (values.dim() - 1)
+    shape[dim] = Q
+    buffer.scatter_(dim, slots.view(shape).expand_as(values), values.to(buffer.dtype))  # (under autocast too)
+
+
+class DecodingCache(Cache):
+    """KV cache whose rows write at their own offsets. `frame(write_at, queries, width)` before each forward: row b
+    writes its `queries` new entries from slot write_at[b] on, and attention reads slots [0, width)."""
+
+    def __init__(self, slots: int):
+        super().__init__(layers=[])
+        self.slots = slots
+        self.write_at: torch.Tensor | None = None
+        self.queries = 0
+        self.width = 0
+
+    def frame(self, write_at: torch.Tensor, queries: int, width: int) -> None:
+        self.write_at, self.queries, self.width = write_at, queries, width
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        while len(self.layers) <= layer_idx:  # the first forward (the prompt's) meets every layer in turn
+            self.layers.append(_Slots(self.slots))
+        layer = self.layers[layer_idx]
+        if not layer.is_initialized:
+            layer.lazy_initialization(key_states, value_states)
+        write_rows(layer.keys, self.write_at, key_states, 2)
+        write_rows(layer.values, self.write_at, value_states, 2)
+        return layer.keys[:, :, :self.width], layer.values[:, :, :self.width]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """The slots before this forward's queries in the frame it reads."""
+        return self.width - self.queries
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        return self.width, 0
+
+    def grow(self, slots: int) -> None:
+        """Room for `slots` slots in every layer (the new ones zero)."""
+        self.slots = slots
+        for layer in self.layers:
+            layer.slots = slots
+            layer.keys, layer.values = (grown(t, slots, 2) for t in (layer.keys, layer.values))
+
+
+def grown(t: torch.Tensor, slots: int, dim: int) -> torch.Tensor:
+    """t with `slots` entries along `dim`, the new ones zero."""
+    shape = list(t.shape)
+    shape[dim] = slots - t.shape[dim]
+    return torch.cat([t, t.new_zeros(shape)], dim)

@@ -1,0 +1,194 @@
+"""The decoding state: what a DSpark decode keeps on the device between rounds, preallocated for the call.
+
+Row b keeps its padded sequence in slots: its prompt with the prompt's left padding, then every token it commits.
+Slot j holds the same token in the target's KV cache (`cache`) and in the draft's context (the keys and values each
+draft layer projects from the target's features of it, eq. 2-3), with its position (`positions`) and whether it is
+a token at all (`real`: False at padding). A forward writes its tokens from each row's end (`end`) on; a row keeps
+what it accepted by moving its end past it, and the next forward writes over the rest. Nothing is copied.
+
+Two ways to offset the rows:
+- each row at its own end (the default): no slot is wasted, and every query gets a mask of its own
+  (`internals.prepared_masks`), which models built on transformers' masking utilities take as it is;
+- all rows at one shared end, for models that build something else from a 2D mask (ALiBi biases) or whose attention
+  reads no prepared mask: every forward takes as many slots in every row, and those a row did not keep become holes
+  (not real: the 2D mask hides them, and positions count only real tokens). Sliding windows count slots, so a model
+  with them never decodes this way.
+
+Sizes: compiled steps get buffers for the prompt, every new token and one forward past them, rounded up to a
+bucket, so that later calls of similar sizes reuse the steps (and, on a GPU, their CUDA graphs); eager calls start
+smaller and double the buffers as the rows grow (`make_room`), as plain generate()'s dynamic cache grows.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from .. import internals
+from ..model.modeling_dspark import DSparkContext, DSparkDraftModel
+from .cache import DecodingCache, grown, write_rows
+
+
+@dataclass
+class DecodingState:
+    """The device side of a decode of B rows in S slots (see the module's docstring).
+
+    cache: the target's keys and values; context_keys / context_values: per draft layer (B, H_kv, S, head_dim);
+    positions (B, S), real (B, S) bool; end (B,): slots a row has filled; count (B,): tokens it has committed, its
+    prompt's included (the anchor's position); anchor (B,): its last committed token, not yet in any slot. shared:
+    the rows share one end (see the module). window: the target's sliding window, or None. host_ends: the ends as
+    the host last learned them (after each round's read), so that eager forwards read no slot past the last one.
+    """
+
+    cache: DecodingCache
+    context_keys: list[torch.Tensor]
+    context_values: list[torch.Tensor]
+    positions: torch.Tensor
+    real: torch.Tensor
+    end: torch.Tensor
+    count: torch.Tensor
+    anchor: torch.Tensor
+    shared: bool
+    window: int | None
+    host_ends: list[int] | None = None
+
+    @classmethod
+    def allocate(cls, target, draft: DSparkDraftModel, batch_size: int, slots: int, shared: bool) -> "DecodingState":
+        """Zeroed buffers for `batch_size` rows of `slots` slots, for `target` and `draft` on the target's device."""
+        device, B = target.device, batch_size
+        cache = DecodingCache(slots)  # its layers take their shapes from the prompt's forward
+        c, dtype = draft.config, draft.fc.weight.dtype
+        context = [torch.zeros(B, c.num_key_value_heads, slots, c.head_dim, dtype=dtype, device=device)
+                   for _ in range(2 * c.num_hidden_layers)]
+        zeros = torch.zeros(B, dtype=torch.long, device=device)
+        return cls(cache, context[::2], context[1::2], torch.zeros(B, slots, dtype=torch.long, device=device),
+                   torch.zeros(B, slots, dtype=torch.bool, device=device), zeros, zeros.clone(), zeros.clone(),
+                   shared, None if shared else internals.sliding_window(target))
+
+    @property
+    def slots(self) -> int:
+        return self.real.shape[1]
+
+    # -- one forward of the target ---------------------------------------------------------------------------------
+    def forward(self, target, draft: DSparkDraftModel, tokens: torch.Tensor, width: int, positions=None, real=None,
+                logits_to_keep: int = 0) -> torch.Tensor:
+        """Run the target over tokens (B, Q), written from each row's end on, its queries reading slots [0, width);
+        encode their target features into the draft's context at the same slots. positions (B, Q): default, each
+        row's next ones; real (B, Q): default, all of them. Returns the logits of the last `logits_to_keep`
+        positions (0: all). The caller moves the ends afterwards ([`keep`])."""
+        B, Q = tokens.shape
+        slots = self.end[:, None] + torch.arange(Q, device=tokens.device)  # (B, Q)
+        if positions is None:
+            positions = self.count[:, None] + torch.arange(Q, device=tokens.device)
+        write_rows(self.positions, self.end, positions, 1)
+        write_rows(self.real, self.end, torch.ones_like(slots, dtype=torch.bool) if real is None else real, 1)
+        self.cache.frame(self.end, Q, width)
+        out = target(input_ids=tokens, attention_mask=self._masks(target, slots, width), position_ids=positions,
+                     **internals.with_cache(self.cache), use_cache=True,
+                     output_hidden_states=draft.hidden_states_request, logits_to_keep=logits_to_keep)
+        features = draft.target_features(out.hidden_states)
+        context = draft.encode_context(features, positions, torch.ones_like(slots, dtype=torch.bool))
+        for buffer, new in zip(self.context_keys + self.context_values, context.keys + context.values):
+            write_rows(buffer, self.end, new, 2)
+        return out.logits
+
+    def _masks(self, target, slots: torch.Tensor, width: int):
+        """What the target's attention reads: with a shared end, the 2D mask of real slots (the model builds the
+        rest, its queries being the frame's last ones); else which slot each query (B, Q) may see, per row."""
+        if self.shared:
+            return self.real[:, :width].long()
+        keys = torch.arange(width, device=slots.device)
+        allowed = self.real[:, None, :width] & (keys <= slots[..., None])  # (B, Q, width)
+        windowed = None if self.window is None else allowed & (keys > slots[..., None] - self.window)
+        return internals.prepared_masks(target, allowed, windowed)
+
+    def prefill(self, target, draft: DSparkDraftModel, prompt: torch.Tensor, prompt_mask: torch.Tensor) -> torch.Tensor:
+        """The prompt (B, P) into slots [0, P) of every row, positions counting its real tokens (as plain
+        generate() numbers them); returns the last position's logits (B, 1, V)."""
+        P = prompt.shape[1]
+        self.end = torch.zeros_like(self.end)  # a state from the pool still ends where its last call did
+        positions = (prompt_mask.cumsum(1) - 1).clamp_min(0)
+        logits = self.forward(target, draft, prompt, P, positions, prompt_mask.bool(), logits_to_keep=1)
+        self.end = torch.full_like(self.end, P)
+        self.count = prompt_mask.sum(1)
+        self.host_ends = [P] * prompt.shape[0]
+        return logits
+
+    # -- after the forward -----------------------------------------------------------------------------------------
+    def keep(self, kept: torch.Tensor, anchor: torch.Tensor, queries: int) -> None:
+        """Each row keeps the first kept[b] of the `queries` entries the last forward wrote (0 for a row that has
+        finished: it stays where it is); `anchor` (B,) is its next token."""
+        if self.shared:  # every row moves past every slot the forward took; the rest of them become holes
+            write_rows(self.real, self.end, torch.arange(queries, device=kept.device) < kept[:, None], 1)
+            self.end = self.end + queries
+        else:
+            self.end = self.end + kept
+        # new tensors, not changed in place: a draft may keep what it was given (`anchor_positions` is `count`)
+        self.count = self.count + kept
+        self.anchor = anchor
+
+    @property
+    def host_end(self) -> int:
+        """The last slot any row has filled, as the host knows it."""
+        return max(self.host_ends)
+
+    def kept_on_host(self, kept: list[int], queries: int) -> None:
+        """The host's copy of the ends, after a round whose kept counts it has read."""
+        self.host_ends = [end + (queries if self.shared else k) for end, k in zip(self.host_ends, kept)]
+
+    def make_room(self, queries: int) -> None:
+        """Grow the buffers, doubling, so that a forward of `queries` fits after the last end: an eager call sizes
+        them for what it generates, not for its length limit (which may be far beyond: "until EOS")."""
+        if self.host_end + queries <= self.slots:
+            return
+        slots = max(2 * self.slots, self.host_end + queries)
+        self.cache.grow(slots)
+        self.context_keys = [grown(t, slots, 2) for t in self.context_keys]
+        self.context_values = [grown(t, slots, 2) for t in self.context_values]
+        self.positions, self.real = grown(self.positions, slots, 1), grown(self.real, slots, 1)
+
+    # -- what the draft reads --------------------------------------------------------------------------------------
+    def context(self, width: int) -> DSparkContext:
+        """The draft's view of slots [0, width): valid where a row has committed a real token."""
+        keys = torch.arange(width, device=self.end.device)
+        valid = self.real[:, :width] & (keys < self.end[:, None])
+        return DSparkContext([k[:, :, :width] for k in self.context_keys],
+                             [v[:, :, :width] for v in self.context_values], self.positions[:, :width], valid)
+
+
+def bucketed(n: int, smallest: int = 64) -> int:
+    """n rounded up to a power of two (at least `smallest`): few sizes, so compiled steps are reused."""
+    size = smallest
+    while size < n:
+        size *= 2
+    return size
+
+
+class StatePool:
+    """Decoding states kept for reuse by later calls with the same target, draft and sizes (compiled steps only:
+    their CUDA graphs read and write the buffers where they were recorded). One state per target, draft, batch size
+    and size at most; a call that finds it taken (a concurrent call) allocates its own. Gone with the models."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._free: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # target -> draft -> sizes -> state
+
+    def _shelf(self, target, draft) -> dict:
+        return self._free.setdefault(target, weakref.WeakKeyDictionary()).setdefault(draft, {})
+
+    def take(self, target, draft, batch_size: int, slots: int) -> DecodingState:
+        with self._lock:
+            state = self._shelf(target, draft).pop(_sizes(target, draft, batch_size, slots), None)
+        return state or DecodingState.allocate(target, draft, batch_size, slots, shared=False)
+
+    def give(self, target, draft, state: DecodingState) -> None:
+        with self._lock:
+            self._shelf(target, draft).setdefault(_sizes(target, draft, state.real.shape[0], state.slots), state)
+
+
+def _sizes(target, draft, batch_size: int, slots: int) -> tuple:
+    """What a pooled state must match: its sizes, and the dtypes its buffers were made in (and may be made again)."""
+    return batch_size, slots, target.dtype, draft.fc.weight.dtype, target.device
