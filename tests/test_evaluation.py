@@ -141,8 +141,10 @@ def test_dspark_bench_speed_reports_every_method(tiny_models, tmp_path, dtype, c
     assert report["machine"]["dtype"] == dtype  # the target's, and the draft follows it
     methods = report["methods"]
     if dtype == "float32":
-        assert set(methods) == {"plain", "plain (static+compile)", "prompt_lookup", "prompt_lookup (static)",
-                                "dspark", "dspark (compiled)"}
+        # prompt lookup with a static cache runs where this transformers allows it and is reported skipped where not
+        assert set(methods) | set(report["skipped"]) == {"plain", "plain (static+compile)", "prompt_lookup",
+                                                         "prompt_lookup (static)", "dspark", "dspark (compiled)"}
+        assert all(why.startswith("transformers fails it") for why in report["skipped"].values())
         # both greedy outputs of every arm equal plain generate()'s
         assert all(m["identical_rows"] == 2 for name, m in methods.items() if name != "plain")
         assert methods["plain (static+compile)"]["paired_ratio_to_compiled_plain"] == 1.0
