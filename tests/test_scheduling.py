@@ -382,6 +382,22 @@ def test_a_short_request_with_a_draft_that_never_pays_pays_for_one_probe():
     assert drafted[0] and sum(drafted) == 1
 
 
+def test_in_generate_a_pause_starts_at_once_not_one_round_late():
+    """The loop drafts a round's block while the round before it is on the device, so the policy decides to draft it
+    before that round's outcome is known; once known, a pause it started drops that block: a short request with a
+    draft that never pays verifies one drafted round (its first probe), as the policy alone would."""
+    from test_generation_greedy import dspark, oracle, plain
+
+    target = tiny_target("llama")
+    ids, mask = left_padded_prompts(1)
+    reference = plain(target, ids, mask, max_new_tokens=32)
+    never_right = oracle(target, tiny_draft(target), reference, mask, corruption=1.0)
+    policy = auto(costs(draft=0.04))
+    out = dspark(target, never_right, ids, mask, max_new_tokens=32, verification_policy=policy)
+    assert torch.equal(out.sequences, reference)
+    assert [i for i, r in enumerate(out.rounds[0]) if r.drafted] == [0]
+
+
 def request(engine, target, draft, batch_size=1, sampling=False, **settings):
     """A fresh default policy, prepared as generate() prepares it for one call."""
     from dspark_hf import AutoScheduled

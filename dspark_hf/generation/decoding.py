@@ -10,7 +10,7 @@ The device is never waited for within a round but once: everything the host must
 accepted and committed, where it stopped, the next block's confidences and whether it is finite) comes back in one
 transfer at the round's end (`host.HostRead`), and the policy plans the next round from it. The next block is
 drafted before that read, so the policy's choice whether to draft a round is made before the previous round's
-outcome reaches it. With ``cache_implementation="static"`` the two forwards are compiled (`steps.Steps`).
+outcome reaches it; once it has, the policy may still drop that block (`Policy.keep_drafted`). With ``cache_implementation="static"`` the two forwards are compiled (`steps.Steps`).
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ from ..devices import Stopwatch
 from ..model.modeling_dspark import DSparkDraftModel
 from ..model.sampling import raise_if_not_finite
 from ..scheduling.auto import AutoScheduled
-from ..scheduling.policies import FullBlock, VerificationPolicy, as_policy, learn_outcome, plan_lengths
+from ..scheduling.policies import (FullBlock, VerificationPolicy, as_policy, keeps_drafted, learn_outcome,
+                                   plan_lengths)
 from . import verify
 from .drafting import BlockSource, Drafter, Outcome, Proposal, empty_block
 from .host import HostRead, to_device
@@ -249,7 +250,9 @@ def _plan(s: Decoding, proposal: Proposal, read: dict) -> Plan | None:
     remaining = s.out.remaining(rows)
     gamma, B = s.draft.config.block_size, s.out.prompt.shape[0]
     one_token_left = all(r <= 1 for r in remaining)
-    if one_token_left or not proposal.drafted:  # a block drafted for a round that can verify nothing goes unused
+    # a block drafted for a round that can verify nothing goes unused, as does one the policy drops now that it has
+    # seen the round drafted beside it
+    if one_token_left or not proposal.drafted or not keeps_drafted(s.policy, len(rows)):
         proposal = Proposal(empty_block(s.draft, proposal.block.tokens.new_zeros(B)))
         lengths = [0] * len(rows)
     else:

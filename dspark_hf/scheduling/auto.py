@@ -119,6 +119,9 @@ class AutoScheduled(Policy):
             return False
         return True
 
+    def keep_drafted(self, num_rows: int) -> bool:
+        return self.learned.skip == 0  # a pause the last round started drops the block drafted during that round
+
     def __call__(self, confidences, gamma: int, num_rows: int) -> torch.Tensor:
         planned = None if confidences is None else confidences.detach().to("cpu", torch.float64).tolist()
         return torch.tensor(self.plan(planned, gamma, num_rows), dtype=torch.long, device="cpu")

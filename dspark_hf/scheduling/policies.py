@@ -36,7 +36,8 @@ class VerificationPolicy(Protocol):
     def draft_this_round(self, num_rows: int) -> bool:
         """Before each round's draft; False decodes one plain token per row. Decided from past rounds only, so it
         cannot depend on the block. The loop drafts a round's block while the round before it is still on the
-        device: this is asked before that round's outcome is observed."""
+        device: this is asked before that round's outcome is observed (a `Policy` may drop the block once it is:
+        `keep_drafted`)."""
 
     def __call__(self, confidences: torch.Tensor | None, gamma: int, num_rows: int) -> torch.Tensor:
         """(R,) lengths in [0, gamma]: how many of its drafted tokens each row verifies."""
@@ -66,6 +67,12 @@ class Policy:
         """Called once per generate() call before the first round."""
 
     def draft_this_round(self, num_rows: int) -> bool:
+        return True
+
+    def keep_drafted(self, num_rows: int) -> bool:
+        """Once the round before it is observed: whether the block drafted while that round was on the device is
+        still verified; False makes its round a plain step (a pause the last outcome started goes on at once, not
+        one round late). Decided from past rounds only, like `draft_this_round`."""
         return True
 
     def observe(self, verified: torch.Tensor, accepted: torch.Tensor, drafted: bool) -> None:
@@ -129,6 +136,11 @@ def plan_lengths(policy: VerificationPolicy, confidences: list[list[float]] | No
         return checked_lengths(policy.plan(confidences, gamma, num_rows), gamma, num_rows, policy)
     c = None if confidences is None else _host(confidences, torch.float32).view(num_rows, gamma)
     return checked_lengths(policy(c, gamma, num_rows), gamma, num_rows, policy)
+
+
+def keeps_drafted(policy: VerificationPolicy, num_rows: int) -> bool:
+    """Whether `policy` still verifies a block drafted before the last round was observed (a [`Policy`] may say no)."""
+    return policy.keep_drafted(num_rows) if isinstance(policy, Policy) else True
 
 
 def learn_outcome(policy: VerificationPolicy, verified: list[int], accepted: list[int], drafted: bool) -> None:
