@@ -362,22 +362,8 @@ def cmd_push(args) -> int:
 
 def cmd_export(args) -> int:
     """Save a trained draft for sharing: chosen dtype, code for trust_remote_code, and a generated model card."""
-    if args.format == "deepspec":
-        from .loading import _check_name, load_draft
-        from .model.convert import check_export_folder, export_deepspec
-
-        _check_name(args.draft, "the draft")
-        check_export_folder(args.output)  # before the models load; export_deepspec checks again
-        if not args.target:
-            raise ValueError("--format deepspec writes copies of the target's embedding and LM head: pass --target.")
-        from transformers import AutoModelForCausalLM
-
-        target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32)  # weights only, no tokenizer
-        draft = load_draft(args.draft, target, getattr(torch, args.dtype))
-        export_deepspec(draft, target, args.output)
-        print(f"exported to {args.output} in DeepSpec's Qwen3DSparkModel layout (dspark convert --from deepspec "
-              "reads it back)")
-        return 0
+    if args.format in ("deepspec", "speculators"):
+        return _export_for_engines(args)
     from .hub import export_draft
 
     recipe = _read_text(args.recipe, "--recipe")
@@ -385,6 +371,30 @@ def cmd_export(args) -> int:
                           recipe=recipe, calibration=args.calibration, license=args.license)
     size = sum(f.stat().st_size for f in output.glob("*.safetensors")) / 1e6
     print(f"exported to {args.output} ({size:.1f} MB of weights)")
+    return 0
+
+
+def _export_for_engines(args) -> int:
+    """`dspark export --format deepspec|speculators`: the layouts serving engines read, and which of them serve it."""
+    from transformers import AutoModelForCausalLM
+
+    from .loading import _check_name, load_draft
+    from .model.convert import check_export_folder, export_deepspec
+    from .model.engines import check_speculators_folder, dropped_by_engines, export_speculators, serving_engines
+
+    _check_name(args.draft, "the draft")
+    # before the models load; the export checks again
+    (check_export_folder if args.format == "deepspec" else check_speculators_folder)(args.output)
+    if not args.target:
+        raise ValueError(f"--format {args.format} reads the target's LM head and feature layers: pass --target.")
+    target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32)  # weights only, no tokenizer
+    draft = load_draft(args.draft, target, getattr(torch, args.dtype))
+    (export_deepspec if args.format == "deepspec" else export_speculators)(draft, target, args.output)
+    layout = {"deepspec": "DeepSpec's Qwen3DSparkModel", "speculators": "speculators' dspark"}[args.format]
+    engines = ", ".join(serving_engines(draft, target, args.format))
+    print(f"exported to {args.output} in {layout} layout, served by {engines} (how: {args.output}/README.md)")
+    for what in dropped_by_engines(draft):
+        print(f"note: engines drop {what}")
     return 0
 
 

@@ -36,7 +36,8 @@ def write_atomic(path: str | Path, text: str) -> None:
 
 def written_by_dspark(folder: str | Path) -> str | None:
     """What dspark-hf wrote in `folder`, judged by its config.json: "draft" (a DSparkDraftModel checkpoint),
-    "deepspec" (a DeepSpec-layout export, marked dspark_hf_export), or None (anything else, or nothing)."""
+    "deepspec" or "speculators" (an export in that layout, marked dspark_hf_export: true for DeepSpec's, the layout's
+    name for the others), or None (anything else, or nothing)."""
     import json
 
     try:
@@ -46,7 +47,7 @@ def written_by_dspark(folder: str | Path) -> str | None:
     if not isinstance(config, dict):
         return None
     if "dspark_hf_export" in config:
-        return "deepspec"
+        return "speculators" if config["dspark_hf_export"] == "speculators" else "deepspec"
     # SpecForge's early DSparkConfig also says model_type "dspark"; its settings sit in a dflash_config we never write
     if config.get("model_type") == "dspark" and "dflash_config" not in config:
         return "draft"

@@ -188,9 +188,10 @@ class ExportOptions:
     output: str = option(help="folder to write the exported draft to (new or empty, or an earlier export)")
     dtype: str = weights_dtype_option("exported")
     format: str = option("transformers", "transformers: a DSparkDraftModel folder with a model card; deepspec: "
-                         "DeepSpec's Qwen3DSparkModel layout, as the serving engines load it (needs --target)",
-                         choices=["transformers", "deepspec"])
-    target: str | None = option(None, "the target's path or hub id (--format deepspec)")
+                         "DeepSpec's Qwen3DSparkModel layout (vLLM, SGLang, llama.cpp; full vocabulary only); "
+                         "speculators: speculators' dspark layout (vLLM, llama.cpp; a reduced vocabulary too); "
+                         "both engine layouts need --target", choices=["transformers", "deepspec", "speculators"])
+    target: str | None = option(None, "the target's path or hub id (--format deepspec or speculators)")
     base_model: str | None = option(None, "hub id of the target, for the card (--format transformers)")
     repo_id: str = option("<your-repo/draft>", "where the draft will live, for the card")
     eval: str | None = card_results_option()
@@ -245,7 +246,7 @@ def export_draft(draft: str | Path, output: str | Path, base_model: str | None,
     from .loading import _check_name
 
     _check_name(str(draft), "the draft")
-    check_output_folder(output, "export", ours=("draft", "deepspec"))
+    check_output_folder(output, "export", ours=("draft", "deepspec", "speculators"))
     if not base_model:
         raise ValueError("--base-model is needed for the model card: the target's Hub id, e.g. "
                          "HuggingFaceTB/SmolLM2-135M-Instruct.")

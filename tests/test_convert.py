@@ -373,10 +373,13 @@ def test_dspark_export_deepspec_from_the_cli_and_what_deepspec_cannot_express(tm
     back = convert_checkpoint(tmp_path / "deepspec", tmp_path / "back", "deepspec", target=target)
     assert_same_weights(back, original)
 
-    llama = tiny_target("llama")  # per-head q/k norms are Qwen3's: a Llama target's draft has none
+    llama = tiny_target("llama")  # a Llama target's new draft norms q and k per head, as the engines' layers do
     llama.save_pretrained(tmp_path / "llama")
     tiny_draft(llama).save_pretrained(tmp_path / "llama-draft")
-    error = cli_error(capsys, ["export", str(tmp_path / "llama-draft"), "--format", "deepspec", "--target",
+    assert main(["export", str(tmp_path / "llama-draft"), "--format", "deepspec", "--target", str(tmp_path / "llama"),
+                 "--output", str(tmp_path / "llama-deepspec")]) == 0
+    tiny_draft(llama, qk_norm=False).save_pretrained(tmp_path / "unnormed")  # as drafts were made before 2026-11-28
+    error = cli_error(capsys, ["export", str(tmp_path / "unnormed"), "--format", "deepspec", "--target",
                                str(tmp_path / "llama"), "--output", str(tmp_path / "no")])
     assert "cannot be written in DeepSpec's layout" in error and "qk_norm=False" in error
 
@@ -403,12 +406,12 @@ def test_a_deepspec_export_records_the_dtype_of_its_tensors_not_the_target_s(tmp
     assert config["dtype"] == "bfloat16" and config.get("torch_dtype", "bfloat16") == "bfloat16"
 
 
-def test_what_deepspec_cannot_express_includes_calibration_and_a_scaled_embedding(target):
+def test_what_deepspec_cannot_express_includes_a_scaled_embedding_and_not_calibration(target):
     from dspark_hf.model.convert import deepspec_blockers
 
-    calibrated = tiny_draft(target)
+    calibrated = tiny_draft(target)  # exported with its raw confidences: engines drop the temperatures, and say so
     calibrated.config.confidence_temperatures = [1.5] * calibrated.config.block_size
-    assert any("confidence_temperatures" in why for why in deepspec_blockers(calibrated, target))
+    assert deepspec_blockers(calibrated, target) == []
     gemma = tiny_target("gemma3")  # embeddings scaled by sqrt(hidden size), where DeepSpec's are plain
     gemma.config.final_logit_softcapping = None
     (why,) = deepspec_blockers(tiny_draft(gemma, qk_norm=True), gemma)
@@ -452,7 +455,7 @@ def test_convert_and_export_write_only_into_new_folders_or_their_own_earlier_out
     assert main(export + [str(tmp_path / "deepspec")]) == 0
     (tmp_path / "deepspec" / "model-00001-of-00002.safetensors").write_bytes(b"stale")  # as if sharded before
     assert main(export + [str(tmp_path / "deepspec")]) == 0
-    assert sorted(p.name for p in (tmp_path / "deepspec").iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in (tmp_path / "deepspec").iterdir()) == ["README.md", "config.json", "model.safetensors"]
 
 
 def test_convert_checkpoint_in_python_refuses_its_source_and_a_downloaded_checkpoint_as_the_cli_does(
@@ -486,7 +489,7 @@ def test_export_deepspec_in_python_writes_only_into_a_new_folder_or_its_own_earl
     ours = export_deepspec(original, target, tmp_path / "ours")
     (ours / "model-00001-of-00002.safetensors").write_bytes(b"stale")  # as if sharded before
     export_deepspec(original, target, ours)
-    assert sorted(p.name for p in ours.iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in ours.iterdir()) == ["README.md", "config.json", "model.safetensors"]
 
 
 @pytest.mark.parametrize("where", ["dflash_config", "top level"])

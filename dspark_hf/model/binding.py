@@ -115,7 +115,7 @@ def fields_from_target(target: PreTrainedModel, num_hidden_layers: int) -> dict[
         rms_norm_eps=getattr(t, "rms_norm_eps", 1e-6),
         rope_theta=rope.get("rope_theta", getattr(t, "rope_theta", 10000.0)),
         max_position_embeddings=getattr(t, "max_position_embeddings", 8192),
-        qk_norm=any(name.endswith("k_norm") for name, _ in target.named_modules()),
+        qk_norm=True,  # whatever the target's family: the draft layers vLLM, SGLang and llama.cpp serve norm q and k
         target_model_type=t.model_type,
         target_name_or_path=getattr(target.config, "_name_or_path", None) or None,
         target_vocab_size=vocab,

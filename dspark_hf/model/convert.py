@@ -39,6 +39,7 @@ from transformers import PreTrainedModel
 
 from ..files import check_output_folder, written_by_dspark
 from .configuration_dspark import DSparkConfig
+from .engines import format_blockers, serving_card
 from .modeling_dspark import DSparkDraftModel, damaged_weights_error
 
 SOURCES = ("deepspec", "specforge", "dflash")
@@ -370,22 +371,9 @@ def public_name(key: str) -> str:
 
 
 def deepspec_blockers(draft: DSparkDraftModel, target: PreTrainedModel | None = None) -> list[str]:
-    """What DeepSpec's Qwen3DSparkModel cannot express about this draft beside `target` (empty when it can be
-    exported)."""
-    c = draft.config
-    embedding = type(target.get_input_embeddings()) if target is not None else torch.nn.Embedding
-    return [why for why, blocks in (
-        ("its layers do not norm queries and keys per head (qk_norm=False; DeepSpec's Qwen3 layers always do)",
-         not c.qk_norm),
-        (f"it drafts from a reduced vocabulary of {c.draft_vocab_size} tokens (DeepSpec drafts from the full LM head)",
-         bool(c.draft_vocab_size)),
-        ("it is a DFlash-style draft (anchor_predicts=False)", not c.anchor_predicts),
-        ("its logits are soft-capped (final_logit_softcapping)", c.final_logit_softcapping is not None),
-        ("its confidences are calibrated per position (confidence_temperatures), which DeepSpec's confidence head "
-         "cannot hold: export the draft as it was before `dspark calibrate`", c.confidence_temperatures is not None),
-        (f"its target embeds tokens with a {embedding.__name__} (DeepSpec's Qwen3DSparkModel embeds with a plain "
-         "nn.Embedding)", embedding is not torch.nn.Embedding),
-    ) if blocks]
+    """What keeps this draft beside `target` out of DeepSpec's Qwen3DSparkModel layout, or from every engine that
+    reads it (empty when it can be exported; see `engines.format_blockers`)."""
+    return format_blockers(draft, target, "deepspec")
 
 
 # DeepSpec's model asserts num_anchors (blocks sampled per training sequence) though only its training reads it: we
@@ -407,8 +395,7 @@ def export_deepspec(draft: DSparkDraftModel, target: PreTrainedModel, dst: str |
     check_export_folder(dst)
     blockers = deepspec_blockers(draft, target)
     if blockers:
-        raise ValueError("This draft cannot be written in DeepSpec's layout: " + "; ".join(blockers) + ". Train a "
-                         "draft for a Qwen3 target with the full vocabulary (dspark train --draft-vocab-size 0).")
+        raise ValueError("This draft cannot be written in DeepSpec's layout: " + "; ".join(blockers) + ".")
     draft.check_target(target)
     c, dst = draft.config, Path(dst)
     raw = target.config.get_text_config().to_dict()
@@ -424,6 +411,7 @@ def export_deepspec(draft: DSparkDraftModel, target: PreTrainedModel, dst: str |
                mask_token_id=c.mask_token_id, target_layer_ids=list(c.target_layer_ids),
                markov_rank=c.markov_rank if c.head_type != "none" else 0,
                enable_confidence_head=c.confidence_head, confidence_head_with_markov=c.head_type != "none",
+               sample_from_anchor=True,  # DeepSpec's behaviour, written out: readers' defaults differ
                num_anchors=EXPORTED_ANCHORS, dspark_hf_export=True)
     if c.head_type != "none":
         raw["markov_head_type"] = {"markov": "vanilla", "rnn": "rnn"}[c.head_type]
@@ -440,6 +428,7 @@ def export_deepspec(draft: DSparkDraftModel, target: PreTrainedModel, dst: str |
             stale.unlink()
     (dst / "config.json").write_text(json.dumps(raw, indent=2, default=str))
     save_file({k: v.detach().cpu().contiguous().clone() for k, v in tensors.items()}, dst / "model.safetensors")
+    (dst / "README.md").write_text(serving_card(draft, target, "deepspec", dst))
     return dst
 
 

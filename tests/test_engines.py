@@ -1,0 +1,142 @@
+"""Drafts exported for serving engines, checked with the engines' own code where it runs on a CPU.
+
+speculators (0.9.0) is installed by .ci/run with --no-deps (it pins transformers <= 5.19): its modules load our
+speculators-layout export and compute the draft's logits and confidences, which must equal ours. Without it the
+check is skipped, except where DSPARK_TEST_ENGINES=1 (CI) makes a missing engine a failure.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import cli_error, tiny_draft, tiny_target
+
+from dspark_hf.model.convert import export_deepspec
+from dspark_hf.model.engines import export_speculators, serving_engines
+
+CHECK = Path(__file__).parent / "engines" / "speculators_check.py"
+
+
+def needs(module: str):
+    """Skip without `module`, unless CI asks for every engine check (DSPARK_TEST_ENGINES=1)."""
+    import importlib.util
+
+    if importlib.util.find_spec(module) is None and os.environ.get("DSPARK_TEST_ENGINES") != "1":
+        pytest.skip(f"{module} is not installed (.ci/run installs it: pip install --no-deps {module}==0.9.0)")
+
+
+@pytest.fixture(scope="module")
+def saved_target(tmp_path_factory):
+    """A tiny Qwen3 target loaded from a folder, as a user's is: speculators reloads its embedding and LM head from
+    the path the export names as its verifier."""
+    from transformers import AutoModelForCausalLM
+
+    folder = tmp_path_factory.mktemp("target")
+    tiny_target("qwen3").save_pretrained(folder)
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+def ours(draft, target, ids, anchors):
+    """(logits (A, gamma, V_draft), confidence logits (A, gamma)) of `draft` teacher-forced on `ids` at `anchors`."""
+    gamma, T = draft.config.block_size, ids.shape[1]
+    with torch.no_grad():
+        features = draft.target_features(target(ids, output_hidden_states=True).hidden_states)
+        out = draft(anchor_ids=ids[:, anchors], anchor_positions=anchors[None],
+                    context_features=features, context_positions=torch.arange(T)[None],
+                    context_valid=torch.ones(1, T, dtype=torch.bool),
+                    block_tokens=ids[0, anchors[:, None] + 1 + torch.arange(gamma)][None])
+    return out.logits[0], None if out.confidence_logits is None else out.confidence_logits[0], features
+
+
+DRAFTS = {
+    "markov": {},
+    "reduced vocabulary": {"draft_vocab": torch.arange(5, 61)},
+    "no sequential head": {"head_type": "none", "confidence_head": False},
+}
+
+
+@pytest.mark.parametrize("shape", list(DRAFTS))
+def test_speculators_own_modules_load_the_export_and_compute_our_logits_and_confidences(saved_target, tmp_path,
+                                                                                      shape):
+    needs("speculators")
+    draft = tiny_draft(saved_target, **DRAFTS[shape])
+    export_speculators(draft, saved_target, tmp_path / "export")
+    ids = torch.randint(1, saved_target.config.vocab_size, (1, 24), generator=torch.Generator().manual_seed(3))
+    anchors = torch.tensor([2, 9, 15])
+    logits, confidences, features = ours(draft, saved_target, ids, anchors)
+    torch.save({"features": features, "ids": ids, "anchors": anchors}, tmp_path / "inputs.pt")
+    run = subprocess.run([sys.executable, str(CHECK), str(tmp_path / "export"), str(tmp_path / "inputs.pt"),
+                          str(tmp_path / "theirs.pt")], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    theirs = torch.load(tmp_path / "theirs.pt")
+    # every tensor we wrote is one of its parameters; what it misses is what it reloads from the target
+    assert theirs["unexpected"] == []
+    from_the_target = {"embed_tokens.weight", "verifier_norm.weight", "verifier_lm_head.weight"}
+    assert set(theirs["missing"]) <= from_the_target | ({"lm_head.weight", "t2d", "d2t"}
+                                                        if draft.config.draft_vocab_size is None else set())
+    torch.testing.assert_close(theirs["logits"], logits, rtol=1e-4, atol=1e-4)
+    if confidences is None:
+        assert theirs["confidence_logits"] is None
+    else:
+        torch.testing.assert_close(theirs["confidence_logits"], confidences, rtol=1e-4, atol=1e-4)
+
+
+def test_the_speculators_export_names_its_layers_and_vocabulary_as_vllm_reads_them(saved_target, tmp_path):
+    """vLLM 0.33's speculators reader (transformers_utils/configs/speculators/algos.py, update_dspark) takes the
+    feature layers as aux_hidden_state_layer_ids - 1 and defaults sample_from_anchor to False: both written out."""
+    draft = tiny_draft(saved_target, draft_vocab=torch.arange(5, 61))
+    export_speculators(draft, saved_target, tmp_path / "export")
+    config = json.loads((tmp_path / "export" / "config.json").read_text())
+    assert "model_type" not in config and config["speculators_model_type"] == "dspark"
+    assert [i - 1 for i in config["aux_hidden_state_layer_ids"]] == draft.config.target_layer_ids
+    assert config["sample_from_anchor"] is True and config["draft_vocab_size"] == 56
+    assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == draft.config.block_size
+    from safetensors.torch import load_file
+
+    tensors = load_file(tmp_path / "export" / "model.safetensors")
+    assert tensors["markov_head.markov_w1.weight"].shape[0] == saved_target.config.vocab_size  # keyed by target id
+    assert torch.equal(torch.arange(56) + tensors["d2t"], draft.draft_vocab)
+    assert "embed_tokens.weight" not in tensors
+    assert serving_engines(draft, saved_target, "speculators") == ("vLLM", "llama.cpp")
+
+
+def test_what_each_layout_cannot_carry_is_refused_naming_the_engines(saved_target, tmp_path):
+    reduced = tiny_draft(saved_target, draft_vocab=torch.arange(5, 61))
+    with pytest.raises(ValueError, match="reduced vocabulary of 56 tokens.*export --format speculators"):
+        export_deepspec(reduced, saved_target, tmp_path / "deepspec")
+    unnormed = tiny_draft(saved_target, qk_norm=False)  # as the draft shipped before 2026-11-28
+    for export in (export_deepspec, export_speculators):
+        with pytest.raises(ValueError, match="qk_norm=False.*every engine's draft layers"):
+            export(unnormed, saved_target, tmp_path / export.__name__)
+    rnn = tiny_draft(saved_target, head_type="rnn")  # SGLang alone has the RNN head, and reads DeepSpec's layout
+    assert serving_engines(rnn, saved_target, "deepspec") == ("SGLang",)
+    with pytest.raises(ValueError, match="No engine could serve.*RNN"):
+        export_speculators(rnn, saved_target, tmp_path / "rnn")
+
+
+def test_dspark_export_says_which_engines_serve_it_and_what_they_drop(saved_target, tmp_path, capsys):
+    from dspark_hf.cli import main
+
+    draft = tiny_draft(saved_target)
+    draft.config.confidence_temperatures = [1.5] * draft.config.block_size
+    draft.save_pretrained(tmp_path / "draft")
+    saved_target.save_pretrained(tmp_path / "target")
+    assert main(["export", str(tmp_path / "draft"), "--format", "deepspec", "--target", str(tmp_path / "target"),
+                 "--dtype", "float32", "--output", str(tmp_path / "deepspec")]) == 0
+    out = capsys.readouterr().out
+    assert "served by vLLM, SGLang, llama.cpp" in out and "engines drop its per-position confidence temperatures" in out
+    card = (tmp_path / "deepspec" / "README.md").read_text()
+    assert "--spec-type draft-dspark" in card and "confidence temperatures" in card
+    assert main(["export", str(tmp_path / "draft"), "--format", "speculators", "--target", str(tmp_path / "target"),
+                 "--dtype", "float32", "--output", str(tmp_path / "speculators")]) == 0
+    assert "served by vLLM, llama.cpp" in capsys.readouterr().out
+    # an earlier export is replaced; a folder holding anything else is not
+    assert main(["export", str(tmp_path / "draft"), "--format", "speculators", "--target", str(tmp_path / "target"),
+                 "--dtype", "float32", "--output", str(tmp_path / "speculators")]) == 0
+    error = cli_error(capsys, ["export", str(tmp_path / "draft"), "--format", "speculators", "--target",
+                               str(tmp_path / "target"), "--output", str(tmp_path / "deepspec")])
+    assert "not an earlier speculators export" in error
