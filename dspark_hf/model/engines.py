@@ -54,9 +54,20 @@ def engine_gaps(draft: DSparkDraftModel, target: PreTrainedModel | None = None) 
     return [(why, engines) for why, engines, blocks in gaps if blocks]
 
 
+def layout_gaps(target: PreTrainedModel | None, fmt: str) -> list[tuple[str, tuple[str, ...]]]:
+    """(what an engine reads wrongly from layout `fmt` beside `target`, the engines it leaves out)."""
+    tied = target is None or target.get_output_embeddings().weight is target.get_input_embeddings().weight
+    if fmt == "deepspec" and not tied:
+        # its converter drops a full-vocabulary lm_head and reads the stored embedding as the head where no other is
+        return [("beside a target whose LM head is not its embedding, llama.cpp would read the embedding this layout "
+                 "stores as the draft's LM head: export --format speculators for llama.cpp", ("llama.cpp",))]
+    return []
+
+
 def serving_engines(draft: DSparkDraftModel, target: PreTrainedModel | None, fmt: str) -> tuple[str, ...]:
     """The engines that serve `draft` exported in layout `fmt` ("deepspec" or "speculators")."""
-    left_out = {engine for _, engines in engine_gaps(draft, target) for engine in engines}
+    gaps = engine_gaps(draft, target) + layout_gaps(target, fmt)
+    left_out = {engine for _, engines in gaps for engine in engines}
     return tuple(e for e in FORMATS[fmt] if e not in left_out)
 
 
@@ -100,7 +111,8 @@ def serving_card(draft: DSparkDraftModel, target: PreTrainedModel | None, fmt: s
              f"Exported by dspark-hf from a draft for `{draft.config.target_name_or_path or 'its target'}` "
              f"(block size {gamma}). Served by: {', '.join(engines)}.", ""]
     lines += [f"- {engine}: `{SERVE[engine].format(dst=dst, gamma=gamma)}`" for engine in engines]
-    left_out = [(why, [e for e in engines_ if e in FORMATS[fmt]]) for why, engines_ in engine_gaps(draft, target)]
+    left_out = [(why, [e for e in engines_ if e in FORMATS[fmt]])
+                for why, engines_ in engine_gaps(draft, target) + layout_gaps(target, fmt)]
     lines += [f"- not {', '.join(es)}: {why}" for why, es in left_out if es]
     lines += [f"- engines drop {what}" for what in dropped_by_engines(draft)]
     return "\n".join(lines) + "\n"
@@ -194,5 +206,5 @@ def export_speculators(draft: DSparkDraftModel, target: PreTrainedModel, dst: st
     return dst
 
 
-__all__ = ["ENGINES", "FORMATS", "engine_gaps", "serving_engines", "format_blockers", "dropped_by_engines",
+__all__ = ["ENGINES", "FORMATS", "engine_gaps", "layout_gaps", "serving_engines", "format_blockers", "dropped_by_engines",
            "export_speculators", "speculators_config", "speculators_tensors", "check_speculators_folder", "serving_card"]
