@@ -209,6 +209,10 @@ def cmd_train(args) -> int:
         target = load_target_model(args.target, _target_dtype(config.target_dtype, resolve_device(config.device)))
     model = train(config, target=target, started=started)
     minutes = (time.perf_counter() - started) / 60
+    from accelerate import PartialState
+
+    if not PartialState().is_main_process:  # one process of several says it, as one process saved it
+        return 0
     if model.training:  # stopped by --stop-after before the end (train() says so in training mode)
         print(f"not finished: a checkpoint is saved in {args.output_dir} ({minutes:.1f} min); run the same command "
               "again to resume")

@@ -233,10 +233,13 @@ def _take_steps(run: _Run, step: int, generator_state: dict | None, progress: bo
         for i in range(offset, run.steps_per_epoch):
             batch = [run.train_set[j] for j in shard[i * config.batch_size: (i + 1) * config.batch_size]]
             done = step >= run.total_steps if run.total_steps is not None else timer.budget_spent()
-            if done or timer.must_stop():
+            # whether to step and at what learning rate: rank 0's clock decides for every rank, or a rank that stopped
+            # first would leave the others waiting in the gradient all-reduce, and replicas would drift apart
+            stop, *span = _decided_by_rank_0(run, done or timer.must_stop(), *_lr_span(run, step))
+            if stop:
                 stopped = True
                 break
-            losses, valid = _step(run, core, batch, step, generator)
+            losses, valid = _step(run, core, batch, step, generator, span)
             step += 1
             timer.step_done(run.device)
             run.monitor.sample()
@@ -275,12 +278,29 @@ def _epoch_shard(run: _Run, epoch: int) -> list[int]:
     return order[accelerator.process_index:: accelerator.num_processes]
 
 
-def _step(run: _Run, core, batch: list, step: int, generator: torch.Generator):
-    """One optimizer step on `batch`, at the learning rate of its span of the run; returns its losses and the mask
-    of the block positions they count. `core`: the DSparkDraftModel inside the prepared draft."""
-    config, timer, total_steps = run.config, run.timer, run.total_steps
-    span = ((step / total_steps, (step + 1) / total_steps) if total_steps is not None
-            else (timer.progress(), timer.progress_after_step()))
+def _lr_span(run: _Run, step: int) -> tuple[float, float]:
+    """The span of the run (in [0, 1]) the step from `step` covers: of its steps, or of its time budget's loop time."""
+    total_steps, timer = run.total_steps, run.timer
+    if total_steps is not None:
+        return step / total_steps, (step + 1) / total_steps
+    return timer.progress(), timer.progress_after_step()
+
+
+def _decided_by_rank_0(run: _Run, *values: float) -> list[float]:
+    """`values` as process 0 has them, on every process (one small broadcast): what ends or shapes a step is decided
+    once, from one clock."""
+    if run.accelerator.num_processes == 1:
+        return [float(v) for v in values]
+    from accelerate.utils import broadcast
+
+    shared = torch.tensor([float(v) for v in values], dtype=torch.float64, device=run.accelerator.device)
+    return broadcast(shared, from_process=0).tolist()
+
+
+def _step(run: _Run, core, batch: list, step: int, generator: torch.Generator, span: list[float]):
+    """One optimizer step on `batch`, at the learning rate of its `span` of the run (`_lr_span`); returns its losses
+    and the mask of the block positions they count. `core`: the DSparkDraftModel inside the prepared draft."""
+    config, timer = run.config, run.timer
     for group in run.optimizer.param_groups:
         group["lr"] = config.learning_rate * lr_factor(*span, config.warmup_ratio)
     with run.accelerator.autocast():
@@ -308,8 +328,9 @@ def _finish(run: _Run, first_step: int, step: int, generator: torch.Generator):
     finished = timer.budget_spent() if run.total_steps is None else step >= run.total_steps
     # under stop_after the held-out report and the final save start from a checkpoint of the last step, so that a call
     # killed during them resumes there; when they would not fit in this call, the next one (which takes no step) makes
-    # them
+    # them; rank 0's clock decides for all
     report_now = finished and (step == first_step or timer.report_fits())
+    finished, report_now = (bool(v) for v in _decided_by_rank_0(run, finished, report_now))
     saved = step > first_step and step % config.save_every == 0
     if (not report_now or (timer.limit is not None and step > first_step)) and not saved \
             and accelerator.is_main_process:

@@ -1,0 +1,40 @@
+"""One process of a `dspark train` run started by torchrun (tests/test_multiprocess.py): it writes what it saw of
+the run to RECORD_DIR/rank-N.json (its rank, the world size, its process id and the learning rate of every step it
+took) and, for the rank named in SLOW_RANK, makes every step take SLOW_SECONDS longer, as a slower device would.
+
+usage: torchrun --nproc_per_node 2 train_rank.py RECORD_DIR [dspark train flags...]
+"""
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+
+def main(record_dir: str, *train_flags: str) -> int:
+    import dspark_hf.training.trainer as trainer
+    from dspark_hf.cli import main as dspark
+
+    rank = int(os.environ["RANK"])
+    slow = rank == int(os.environ.get("SLOW_RANK", "-1"))
+    seen = {"rank": rank, "world_size": int(os.environ["WORLD_SIZE"]), "pid": os.getpid(), "learning_rates": []}
+    real_step = trainer._step
+
+    def recorded_step(run, *args, **kwargs):
+        seen["world_size_seen"] = run.accelerator.num_processes
+        seen["learning_rates"].append(run.optimizer.param_groups[0]["lr"])  # the previous step's, then this one's
+        if slow:
+            time.sleep(float(os.environ.get("SLOW_SECONDS", "0.3")))
+        out = real_step(run, *args, **kwargs)
+        seen["learning_rates"][-1] = run.optimizer.param_groups[0]["lr"]
+        return out
+
+    trainer._step = recorded_step
+    code = dspark(["train", *train_flags])
+    Path(record_dir, f"rank-{rank}.json").write_text(json.dumps(seen))
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main(*sys.argv[1:]))
