@@ -39,19 +39,12 @@ from transformers import PreTrainedModel
 
 from ..files import check_output_folder, written_by_dspark
 from .configuration_dspark import DSparkConfig
-from .engines import format_blockers, serving_card
+from .engines import format_blockers, public_name, rename, serving_card
 from .modeling_dspark import DSparkDraftModel, damaged_weights_error
 
 SOURCES = ("deepspec", "specforge", "dflash")
 
 # source key prefix -> our parameter prefix; keys under no prefix here keep their name (layers.*, norm, fc)
-_RENAMES = {
-    "hidden_norm.": "context_norm.",
-    "markov_head.markov_w1.": "w1.",
-    "markov_head.markov_w2.": "w2.",
-    "markov_head.joint_proj.": "rnn_proj.",
-    "confidence_head.proj.": "confidence.",
-}
 # copies of the target's frozen weights: source key -> how to fetch the target's tensor
 _TARGET_COPIES = {
     "embed_tokens.weight": lambda target: target.get_input_embeddings().weight,
@@ -249,15 +242,6 @@ def _one_dtype(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v.to(wide) if v.is_floating_point() else v for k, v in tensors.items()}
 
 
-def rename(key: str) -> str:
-    """Source parameter name -> ours (unchanged where the names agree)."""
-    key = key.removeprefix("logit_head.")  # early SpecForge DSpark checkpoints nest the heads there
-    for old, new in _RENAMES.items():
-        if key.startswith(old):
-            return new + key[len(old):]
-    return key
-
-
 def drop_target_copies(tensors: dict[str, torch.Tensor], target: PreTrainedModel | None) -> dict[str, torch.Tensor]:
     """Remove the source's copies of the target embedding / LM head after checking they equal the target's."""
     copies = sorted(k for k in tensors if k in _TARGET_COPIES)
@@ -362,14 +346,6 @@ def _checkpoint_name(src: Path) -> str:
 # ---------------------------------------------------------------------------------------------------------------
 # export: the reverse of --from deepspec
 # ---------------------------------------------------------------------------------------------------------------
-def public_name(key: str) -> str:
-    """Our parameter name -> DeepSpec's (the reverse of [`rename`])."""
-    for theirs, ours in _RENAMES.items():
-        if key.startswith(ours):
-            return theirs + key[len(ours):]
-    return key
-
-
 def deepspec_blockers(draft: DSparkDraftModel, target: PreTrainedModel | None = None) -> list[str]:
     """What keeps this draft beside `target` out of DeepSpec's Qwen3DSparkModel layout, or from every engine that
     reads it (empty when it can be exported; see `engines.format_blockers`)."""

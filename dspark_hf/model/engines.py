@@ -27,6 +27,33 @@ from ..files import check_output_folder, written_by_dspark
 from .modeling_dspark import DSparkDraftModel
 
 ENGINES = ("vLLM", "SGLang", "llama.cpp")
+# the layouts' tensor names -> ours (DeepSpec's, which speculators and the engines share)
+_RENAMES = {
+    "hidden_norm.": "context_norm.",
+    "markov_head.markov_w1.": "w1.",
+    "markov_head.markov_w2.": "w2.",
+    "markov_head.joint_proj.": "rnn_proj.",
+    "confidence_head.proj.": "confidence.",
+}
+
+
+def rename(key: str) -> str:
+    """Source parameter name -> ours (unchanged where the names agree)."""
+    key = key.removeprefix("logit_head.")  # early SpecForge DSpark checkpoints nest the heads there
+    for old, new in _RENAMES.items():
+        if key.startswith(old):
+            return new + key[len(old):]
+    return key
+
+
+def public_name(key: str) -> str:
+    """Our parameter name -> DeepSpec's (the reverse of [`rename`])."""
+    for theirs, ours in _RENAMES.items():
+        if key.startswith(ours):
+            return theirs + key[len(ours):]
+    return key
+
+
 FORMATS = {"deepspec": ("vLLM", "SGLang", "llama.cpp"), "speculators": ("vLLM", "llama.cpp")}
 
 
@@ -169,8 +196,6 @@ def speculators_tensors(draft: DSparkDraftModel, target: PreTrainedModel) -> dic
     """`draft`'s weights under speculators' names: the Markov head's W1 keyed by target ids (`[V_target, r]`, the
     out-of-vocabulary row where a target token is no draft token: what our head reads for it), and with a reduced
     vocabulary the draft's LM-head rows and the ``d2t`` / ``t2d`` maps. The target's embedding is never stored."""
-    from .convert import public_name
-
     c = draft.config
     state = {k: v for k, v in draft.state_dict().items() if k not in ("draft_vocab", "target_to_draft")}
     if "w1.weight" in state and c.draft_vocab_size is not None:
@@ -206,5 +231,5 @@ def export_speculators(draft: DSparkDraftModel, target: PreTrainedModel, dst: st
     return dst
 
 
-__all__ = ["ENGINES", "FORMATS", "engine_gaps", "layout_gaps", "serving_engines", "format_blockers", "dropped_by_engines",
+__all__ = ["ENGINES", "FORMATS", "rename", "public_name", "engine_gaps", "layout_gaps", "serving_engines", "format_blockers", "dropped_by_engines",
            "export_speculators", "speculators_config", "speculators_tensors", "check_speculators_folder", "serving_card"]
