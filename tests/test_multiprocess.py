@@ -50,3 +50,17 @@ def test_under_a_time_budget_a_slower_rank_stops_at_the_same_step_with_the_same_
     assert steps[0] == steps[1] > 3
     assert seen[0]["learning_rates"] == seen[1]["learning_rates"]
     assert (tmp_path / "run" / "heldout.json").is_file()
+
+
+def test_the_batch_size_probe_agrees_on_the_smallest_any_process_found(tmp_path):
+    """Each device may fit another batch; every process steps with the smallest found (the probe runs on CUDA only, so
+    here it is faked: rank r finds --batch-size minus r)."""
+    target = tiny_target("llama")
+    target.save_pretrained(tmp_path / "target")
+    data = tiny_dataset(tmp_path, target, n=16)
+    seen = two_processes(tmp_path, ["--target", str(tmp_path / "target"), "--dataset", str(data), "--output-dir",
+                                    str(tmp_path / "run"), "--max-steps", "4", "--batch-size", "4",
+                                    "--auto-find-batch-size", "--layers", "1", "--markov-rank", "4",
+                                    "--block-size", "3"], FAKE_PROBE="1")
+    # an epoch's last batch may hold fewer (every rank takes the same steps): the full ones hold 3 on both
+    assert seen[0]["batch_sizes"] == seen[1]["batch_sizes"] and max(seen[0]["batch_sizes"]) == 3

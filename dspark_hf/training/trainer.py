@@ -144,8 +144,20 @@ def _batch_size(config: TrainConfig, state: dict | None, draft, target, train_se
     if state is not None and "batch_size" in state:
         return state["batch_size"]
     if config.auto_find_batch_size:
-        return find_batch_size(draft, target, train_set, features, config, weights, accelerator)
+        return _smallest_of_all(accelerator, find_batch_size(draft, target, train_set, features, config, weights,
+                                                             accelerator))
     return config.batch_size
+
+
+def _smallest_of_all(accelerator, size: int) -> int:
+    """The smallest batch size any process found: all step with one batch size (the data shards and the steps an
+    epoch depend on it), and the smallest fits on every device."""
+    if accelerator.num_processes == 1:
+        return size
+    found = accelerator.gather(torch.tensor([size], device=accelerator.device)).tolist()
+    if accelerator.is_main_process and len(set(found)) > 1:
+        print(f"batch size: {min(found)} on every process (the processes found {found})")
+    return min(found)
 
 
 def _optimizer(draft, config: TrainConfig, device: torch.device) -> torch.optim.Optimizer:

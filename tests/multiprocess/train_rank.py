@@ -24,6 +24,7 @@ def main(record_dir: str, *train_flags: str) -> int:
     def recorded_step(run, *args, **kwargs):
         seen["world_size_seen"] = run.accelerator.num_processes
         seen["learning_rates"].append(run.optimizer.param_groups[0]["lr"])  # the previous step's, then this one's
+        seen.setdefault("batch_sizes", []).append(len(args[1]))  # _step(run, core, batch, ...)
         if slow:
             time.sleep(float(os.environ.get("SLOW_SECONDS", "0.3")))
         out = real_step(run, *args, **kwargs)
@@ -31,6 +32,8 @@ def main(record_dir: str, *train_flags: str) -> int:
         return out
 
     trainer._step = recorded_step
+    if os.environ.get("FAKE_PROBE") == "1":  # as if each device fit another batch: rank r finds batch_size - r
+        trainer.find_batch_size = lambda *args: args[4].batch_size - rank
     code = dspark(["train", *train_flags])
     Path(record_dir, f"rank-{rank}.json").write_text(json.dumps(seen))
     return code
