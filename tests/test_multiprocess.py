@@ -64,3 +64,15 @@ def test_the_batch_size_probe_agrees_on_the_smallest_any_process_found(tmp_path)
                                     "--block-size", "3"], FAKE_PROBE="1")
     # an epoch's last batch may hold fewer (every rank takes the same steps): the full ones hold 3 on both
     assert seen[0]["batch_sizes"] == seen[1]["batch_sizes"] and max(seen[0]["batch_sizes"]) == 3
+
+
+def test_the_feature_cache_is_written_once_in_shares_and_read_whole_by_both(tmp_path):
+    target = tiny_target("llama")
+    target.save_pretrained(tmp_path / "target")
+    data = tiny_dataset(tmp_path, target, n=16)
+    cache = tmp_path / "features"
+    two_processes(tmp_path, ["--target", str(tmp_path / "target"), "--dataset", str(data), "--output-dir",
+                             str(tmp_path / "run"), "--max-steps", "4", "--batch-size", "2", "--feature-cache",
+                             str(cache), "--layers", "1", "--markov-rank", "4", "--block-size", "3"])
+    assert len(list(cache.glob("*.safetensors"))) == 16 and not list(cache.glob("*.partial"))
+    assert (tmp_path / "run" / "heldout.json").is_file()

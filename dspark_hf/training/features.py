@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from ..files import write_atomic
 from ..model.configuration_dspark import unreadable_layers
 
 
@@ -96,7 +97,7 @@ class CachedFeatures:
     """
 
     def __init__(self, directory: str | Path, target, target_layer_ids: list[int], examples, progress=True,
-                 cache_layer_ids: list[int] | None = None):
+                 cache_layer_ids: list[int] | None = None, shard: tuple[int, int] = (0, 1)):
         from tqdm.auto import tqdm
 
         check_layer_ids(target, [*target_layer_ids, *(cache_layer_ids or [])])  # before anything is written
@@ -123,13 +124,16 @@ class CachedFeatures:
                                  f"{list(target_layer_ids)} of {meta['target']} in {meta['dtype']}: remove it or "
                                  "choose another --feature-cache directory.")
             meta = {k: v for k, v in found.items() if k != "probe"}
-        index.write_text(json.dumps({**meta, "probe": probe}))
+        if shard[0] == 0:  # one process writes the index, whole (the others may be reading it)
+            write_atomic(index, json.dumps({**meta, "probe": probe}))
         d = target.config.get_text_config().hidden_size
         cached = meta["target_layer_ids"]
         self.columns = torch.cat([torch.arange(cached.index(i) * d, (cached.index(i) + 1) * d, device="cpu")
                                   for i in target_layer_ids])
         online = OnlineFeatures(target, cached)
-        missing = [e for e in examples if not self._path(e).exists()]
+        # each of several processes computes its share (`shard`: its index, how many), and reads all once every
+        # process has written its own (the caller waits for them)
+        missing = [e for e in examples if not self._path(e).exists()][shard[0]::shard[1]]
         for i in tqdm(range(0, len(missing), 8), desc="caching target features", disable=not progress):
             chunk = missing[i: i + 8]
             features, last = online(chunk)

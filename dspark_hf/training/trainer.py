@@ -69,7 +69,8 @@ def train(config: TrainConfig, target=None, progress: bool = True, started: floa
     out_dir.mkdir(parents=True, exist_ok=True)
     write_atomic(out_dir / CONFIG_FILE, json.dumps({**asdict(config), **made_for}, indent=2))
     draft.to(device).train()
-    features = _features(config, target, draft, train_set + heldout, progress and accelerator.is_main_process)
+    features = _features(config, target, draft, train_set + heldout, progress and accelerator.is_main_process,
+                         accelerator)
     weights = LossWeights(config.loss_ce, config.loss_l1, config.loss_confidence, config.position_decay,
                           config.loss_kl)
     config.batch_size = _batch_size(config, state, draft, target, train_set, features, weights, accelerator)
@@ -128,12 +129,17 @@ def _examples(config: TrainConfig, target) -> tuple[list, list]:
     return train_set, heldout
 
 
-def _features(config: TrainConfig, target, draft, examples: list, show_progress: bool):
-    """Where the steps get the target's features: an on-disk cache of every example's (config.feature_cache), else
-    the target itself, step by step."""
+def _features(config: TrainConfig, target, draft, examples: list, show_progress: bool, accelerator=None):
+    """Where the steps get the target's features: an on-disk cache of every example's (config.feature_cache; each of
+    several processes writes its share, and all read it once every share is written), else the target itself, step
+    by step."""
     layer_ids = unwrap_draft(draft).config.target_layer_ids
     if config.feature_cache:
-        return CachedFeatures(config.feature_cache, target, layer_ids, examples, progress=show_progress)
+        shard = (0, 1) if accelerator is None else (accelerator.process_index, accelerator.num_processes)
+        cache = CachedFeatures(config.feature_cache, target, layer_ids, examples, progress=show_progress, shard=shard)
+        if accelerator is not None:
+            accelerator.wait_for_everyone()
+        return cache
     return OnlineFeatures(target, layer_ids)
 
 
