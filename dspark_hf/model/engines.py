@@ -23,7 +23,7 @@ import torch
 from safetensors.torch import save_file
 from transformers import PreTrainedModel
 
-from ..files import check_output_folder, written_by_dspark
+from ..files import GENERATED_MARK, check_output_folder, written_by_dspark
 from .modeling_dspark import DSparkDraftModel
 
 ENGINES = ("vLLM", "SGLang", "llama.cpp")
@@ -91,10 +91,14 @@ def layout_gaps(target: PreTrainedModel | None, fmt: str) -> list[tuple[str, tup
     return []
 
 
+def exported_gaps(draft: DSparkDraftModel, target: PreTrainedModel | None, fmt: str) -> list[tuple[str, tuple]]:
+    """What leaves an engine out of serving `draft` exported in layout `fmt`: the draft's gaps and the layout's."""
+    return engine_gaps(draft, target) + layout_gaps(target, fmt)
+
+
 def serving_engines(draft: DSparkDraftModel, target: PreTrainedModel | None, fmt: str) -> tuple[str, ...]:
     """The engines that serve `draft` exported in layout `fmt` ("deepspec" or "speculators")."""
-    gaps = engine_gaps(draft, target) + layout_gaps(target, fmt)
-    left_out = {engine for _, engines in gaps for engine in engines}
+    left_out = {engine for _, engines in exported_gaps(draft, target, fmt) for engine in engines}
     return tuple(e for e in FORMATS[fmt] if e not in left_out)
 
 
@@ -130,16 +134,13 @@ SERVE = {
 
 def serving_card(draft: DSparkDraftModel, target: PreTrainedModel | None, fmt: str, dst: str | Path) -> str:
     """The README.md of an engine export: what it is, which engines serve it and how, and what they drop."""
-    from ..files import GENERATED_MARK
-
     engines = serving_engines(draft, target, fmt)
     gamma = draft.config.block_size
     lines = [f"<!-- {GENERATED_MARK} -->", f"# DSpark draft in the {fmt} layout", "",
              f"Exported by dspark-hf from a draft for `{draft.config.target_name_or_path or 'its target'}` "
              f"(block size {gamma}). Served by: {', '.join(engines)}.", ""]
     lines += [f"- {engine}: `{SERVE[engine].format(dst=dst, gamma=gamma)}`" for engine in engines]
-    left_out = [(why, [e for e in engines_ if e in FORMATS[fmt]])
-                for why, engines_ in engine_gaps(draft, target) + layout_gaps(target, fmt)]
+    left_out = [(why, [e for e in gap if e in FORMATS[fmt]]) for why, gap in exported_gaps(draft, target, fmt)]
     lines += [f"- not {', '.join(es)}: {why}" for why, es in left_out if es]
     lines += [f"- engines drop {what}" for what in dropped_by_engines(draft)]
     return "\n".join(lines) + "\n"
@@ -231,5 +232,6 @@ def export_speculators(draft: DSparkDraftModel, target: PreTrainedModel, dst: st
     return dst
 
 
-__all__ = ["ENGINES", "FORMATS", "rename", "public_name", "engine_gaps", "layout_gaps", "serving_engines", "format_blockers", "dropped_by_engines",
-           "export_speculators", "speculators_config", "speculators_tensors", "check_speculators_folder", "serving_card"]
+__all__ = ["ENGINES", "FORMATS", "rename", "public_name", "engine_gaps", "layout_gaps", "exported_gaps",
+           "serving_engines", "format_blockers", "dropped_by_engines", "export_speculators", "speculators_config",
+           "speculators_tensors", "check_speculators_folder", "serving_card"]

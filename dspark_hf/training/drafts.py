@@ -59,9 +59,9 @@ def copy_target_layers(draft: DSparkDraftModel, target) -> DSparkDraftModel:
     """Initialise a fresh draft's n decoder layers from the target's last n, so training starts from attention and
     MLP weights that already read the target's hidden states; the context projection starts as the identity on
     the deepest feature layer (the hidden state those layers read in the target), the context norm as the first
-    copied layer's input norm, and the final norm as the target's; per-head q/k norms the target's layers lack start
-    at one (the identity). Raises ValueError where the target's decoder
-    layers do not have the draft's parameter names and shapes (e.g. Gemma's extra norms)."""
+    copied layer's input norm, and the final norm as the target's; per-head q/k norms the target's layers lack keep
+    their initial ones. Raises ValueError where the target's decoder layers do not have the draft's parameter names
+    and shapes (e.g. Gemma's extra norms)."""
     decoder = target.get_decoder()
     layers = list(getattr(decoder, "layers", []))
     n, d = len(draft.layers), draft.config.hidden_size
@@ -69,7 +69,7 @@ def copy_target_layers(draft: DSparkDraftModel, target) -> DSparkDraftModel:
         raise ValueError(f"copy_target_layers needs at least {n} target decoder layers, found {len(layers)}.")
     for own, theirs in zip(draft.layers, layers[-n:]):
         mine, source = own.state_dict(), theirs.state_dict()
-        # per-head q/k norms the target's layers lack (Llama) start as the identity, as a fresh draft's do
+        # per-head q/k norms the target's layers lack (Llama's)
         unnormed = {k for k in set(mine) - set(source) if k.endswith(_QK_NORMS)}
         wrong = sorted((set(mine) - unnormed) ^ set(source)) + [
             k for k in mine if k in source and mine[k].shape != source[k].shape]
@@ -77,7 +77,7 @@ def copy_target_layers(draft: DSparkDraftModel, target) -> DSparkDraftModel:
             raise ValueError(f"copy_target_layers: the target's decoder layers ({type(theirs).__name__}) do not "
                              f"match the draft's ({', '.join(wrong[:6])}{' ...' if len(wrong) > 6 else ''}); "
                              "train without --copy-target-layers, or keep the draft's sizes equal to the target's.")
-        own.load_state_dict({**source, **{k: torch.ones_like(mine[k]) for k in unnormed}})
+        own.load_state_dict(source, strict=False)  # all but `unnormed`, which keep a fresh draft's ones
     draft.fc.weight.zero_()
     draft.fc.weight[:, -d:] = torch.eye(d, dtype=draft.fc.weight.dtype)
     draft.context_norm.weight.copy_(draft.layers[0].input_layernorm.weight)

@@ -129,16 +129,15 @@ def _examples(config: TrainConfig, target) -> tuple[list, list]:
     return train_set, heldout
 
 
-def _features(config: TrainConfig, target, draft, examples: list, show_progress: bool, accelerator=None):
+def _features(config: TrainConfig, target, draft, examples: list, show_progress: bool, accelerator):
     """Where the steps get the target's features: an on-disk cache of every example's (config.feature_cache; each of
     several processes writes its share, and all read it once every share is written), else the target itself, step
     by step."""
     layer_ids = unwrap_draft(draft).config.target_layer_ids
     if config.feature_cache:
-        shard = (0, 1) if accelerator is None else (accelerator.process_index, accelerator.num_processes)
-        cache = CachedFeatures(config.feature_cache, target, layer_ids, examples, progress=show_progress, shard=shard)
-        if accelerator is not None:
-            accelerator.wait_for_everyone()
+        cache = CachedFeatures(config.feature_cache, target, layer_ids, examples, progress=show_progress,
+                               shard=(accelerator.process_index, accelerator.num_processes))
+        accelerator.wait_for_everyone()
         return cache
     return OnlineFeatures(target, layer_ids)
 
