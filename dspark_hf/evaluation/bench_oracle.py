@@ -93,7 +93,7 @@ def bench_oracle(target, tokenizer, draft: DSparkDraftModel, batch_sizes=(1, 8),
         arms = {"plain": ({}, None), **{name: ({"assistant_model": oracle}, make) for name, make in policies.items()}}
         if compiled:
             arms[COMPILED_PLAIN] = (static_compile(P + max_new_tokens), None)
-            arms[fast] = ({"assistant_model": oracle, **static_compile()}, policies[first])
+            arms[fast] = ({"assistant_model": oracle, **static_compile(P + max_new_tokens)}, policies[first])
 
         def call(name):
             options, make = arms[name]

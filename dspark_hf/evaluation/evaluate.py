@@ -153,8 +153,8 @@ COMPILED_PLAIN, COMPILED_DSPARK, STATIC_LOOKUP = "plain (static+compile)", "dspa
 
 def static_compile(max_cache_len: int | None = None) -> dict:
     """generate() options of the fair baseline: a static cache and torch.compile, on any device (transformers compiles
-    off CUDA only when told to); `max_cache_len` sizes plain generate()'s cache once for every prompt of a run, so
-    that it compiles once."""
+    off CUDA only when told to); `max_cache_len` sizes the static cache (plain generate()'s, and DSpark's decoding
+    state) once for every prompt of a run, so that each compiles once and attention reads as many slots in both."""
     return {"cache_implementation": "static", "compile_config": internals.compile_config_anywhere(),
             **({"max_cache_len": max_cache_len} if max_cache_len else {})}
 
@@ -178,7 +178,7 @@ def bench_speed(target, tokenizer, draft, prompts: list[dict], batch_size: int =
     methods = {"plain": {}, "dspark": dspark}
     if compiled:
         methods[COMPILED_PLAIN] = static_compile(longest)
-        methods[COMPILED_DSPARK] = {**dspark, **static_compile()}
+        methods[COMPILED_DSPARK] = {**dspark, **static_compile(longest)}
     skipped = {}
     if batch_size == 1:
         methods["prompt_lookup"] = {"prompt_lookup_num_tokens": 10}

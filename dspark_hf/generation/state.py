@@ -14,9 +14,11 @@ Two ways to offset the rows:
   (not real: the 2D mask hides them, and positions count only real tokens). Sliding windows count slots, so a model
   with them never decodes this way.
 
-Sizes: compiled steps get buffers for the prompt, every new token and one forward past them, rounded up to a
-bucket, so that later calls of similar sizes reuse the steps (and, on a GPU, their CUDA graphs); eager calls start
-smaller and double the buffers as the rows grow (`make_room`), as plain generate()'s dynamic cache grows.
+Sizes: compiled steps get buffers for the prompt, every new token and one forward past them (or for
+`max_cache_len` tokens, where the call gives it), and, as transformers' static cache, keep the largest a call
+needed so far, so that later calls that fit reuse the steps (and, on a GPU, their CUDA graphs) and attention reads
+no more slots than plain generate()'s static cache does; eager calls start smaller and double the buffers as the
+rows grow (`make_room`), as plain generate()'s dynamic cache grows.
 """
 
 from __future__ import annotations
@@ -159,36 +161,37 @@ class DecodingState:
                              [v[:, :, :width] for v in self.context_values], self.positions[:, :width], valid)
 
 
-def bucketed(n: int, smallest: int = 64) -> int:
-    """n rounded up to a power of two (at least `smallest`): few sizes, so compiled steps are reused."""
-    size = smallest
-    while size < n:
-        size *= 2
-    return size
-
-
 class StatePool:
-    """Decoding states kept for reuse by later calls with the same target, draft and sizes (compiled steps only:
-    their CUDA graphs read and write the buffers where they were recorded). One state per target, draft, batch size
-    and size at most; a call that finds it taken (a concurrent call) allocates its own. Gone with the models."""
+    """Decoding states kept for reuse by later calls with the same target, draft and batch size (compiled steps only:
+    their graphs are specialised on the buffers' sizes, and on CUDA their graphs read and write the buffers where
+    they were recorded). As transformers' static cache, a state only grows: a call that fits in the pooled state
+    decodes in it (nothing recompiles), a longer one allocates a state of its own size, which replaces the pooled one
+    when it is given back. A call that finds the state taken (a concurrent call) allocates its own. Gone with the
+    models."""
 
     def __init__(self):
         self._lock = threading.Lock()
-        self._free: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # target -> draft -> sizes -> state
+        self._free: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # target -> draft -> key -> state
 
     def _shelf(self, target, draft) -> dict:
         return self._free.setdefault(target, weakref.WeakKeyDictionary()).setdefault(draft, {})
 
     def take(self, target, draft, batch_size: int, slots: int) -> DecodingState:
+        """A state of at least `slots` slots."""
         with self._lock:
-            state = self._shelf(target, draft).pop(_sizes(target, draft, batch_size, slots), None)
-        return state or DecodingState.allocate(target, draft, batch_size, slots, shared=False)
+            shelf, key = self._shelf(target, draft), _key(target, draft, batch_size)
+            if key in shelf and shelf[key].slots >= slots:
+                return shelf.pop(key)
+        return DecodingState.allocate(target, draft, batch_size, slots, shared=False)
 
     def give(self, target, draft, state: DecodingState) -> None:
         with self._lock:
-            self._shelf(target, draft).setdefault(_sizes(target, draft, state.real.shape[0], state.slots), state)
+            shelf, key = self._shelf(target, draft), _key(target, draft, state.real.shape[0])
+            if key not in shelf or shelf[key].slots < state.slots:
+                shelf[key] = state
 
 
-def _sizes(target, draft, batch_size: int, slots: int) -> tuple:
-    """What a pooled state must match: its sizes, and the dtypes its buffers were made in (and may be made again)."""
-    return batch_size, slots, target.dtype, draft.fc.weight.dtype, target.device
+def _key(target, draft, batch_size: int) -> tuple:
+    """What a pooled state must match: its rows, and the dtypes and device its buffers were made in (and may be made
+    again)."""
+    return batch_size, target.dtype, draft.fc.weight.dtype, target.device

@@ -4,8 +4,9 @@ With ``cache_implementation="static"``, where transformers would compile its own
 `CompileConfig` with ``_compile_all_devices``; never with ``disable_compile``), DSpark compiles, with the call's
 `CompileConfig`, the target's verification forward (specialised on each verification width, taken from a few
 buckets: 1, 2, 4, ... and the block's gamma + 1) and the draft's block. On CUDA the default mode, "reduce-overhead",
-replays them as CUDA graphs. Their buffers come from a pool of decoding states of a few sizes (`state.bucketed`), so
-that later calls reuse the graphs and the memory alike. The prompt's forward runs eagerly, as plain generate()'s.
+replays them as CUDA graphs. Their buffers come from a pool of decoding states that, as transformers' static cache,
+only grow (sized by the call, or by its ``max_cache_len``): later calls that fit reuse the graphs and the memory
+alike. The prompt's forward runs eagerly, as plain generate()'s.
 
 A call that asks for compiled steps where they cannot be built is refused in one line naming why; the same call
 without them (no ``cache_implementation="static"``) decodes eagerly, on the same state.
@@ -22,7 +23,7 @@ import torch
 from .. import internals
 from ..model.modeling_dspark import DSparkDraftModel
 from ..model.sampling import drafter
-from .state import DecodingState, StatePool, bucketed
+from .state import DecodingState, StatePool
 
 # compiled functions are kept per compile config, for all targets and drafts: a target of the same architecture and
 # shapes reuses the graphs another one compiled (the modules' weights are inputs to them)
@@ -55,8 +56,8 @@ def verification_widths(block_size: int) -> list[int]:
 class Steps:
     """How one call runs its forwards: eagerly, or compiled with `compile_config` (see the module)."""
 
-    def __init__(self, target, draft: DSparkDraftModel, compile_config=None):
-        self.target, self.draft, self.compile_config = target, draft, compile_config
+    def __init__(self, target, draft: DSparkDraftModel, compile_config=None, max_cache_len: int | None = None):
+        self.target, self.draft, self.compile_config, self.max_cache_len = target, draft, compile_config, max_cache_len
         self.shared = internals.row_masks_refused(target) is not None
         self._widths = verification_widths(draft.config.block_size)
         compiled = (lambda fn: fn) if compile_config is None else functools.partial(_compiled, config=compile_config)
@@ -78,7 +79,7 @@ class Steps:
         if why:
             raise ValueError(f"cache_implementation='static' compiles DSpark's steps, but {why}: decode without "
                              "cache_implementation='static' (or with disable_compile=True).")
-        return cls(target, draft, config)
+        return cls(target, draft, config, generation_config.max_cache_len)
 
     @property
     def compiled(self) -> bool:
@@ -86,12 +87,12 @@ class Steps:
 
     # -- the call's state --------------------------------------------------------------------------------------------
     def state(self, batch_size: int, prompt_length: int, max_new: int) -> DecodingState:
-        """A state for this call: compiled, its slots hold the prompt, every new token and one forward past them;
-        eager, room to start with (it grows)."""
+        """A state for this call: compiled, its slots hold the prompt, every new token (or max_cache_len tokens, if
+        more) and one forward past them, in a pooled state that may be larger; eager, room to start with (it grows)."""
         if not self.compiled:
             slots = prompt_length + min(max(max_new, 1), _FIRST_ROOM) + self._widths[-1]
             return DecodingState.allocate(self.target, self.draft, batch_size, slots, self.shared)
-        slots = bucketed(prompt_length + max(max_new, 1) + self._widths[-1])
+        slots = max(prompt_length + max(max_new, 1), self.max_cache_len or 0) + self._widths[-1]
         try:
             return _POOL.take(self.target, self.draft, batch_size, slots)
         except (RuntimeError, MemoryError) as error:  # torch.OutOfMemoryError is a RuntimeError
