@@ -59,23 +59,22 @@ def _torn(state_file: Path, error: Exception) -> bool:
         return True
 
 
-def save_checkpoint(model, optimizer, step: int, clock, out_dir: Path, generator: torch.Generator,
-                    batch_size: int, snapshot: tuple[dict, dict] | None = None):
-    """Save `model` (a draft or a peft adapter), the optimizer, the step, the run clock's state, the anchor
-    generator's (a resumed epoch draws the anchors it would have drawn) and the batch size (which
-    auto_find_batch_size may have chosen: a resumed run keeps it), then drop all but the two newest. The state
-    file, which marks the checkpoint complete, is written last and whole (through a temporary file), so a run killed
-    while saving leaves the previous checkpoint to resume from. snapshot: (weights, trainer state) taken earlier by
-    [`CheckpointWriter`], written instead of the live model's and optimizer's."""
-    path = out_dir / f"checkpoint-{step}"
+def trainer_state(optimizer, step: int, clock, generator: torch.Generator, batch_size: int, processes: int) -> dict:
+    """What a checkpoint keeps beside the weights: the optimizer, the step, the run clock's state, the anchor
+    generator's (a resumed epoch draws the anchors it would have drawn), the batch size (which auto_find_batch_size may
+    have chosen: a resumed run keeps it) and the processes the run steps on (a resume needs as many)."""
+    return {"optimizer": optimizer.state_dict(), "step": step, "clock": clock.state(), "generator": generator.get_state(),
+            "batch_size": batch_size, "processes": processes}
+
+
+def save_checkpoint(model, weights: dict, state: dict, out_dir: Path) -> None:
+    """Save `model` (a draft or a peft adapter) with `weights`, its whole state dict (which a sharded run gathers
+    first: `accelerator.get_state_dict`), and the trainer `state`, as checkpoint-<state["step"]>; then drop all but the
+    two newest. The state file, which marks the checkpoint complete, is written last and whole (through a temporary
+    file), so a run killed while saving leaves the previous checkpoint to resume from."""
+    path = out_dir / f"checkpoint-{state['step']}"
     (path / STATE_FILE).unlink(missing_ok=True)  # a folder saved over (after a resume) is incomplete until the end
-    if snapshot is None:
-        model.save_pretrained(path)
-        state = {"optimizer": optimizer.state_dict(), "step": step, "clock": clock.state(),
-                 "generator": generator.get_state(), "batch_size": batch_size}
-    else:
-        weights, state = snapshot
-        model.save_pretrained(path, state_dict=weights)
+    model.save_pretrained(path, state_dict=weights)
     partial = path / f"{STATE_FILE}.partial"
     torch.save(state, partial)
     os.replace(partial, path / STATE_FILE)
@@ -92,25 +91,23 @@ class CheckpointWriter:
         self._thread = None
         self._error = None
 
-    def save(self, model, optimizer, step: int, clock, out_dir: Path, generator: torch.Generator,
-             batch_size: int) -> None:
+    def save(self, model, weights: dict, state: dict, out_dir: Path) -> None:
+        """`save_checkpoint(model, weights, state, out_dir)`, written by a thread from a copy taken now."""
         import threading
 
         self.wait()
         if hasattr(model, "peft_config"):
-            save_checkpoint(model, optimizer, step, clock, out_dir, generator, batch_size)
+            save_checkpoint(model, weights, state, out_dir)
             return
-        weights = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
-        state = {"optimizer": _on_cpu(optimizer.state_dict()), "step": step, "clock": clock.state(),
-                 "generator": generator.get_state(), "batch_size": batch_size}
+        weights, state = _on_cpu(weights), _on_cpu(state)
 
         def write():
             try:
-                save_checkpoint(model, None, step, None, out_dir, None, batch_size, snapshot=(weights, state))
+                save_checkpoint(model, weights, state, out_dir)
             except BaseException as error:  # raised in the training thread by wait()
                 self._error = error
 
-        self._thread = threading.Thread(target=write, name=f"checkpoint-{step}", daemon=True)
+        self._thread = threading.Thread(target=write, name=f"checkpoint-{state['step']}", daemon=True)
         self._thread.start()
 
     def wait(self) -> None:

@@ -28,7 +28,10 @@ class TrainConfig:
     epochs: float = field(default=4.0, metadata={"help": "Passes over the training split (fresh anchors each)."})
     max_steps: int | None = field(default=None, metadata={"help": "Optimizer steps to take, overriding epochs (a "
                                   "fixed budget across datasets of different sizes)."})
-    batch_size: int = field(default=4, metadata={"help": "Sequences per optimizer step (per process)."})
+    batch_size: int = field(default=4, metadata={"help": "Sequences per forward and backward pass (per process)."})
+    gradient_accumulation_steps: int = field(default=1, metadata={"help": "Batches whose gradients add up before "
+                                             "each optimizer step: a step learns from batch_size x this x processes "
+                                             "sequences (the global batch)."})
     anchors_per_sequence: int = field(default=48, metadata={"help": "Random blocks per sequence (reference: 512).",
                                                             "flag": "--anchors"})
     feature_lag: int = field(default=0, metadata={"help": "Train on lagged contexts, as SSD's pre-speculated blocks "
@@ -107,7 +110,8 @@ class TrainConfig:
 
     def __post_init__(self):
         # checked before train() touches output_dir, so a refused command leaves an existing run as it was
-        for name in ("batch_size", "anchors_per_sequence", "max_length", "save_every", "lora_rank") + \
+        for name in ("batch_size", "gradient_accumulation_steps", "anchors_per_sequence", "max_length", "save_every",
+                     "lora_rank") + \
                 (("max_steps",) if self.max_steps is not None else ()):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)}: give a positive whole number.")

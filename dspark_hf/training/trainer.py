@@ -13,6 +13,7 @@ import contextlib
 import functools
 import json
 import math
+import os
 import random
 import time
 import warnings
@@ -25,7 +26,8 @@ import torch
 from ..devices import GpuMonitor, clock, indexed, resolve_device
 from ..files import write_atomic
 from ..generation.request import unwrap_draft
-from .checkpoints import STATE_FILE, CheckpointWriter, checkpoint_folders, latest_checkpoint, save_checkpoint
+from .checkpoints import (STATE_FILE, CheckpointWriter, checkpoint_folders, latest_checkpoint, save_checkpoint,
+                          trainer_state)
 from .config import RESUMABLE_CHANGES, TrainConfig
 from .data import load_dataset, split_heldout
 from .drafts import initial_draft
@@ -55,6 +57,11 @@ def train(config: TrainConfig, target=None, progress: bool = True, started: floa
 
         _check_name(config.init_from, "init_from (--init-from)")
     accelerator, device = _accelerator(config)
+    fewer = fewer_processes_than_asked(os.environ, accelerator.num_processes)
+    if fewer:
+        warnings.warn(f"training on {accelerator.num_processes} process(es): {fewer}. To start N processes, run "
+                      "`torchrun --nproc_per_node N -m dspark_hf train ...` (docs/training.md, \"Several processes\").",
+                      stacklevel=2)
     monitor = GpuMonitor(device)
     default_target_used = target is None
     target = _frozen_target(target, config, device)
@@ -64,6 +71,7 @@ def train(config: TrainConfig, target=None, progress: bool = True, started: floa
 
     found = latest_checkpoint(out_dir)
     resume, state = found if found is not None else (None, None)
+    _refuse_other_processes(state, accelerator, out_dir)
     draft = initial_draft(config, target, resume, default_target_used, train_set)
     _refuse_a_block_past_every_answer(unwrap_draft(draft).config.block_size, train_set, config)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -78,6 +86,7 @@ def train(config: TrainConfig, target=None, progress: bool = True, started: floa
     run = _Run(config, accelerator, device, timer, monitor, target, train_set, heldout, draft, optimizer, features,
                weights)
     first_step, generator_state = _resume(run, resume, state)
+    _say_the_batches(run)
 
     step, generator = _take_steps(run, first_step, generator_state, progress)
     return _finish(run, first_step, step, generator)
@@ -100,6 +109,19 @@ def _accelerator(config: TrainConfig):
         if config.gpu_memory_fraction is not None:
             torch.cuda.set_per_process_memory_fraction(config.gpu_memory_fraction, device)
     return accelerator, device
+
+
+def fewer_processes_than_asked(environ, processes: int) -> str | None:
+    """Why this launch runs fewer processes than it asked for (None: it runs what it asked). `accelerate launch
+    --num_processes N --cpu` starts one process where no MPI host file is given (it sets only the rendezvous address);
+    a launcher that set WORLD_SIZE above the processes that joined formed no group."""
+    asked = int(environ.get("WORLD_SIZE", "0") or 0)
+    if asked > processes:
+        return f"the launcher set WORLD_SIZE={asked}, but {processes} process(es) joined the group"
+    if processes == 1 and "WORLD_SIZE" not in environ and "MASTER_ADDR" in environ \
+            and environ.get("ACCELERATE_USE_CPU", "").lower() in ("true", "1"):
+        return "`accelerate launch --num_processes N --cpu` starts one process on a CPU without an MPI host file"
+    return None
 
 
 def _frozen_target(target, config: TrainConfig, device: torch.device):
@@ -165,6 +187,28 @@ def _smallest_of_all(accelerator, size: int) -> int:
     return min(found)
 
 
+def _refuse_other_processes(state: dict | None, accelerator, out_dir: Path) -> None:
+    """A run resumes on as many processes as it was trained on: the data's shards, the steps an epoch takes and the
+    global batch all depend on it. (Checkpoints that do not say were saved by one process.)"""
+    if state is None:
+        return
+    before, now = state.get("processes", 1), accelerator.num_processes
+    if before != now:
+        raise ValueError(f"{out_dir} was trained on {before} process(es) and this run has {now}: resume it on {before} "
+                         f"(torchrun --nproc_per_node {before} -m dspark_hf train ...), or give a new output_dir.")
+
+
+def _say_the_batches(run: _Run) -> None:
+    """The batches a step learns from, and what an epoch repeats to even the processes' shares, said once."""
+    c, processes = run.config, run.accelerator.num_processes
+    if not run.accelerator.is_main_process or (processes == 1 and c.gradient_accumulation_steps == 1):
+        return
+    accumulated = f" x {c.gradient_accumulation_steps} accumulated" if c.gradient_accumulation_steps > 1 else ""
+    print(f"batches: {c.batch_size} sequences a pass{accumulated} on each of {processes} process(es) = a global "
+          f"batch of {run.global_batch} a step; an epoch is {run.steps_per_epoch} steps over {len(run.train_set)} "
+          f"examples, {run.repeated_per_epoch} of them taken twice so that every process takes as many steps")
+
+
 def _optimizer(draft, config: TrainConfig, device: torch.device) -> torch.optim.Optimizer:
     """AdamW over the weights the draft trains (with LoRA: the adapters, and the heads trained in full)."""
     params = [p for p in draft.parameters() if p.requires_grad]
@@ -195,8 +239,23 @@ class _Run:
         return Path(self.config.output_dir)
 
     @property
+    def per_step(self) -> int:
+        """Sequences each process learns from in a step: its batches that accumulate."""
+        return self.config.batch_size * self.config.gradient_accumulation_steps
+
+    @property
+    def global_batch(self) -> int:
+        return self.per_step * self.accelerator.num_processes
+
+    @property
     def steps_per_epoch(self) -> int:
-        return math.ceil(len(self.train_set) / (self.config.batch_size * self.accelerator.num_processes))
+        return math.ceil(len(self.train_set) / self.global_batch)
+
+    @property
+    def repeated_per_epoch(self) -> int:
+        """Examples an epoch takes twice so that every process takes as many steps (`_epoch_shard`)."""
+        return max(0, self.accelerator.num_processes * ((self.steps_per_epoch - 1) * self.per_step + 1)
+                   - len(self.train_set))
 
     @property
     def total_steps(self) -> int | None:
@@ -248,7 +307,7 @@ def _take_steps(run: _Run, step: int, generator_state: dict | None, progress: bo
             generator.set_state(generator_state)
         generator_state = None
         for i in range(offset, run.steps_per_epoch):
-            batch = [run.train_set[j] for j in shard[i * config.batch_size: (i + 1) * config.batch_size]]
+            batch = [run.train_set[j] for j in shard[i * run.per_step: (i + 1) * run.per_step]]
             done = step >= run.total_steps if run.total_steps is not None else timer.budget_spent()
             # whether to step and at what learning rate: rank 0's clock decides for every rank, or a rank that stopped
             # first would leave the others waiting in the gradient all-reduce, and replicas would drift apart
@@ -263,13 +322,29 @@ def _take_steps(run: _Run, step: int, generator_state: dict | None, progress: bo
             running = _running(running, losses, valid)
             bar.update(1 if run.total_steps is not None else min(round(timer.loop_spent), bar.total) - bar.n)
             bar.set_postfix_str(f"step={step} {_postfix(running)}")
-            if step % config.save_every == 0 and run.accelerator.is_main_process:
+            if step % config.save_every == 0:
                 with timer.saving():
-                    writer.save(model, run.optimizer, step, timer, run.out_dir, generator, config.batch_size)
+                    _checkpoint(run, model, step, generator, writer)
     bar.close()
     with timer.saving():
         writer.wait()
     return step, generator
+
+
+def _checkpoint(run: _Run, model, step: int, generator: torch.Generator, writer=None) -> None:
+    """A checkpoint of `model` (the draft, or its peft wrapper) at `step`, written by the main process (by `writer`'s
+    thread if given). Every process calls it: a sharded run (FSDP, DeepSpeed ZeRO-3) gathers the whole weights here."""
+    weights = _whole_weights(run)
+    if run.accelerator.is_main_process:
+        state = trainer_state(run.optimizer, step, run.timer, generator, run.config.batch_size,
+                              run.accelerator.num_processes)
+        (writer.save if writer else save_checkpoint)(model, weights, state, run.out_dir)
+
+
+def _whole_weights(run: _Run) -> dict:
+    """The draft's whole state dict, as accelerate gathers it (every process must call this: under FSDP or ZeRO-3 each
+    holds a shard of the weights, and the main process receives them all)."""
+    return run.accelerator.get_state_dict(run.draft)
 
 
 def _progress_bar(run: _Run, step: int, progress: bool):
@@ -289,9 +364,8 @@ def _epoch_shard(run: _Run, epoch: int) -> list[int]:
     order = list(range(len(run.train_set)))
     random.Random(config.seed + epoch).shuffle(order)
     # every rank takes steps_per_epoch steps (one that ran out of examples would wait for ever while the others
-    # wait for it in the gradient all-reduce): the order wraps around until each rank's last batch holds one
-    needed = accelerator.num_processes * ((run.steps_per_epoch - 1) * config.batch_size + 1)
-    order += [order[i % len(order)] for i in range(needed - len(order))]
+    # wait for it in the gradient all-reduce): the order wraps around until each rank's last step holds one
+    order += [order[i % len(order)] for i in range(run.repeated_per_epoch)]
     return order[accelerator.process_index:: accelerator.num_processes]
 
 
@@ -315,23 +389,32 @@ def _decided_by_rank_0(run: _Run, *values: float) -> list[float]:
 
 
 def _step(run: _Run, core, batch: list, step: int, generator: torch.Generator, span: list[float]):
-    """One optimizer step on `batch`, at the learning rate of its `span` of the run (`_lr_span`); returns its losses
-    and the mask of the block positions they count. `core`: the DSparkDraftModel inside the prepared draft."""
-    config, timer = run.config, run.timer
+    """One optimizer step on `batch`, this process's share of the step (config.gradient_accumulation_steps batches of
+    config.batch_size at most), at the learning rate of its `span` of the run (`_lr_span`); returns the losses of its
+    last batch and the mask of the block positions they count. `core`: the DSparkDraftModel inside the prepared
+    draft."""
+    config, timer, accelerator = run.config, run.timer, run.accelerator
     for group in run.optimizer.param_groups:
         group["lr"] = config.learning_rate * lr_factor(*span, config.warmup_ratio)
-    with run.accelerator.autocast():
-        losses, valid = train_step(core, run.target, batch, run.features, config.anchors_per_sequence, run.weights,
-                                   generator, forward=run.draft, feature_lag=config.feature_lag,
-                                   lag_weights=config.feature_lag_weights)
-    timer.forward_done(run.device)
-    total = float(losses["total"].detach())  # no extra wait: forward_done synchronised the device
-    if not math.isfinite(total):  # a step on it would make every weight NaN, and the run go on silently
-        raise ValueError(f"step {step + 1}: the training loss is {total}, so training stops before that step: "
-                         "lower --lr, train with --mixed-precision bf16 or no instead of fp16, or without "
-                         "--feature-cache.")
-    run.accelerator.backward(losses["total"])
-    run.accelerator.clip_grad_norm_(run.draft.parameters(), 1.0)
+    parts = [batch[i: i + config.batch_size] for i in range(0, len(batch), config.batch_size)]
+    for k, part in enumerate(parts):
+        last = k == len(parts) - 1
+        # the gradients of the step's batches add up here and are averaged across processes once, with the last one
+        with contextlib.nullcontext() if last else accelerator.no_sync(run.draft):
+            with accelerator.autocast():
+                losses, valid = train_step(core, run.target, part, run.features, config.anchors_per_sequence,
+                                           run.weights, generator, forward=run.draft, feature_lag=config.feature_lag,
+                                           lag_weights=config.feature_lag_weights)
+            if k == 0:
+                timer.forward_done(run.device)  # one batch's forward: what sizes the held-out report
+            total = float(losses["total"].detach())  # no extra wait: the forward was synchronised above
+            if not math.isfinite(total):  # a step on it would make every weight NaN, and the run go on silently
+                raise ValueError(f"step {step + 1}: the training loss is {total}, so training stops before that step: "
+                                 "lower --lr, train with --mixed-precision bf16 or no instead of fp16, or without "
+                                 "--feature-cache.")
+            # each batch weighs its share of the step's sequences: the step learns as from one batch of all of them
+            accelerator.backward(losses["total"] * (len(part) / len(batch)))
+    accelerator.clip_grad_norm_(run.draft.parameters(), 1.0)
     run.optimizer.step()
     run.optimizer.zero_grad(set_to_none=True)
     return losses, valid
@@ -349,11 +432,9 @@ def _finish(run: _Run, first_step: int, step: int, generator: torch.Generator):
     report_now = finished and (step == first_step or timer.report_fits())
     finished, report_now = (bool(v) for v in _decided_by_rank_0(run, finished, report_now))
     saved = step > first_step and step % config.save_every == 0
-    if (not report_now or (timer.limit is not None and step > first_step)) and not saved \
-            and accelerator.is_main_process:
+    if (not report_now or (timer.limit is not None and step > first_step)) and not saved:
         with timer.saving():
-            save_checkpoint(accelerator.unwrap_model(run.draft), run.optimizer, step, timer, run.out_dir, generator,
-                            config.batch_size)
+            _checkpoint(run, accelerator.unwrap_model(run.draft), step, generator)
     if not report_now:
         if step == 0:
             warnings.warn(f"{config.output_dir}: stop_after={config.stop_after:g} min ran out before the first "
@@ -370,14 +451,15 @@ def _finish(run: _Run, first_step: int, step: int, generator: torch.Generator):
     # drop accelerate's autocast wrapper of forward: held-out figures and the returned draft run in the draft's dtype
     model = accelerator.unwrap_model(run.draft, keep_fp32_wrapper=False)
     model.eval()
+    weights = _whole_weights(run)
     if accelerator.is_main_process:
-        _report_and_save(run, model, first_step, step)
+        _report_and_save(run, model, weights, first_step, step)
     return model
 
 
-def _report_and_save(run: _Run, model, first_step: int, step: int) -> None:
-    """The held-out report (beside the draft the run started from, if any), the final save of `model`, and
-    heldout.json with the report and where the run's time went."""
+def _report_and_save(run: _Run, model, weights: dict, first_step: int, step: int) -> None:
+    """The held-out report (beside the draft the run started from, if any), the final save of `model` with its whole
+    `weights`, and heldout.json with the report and where the run's time went."""
     config, timer = run.config, run.timer
     with timer.reporting():
         measured = [ex for batch in run.heldout_batches[: timer.report_batches()] for ex in batch]
@@ -388,10 +470,13 @@ def _report_and_save(run: _Run, model, first_step: int, step: int) -> None:
                                                    run.weights)
     report["heldout_sequences"] = len(run.heldout)  # "sequences" were measured; fewer under a tight time budget
     with timer.saving():
-        model.save_pretrained(run.out_dir)
+        model.save_pretrained(run.out_dir, state_dict=weights)
     report["training"] = {"steps": step, "minutes": round(timer.total_spent() / 60, 2),
                           "device": str(run.device), "target_dtype": str(run.target.dtype).replace("torch.", ""),
-                          "batch_size": config.batch_size, "train_examples": len(run.train_set),
+                          "batch_size": config.batch_size,
+                          "gradient_accumulation_steps": config.gradient_accumulation_steps,
+                          "processes": run.accelerator.num_processes, "global_batch": run.global_batch,
+                          "train_examples": len(run.train_set),
                           "time": timer.summary(step - first_step), "gpu": run.monitor.report()}
     # last, and whole: heldout.json tells a finished run (the GPU campaign reads it so) from one killed while saving
     write_atomic(run.out_dir / "heldout.json", json.dumps(report, indent=2))
