@@ -23,11 +23,16 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import gradio as gr
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 import dspark_hf
+from dspark_hf.installs import missing_package
+
+try:
+    import gradio as gr
+except ImportError:
+    sys.exit(f"demo/app.py: {missing_package('gradio', 'The demo')}")
 from dspark_hf import AutoScheduled, DSparkDraftModel, DSparkRoundStreamer, FullBlock, Scheduled, ThresholdPolicy
 from dspark_hf.evaluation.metrics import acceptance_length, conditional_acceptance
 from dspark_hf.scheduling.costs import save_profile

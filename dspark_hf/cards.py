@@ -12,6 +12,7 @@ from pathlib import Path
 
 import yaml
 
+from .errors import WrongTypeError
 from .files import GENERATED_MARK
 
 _TEMPLATE_NAME = "dspark_draft.md"
@@ -55,7 +56,7 @@ class CardData:
             return value
         unknown = set(value) - {f.name for f in fields(cls)}
         if unknown:
-            raise TypeError(f"card_data has unknown fields {sorted(unknown)}; use {[f.name for f in fields(cls)]}.")
+            raise WrongTypeError(f"card_data has unknown fields {sorted(unknown)}; use {[f.name for f in fields(cls)]}.")
         return cls(**value)
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from .errors import UserError
 from .hub import connection_errors, unreachable_hub_error
 from .loading import ModelOptions
 from .options import add_config_flags, config_from, config_values
@@ -119,6 +120,20 @@ def cmd_bench_oracle(args) -> int:
     print(f"\n{describe(report['machine'])}; max_new_tokens={args.max_new_tokens}, median of {args.repeats}")
     print(format_oracle_table(report))
     print(f"\nwritten to {args.output}")
+    return 0
+
+
+def cmd_install(args) -> int:
+    """pip, run by the interpreter that runs dspark, with what `args.job` needs (`installs.pip_commands`)."""
+    import subprocess
+
+    from .installs import pip_commands
+
+    for pip_args in pip_commands(args.job):
+        print(shlex.join(["python", "-m", "pip", *pip_args]), flush=True)
+        if not args.dry_run and subprocess.run([sys.executable, "-m", "pip", *pip_args]).returncode != 0:
+            raise OSError(f"pip could not install what `dspark install {args.job}` needs (its output is above): "
+                          "fix what it names (the network, a package index) and run the command again.")
     return 0
 
 
@@ -488,6 +503,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(max_new_tokens=64)
     command("eval", "acceptance metrics of a draft per domain", cmd_eval, ModelOptions, PromptSet, GenerationOptions,
             EvalOptions)
+    p = command("install", "install what a job needs in one go (train: the prompt sources, suites and plots; demo; "
+                "plots)", cmd_install)
+    p.add_argument("job", choices=("train", "demo", "plots"), help="the job to install for")
+    p.add_argument("--dry-run", action="store_true", help="print the pip commands instead of running them")
     command("prompts", "collect training prompts from installed packages into one file", cmd_prompts, PromptsOptions)
     command("prepare-data", "regenerate answers to training prompts with the target", cmd_prepare_data, ModelOptions,
             PrepareDataOptions)
@@ -531,10 +550,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-# What a user can fix (a missing, damaged or malformed file, a bad value, a draft built for another target, a
-# checkpoint whose semantics are not supported, a draft whose weights are not finite) ends the command with one line
-# and status 2, as argparse does for bad flags; a bug anywhere else keeps its traceback.
-USER_ERRORS = (ValueError, TypeError, OSError, ImportError, NotImplementedError, FloatingPointError)
+# What a user can fix (a missing, damaged or malformed file, a bad value, a missing package, a draft built for another
+# target, a checkpoint whose semantics are not supported, a draft whose weights are not finite) ends the command with
+# one line and status 2, as argparse does for bad flags. ValueError, OSError and ImportError are what transformers, the
+# Hub and this package raise for those; a TypeError, NotImplementedError or FloatingPointError is a bug unless this
+# package raised it for the user (`errors.UserError`), and keeps its traceback.
+USER_ERRORS = (ValueError, OSError, ImportError, UserError)
 
 
 # list flags whose values are each measured (or collected) once: a value given twice would be run twice and kept once
@@ -565,6 +586,11 @@ def main(argv: list[str] | None = None) -> int:
         message = " ".join(str(e).split()) or type(e).__name__
     except connection_errors() as e:  # Hub calls other than our own pushes, which say it themselves
         message = str(unreachable_hub_error(e))
+    except KeyboardInterrupt:  # Ctrl-C: what was saved stays (training checkpoints, prepare-data's lines, results)
+        again = ("; run the same command again to resume from its last checkpoint" if args.command == "train" else
+                 "; run the same command again to go on where it stopped" if args.command == "prepare-data" else "")
+        print(f"dspark {command}: interrupted{again}", file=sys.stderr)
+        return 130
     except torch.OutOfMemoryError as e:  # a RuntimeError, as bugs are: told apart by its class
         message = (f"the device ran out of memory ({str(e).strip().splitlines()[0][:160]}): give the command less "
                    "to hold at once (a smaller --batch-size or --batch-sizes, fewer --rows, fewer --max-new-tokens, "

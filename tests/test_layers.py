@@ -1,4 +1,5 @@
-"""The package's layers point down only: model, then scheduling, then generation, then evaluation and training.
+"""The package's layers point down only, every module placed (`LAYERS`): the small shared modules, the model, the
+default models and loading, scheduling, generation, training, evaluation, cards, the Hub, the CLI.
 
 Every import of every module counts, the ones inside functions too: an import moved into a function to dodge a
 cycle is still a dependency.
@@ -56,23 +57,50 @@ def graph() -> dict[str, set[str]]:
     return {name: imports(name, path, known) for name, path in known.items()}
 
 
-ABOVE = {  # a layer -> the layers above it that none of its modules may import, and what a failure adds
-    "dspark_hf.scheduling": (("dspark_hf.generation", "dspark_hf.evaluation"),
-                             ": scheduling sits below both (pass what it needs in)"),
-    "dspark_hf.model": (tuple(f"dspark_hf.{layer}" for layer in ("generation", "scheduling", "training", "evaluation",
-                                                                  "hub", "cards", "loading", "defaults", "cli")),
-                        ": the model layer sits below them"),
-    "dspark_hf.generation": (("dspark_hf.evaluation", "dspark_hf.training", "dspark_hf.cli"), ""),
-}
+# the package's layers, lowest first: a module may import its own layer and those below it, never one above
+LAYERS = [
+    ("shared", {"version", "errors", "installs", "files", "devices", "options", "internals"}),  # small modules everything uses
+    ("model", {"model"}),
+    ("defaults", {"defaults", "loading"}),  # the embedded target and draft, and how commands load models
+    ("scheduling", {"scheduling"}),
+    ("generation", {"generation"}),
+    ("training", {"training"}),
+    ("evaluation", {"evaluation"}),
+    ("cards", {"cards"}),
+    ("hub", {"hub"}),
+    ("cli", {"cli", "__main__"}),
+]
+RANK = {part: rank for rank, (_, parts) in enumerate(LAYERS) for part in parts}
 
 
-@pytest.mark.parametrize("layer", list(ABOVE))
-def test_no_layer_imports_one_above_it(layer):
-    above, why = ABOVE[layer]
+def layer_of(module: str) -> int | None:
+    """The rank of a module's layer (None: the package's own __init__, the public API, which may import any layer
+    below the CLI)."""
+    parts = module.split(".")
+    return None if len(parts) == 1 else RANK[parts[1]]
+
+
+def test_every_module_of_the_package_has_a_layer():
+    unplaced = sorted({name.split(".")[1] for name in graph() if "." in name} - set(RANK))
+    assert not unplaced, f"place {unplaced} in LAYERS (and in docs/design.md's order)"
+
+
+@pytest.mark.parametrize("rank", range(len(LAYERS)), ids=[name for name, _ in LAYERS])
+def test_no_module_imports_a_layer_above_its_own(rank):
     for name, targets in graph().items():
-        if name.startswith(layer):
-            upward = sorted(t for t in targets if t.startswith(above))
-            assert not upward, f"{name} imports {upward}{why}"
+        if layer_of(name) == rank:
+            upward = sorted(t for t in targets if layer_of(t) is None or layer_of(t) > rank)
+            assert not upward, f"{name} imports {upward}, above its layer ({LAYERS[rank][0]}): pass what it needs in"
+
+
+def test_the_public_api_imports_no_command():
+    assert not {t for t in graph()["dspark_hf"] if layer_of(t) == RANK["cli"]}
+
+
+def test_docs_design_states_the_whole_order():
+    design = " ".join((PACKAGE.parent / "docs" / "design.md").read_text().split())
+    order = " < ".join(name for name, _ in LAYERS)
+    assert order in design, f"docs/design.md should state the layers' order: {order}"
 
 
 def test_no_module_imports_one_that_imports_it_back():

@@ -287,7 +287,7 @@ def test_settings_that_cannot_work_are_refused_however_they_arrive(tmp_path, bad
 
 
 @pytest.mark.parametrize("field, value, message", [
-    ("confidence_temperatures", [1.0, 2.0], "confidence_temperatures has 2 entries"),
+    ("confidence_temperatures", [1.0, 2.0], "block_size is 4 but confidence_temperatures has 2 entries"),
     ("confidence_temperatures", [0.0, 1.0, 1.0, 1.0], "confidence_temperatures must be finite and > 0"),
     ("head_type", "Markov", "head_type='Markov' is not one of"),
 ], ids=str)
@@ -299,6 +299,19 @@ def test_a_config_changed_after_construction_is_checked_before_saving(tmp_path, 
     with pytest.raises(ValueError, match=f"config was changed into one from_pretrained would refuse: {message}"):
         draft.save_pretrained(tmp_path / "draft")
     assert not (tmp_path / "draft").exists()
+
+
+def test_a_block_size_edited_in_a_calibrated_draft_s_config_is_refused_naming_block_size(tmp_path):
+    import json
+
+    draft = tiny_draft(tiny_target("llama"))
+    draft.config.confidence_temperatures = [1.0] * draft.config.block_size
+    draft.save_pretrained(tmp_path / "draft")
+    config = json.loads((tmp_path / "draft" / "config.json").read_text())
+    (tmp_path / "draft" / "config.json").write_text(json.dumps({**config, "block_size": 100}))
+    with pytest.raises(ValueError, match=f"block_size is 100 but confidence_temperatures has {draft.config.block_size}"
+                                         f" entries.*set block_size back to {draft.config.block_size}"):
+        DSparkDraftModel.from_pretrained(tmp_path / "draft")
 
 
 def test_a_folder_of_another_model_or_a_misspelled_field_is_refused(tmp_path):
@@ -525,23 +538,28 @@ def test_the_shipped_draft_carries_the_package_s_own_modeling_and_configuration_
 
 
 def test_the_model_package_imports_nothing_of_hub_cards_or_generation():
-    """model/ models; sharing (hub.py, cards.py) imports the model, never the reverse: no cycle."""
+    """model/ models; sharing (hub.py, cards.py) imports the model, never the reverse: no cycle. The files that ship
+    beside every saved draft (for trust_remote_code) import only each other: transformers copies a shipped file's
+    relative imports into the draft's folder, and one reaching outside model/ breaks every save."""
     import ast
 
-    allowed = {"configuration_dspark", "modeling_dspark", "binding", "sampling", "convert", "engines"}
+    shipped = {"configuration_dspark", "modeling_dspark", "binding"}
+    allowed = shipped | {"sampling", "convert", "engines"}
     for path in (Path(dspark_hf.__file__).parent / "model").glob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and node.level > 0:
-                # the converter and the engine exports write folders by the package's file rules (files.py, which
-                # imports none of it)
-                leaf = path.name in ("convert.py", "engines.py") and node.level == 2 and node.module == "files"
-                assert leaf or node.level == 1 and (node.module or "").split(".")[0] in allowed | {""}, \
-                    (path.name, node.module)
+                # the rest of model/ may read the package's leaves, which import none of it: the file rules
+                # (files.py) and the errors a user can fix (errors.py)
+                leaf = path.stem not in shipped and node.level == 2 and node.module in ("files", "errors")
+                within = node.level == 1 and (node.module or "").split(".")[0] in (shipped if path.stem in shipped
+                                                                                     else allowed | {""})
+                assert leaf or within, (path.name, node.module)
             names = [a.name for a in node.names] if isinstance(node, (ast.Import, ast.ImportFrom)) else []
             module = getattr(node, "module", None) or ""
             assert not any(n.startswith("dspark_hf") for n in names) and not module.startswith("dspark_hf"), path.name
-    files = ast.parse((Path(dspark_hf.__file__).parent / "files.py").read_text())
-    assert not any(isinstance(node, ast.ImportFrom) and node.level > 0 for node in ast.walk(files))
+    for leaf in ("files.py", "errors.py"):
+        tree = ast.parse((Path(dspark_hf.__file__).parent / leaf).read_text())
+        assert not any(isinstance(node, ast.ImportFrom) and node.level > 0 for node in ast.walk(tree))
 
 
 @pytest.mark.parametrize("make", [

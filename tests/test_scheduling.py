@@ -302,6 +302,22 @@ def test_profile_measures_every_batch_size_and_loads_as_a_callable(tmp_path):
     assert policy.draft_seconds is not None and policy(torch.full((2, 4), 0.5), 4, 2).shape == (2,)
 
 
+def test_a_draft_with_a_very_long_block_is_profiled_at_a_bounded_set_of_widths_interpolated_between():
+    """A block_size edited to 100 once meant 101 verification widths to measure per row count (over ten minutes of
+    "profiling this machine (once)" on a CPU): beyond 16 tokens a row the widths grow by about 1.5x, and the costs
+    between them are interpolated."""
+    from dspark_hf.scheduling.costs import EngineCosts
+    from dspark_hf.scheduling.profile import measured_widths, profile_sps
+
+    assert measured_widths(8) == list(range(1, 9))
+    assert len(measured_widths(101)) == 21 and measured_widths(101)[-1] == 101
+    target = tiny_target("llama")
+    profile = profile_sps(target, rows=[1], max_tokens_per_row=20, context=8, repeats=1, warmup=0)
+    assert sorted(profile["grid"][1]) == [*range(1, 17), 20]
+    costs = EngineCosts({1: {1: 1.0, 16: 16.0, 24: 40.0}}, {1: 1.0})
+    assert costs.verify(1, 20) == pytest.approx(28.0) and costs.verify(1, 48) == pytest.approx(80.0)
+
+
 def test_a_profile_measures_every_shape_in_every_repeat_so_a_slowdown_midway_skews_no_ratio(monkeypatch):
     from dspark_hf.scheduling import profile
 
@@ -429,6 +445,21 @@ def test_sampled_requests_start_afresh_and_hand_nothing_on_so_a_seed_gives_the_s
     greedy += play(request(engine, target, draft), confidences, NEVER_ACCEPTED, 32)
     assert sampled[0] == sampled[1] == sampled[2] and sampled[0][0], "each sampled call probes in its first round"
     assert greedy == play(request(engine, target, tiny_draft(target)), confidences, NEVER_ACCEPTED, 64)
+
+
+def test_greedy_requests_that_run_at_once_each_learn_in_their_own_copy_and_the_one_started_last_hands_on():
+    """Two calls at once (threads of a server) must not step on each other's pause or estimates: each learns in a
+    copy of what was handed on, and the call started last is the one the next call goes on from."""
+    target = tiny_target("llama")
+    draft = tiny_draft(target)
+    engine = costs(draft=0.04)
+    first, second = request(engine, target, draft), request(engine, target, draft)
+    assert first.learned is not second.learned and first.learned == second.learned
+    play(first, torch.full((1, 4), 0.6), NEVER_ACCEPTED, 32)  # first pauses; second saw none of it
+    assert first.learned.skip > 0 and second.learned == request(engine, target, tiny_draft(target)).learned
+    play(second, torch.full((1, 4), 0.6), NEVER_ACCEPTED, 16)
+    after = request(engine, target, draft)
+    assert after.learned == second.learned and after.learned is not second.learned
 
 
 def test_what_a_greedy_request_hands_on_belongs_to_its_draft_target_batch_size_and_settings():
@@ -738,7 +769,10 @@ def test_generate_hands_the_default_policy_s_learning_on_between_greedy_calls_on
     for policy, sampling in zip(policies, (False, False, True)):
         target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=sampling,
                         assistant_model=draft, verification_policy=policy)
-    assert policies[1].learned is policies[0].learned and policies[2].learned is not policies[0].learned
+    first, second, sampled = (p.learned for p in policies)
+    # the second greedy call went on in the pause the first one ended in, in a copy of its own
+    assert second is not first and second.pause == first.pause and second.skip < first.skip
+    assert sampled is not first and sampled is not second
 
 
 # -- what a policy may answer, and what may be asked of it -----------------------------------------------------------

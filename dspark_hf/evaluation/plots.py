@@ -6,13 +6,17 @@ from pathlib import Path
 
 import torch
 
+from ..installs import missing_package
 from ..scheduling.calibration import cumulative, expected_calibration_error, survival_targets
 from .metrics import format_tau
 
 
 def pyplot():
     """matplotlib.pyplot on the file-only Agg backend (no display needed)."""
-    import matplotlib  # imported when a figure is drawn: slow to import, and most calls draw none
+    try:
+        import matplotlib  # imported when a figure is drawn: slow to import, and most calls draw none
+    except ImportError:
+        raise missing_package("matplotlib", "Drawing plots") from None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

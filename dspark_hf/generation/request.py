@@ -18,6 +18,7 @@ from transformers.generation import logits_process as lp
 from transformers.generation.configuration_utils import GenerationMode
 
 from .. import internals
+from ..errors import WrongTypeError
 from ..model.configuration_dspark import DSparkConfig
 from ..model.modeling_dspark import DSparkDraftModel
 from .ssd import SSDConfig
@@ -128,7 +129,7 @@ class HalfPrecisionGreedyWarning(UserWarning):
 
 def _check_models(model, draft) -> None:
     if not isinstance(draft, DSparkDraftModel):
-        raise TypeError(f"dspark_generate needs draft_model=<DSparkDraftModel>, got {type(draft).__name__}.")
+        raise WrongTypeError(f"dspark_generate needs draft_model=<DSparkDraftModel>, got {type(draft).__name__}.")
     if model.config.is_encoder_decoder:
         raise ValueError("DSpark decoding supports decoder-only targets.")
     placed = sorted({str(d) for d in (getattr(model, "hf_device_map", None) or {}).values()})
@@ -213,7 +214,7 @@ def _refuse_stateful_processors(processors) -> None:
 
 def _check_ssd(ssd, processors, gamma: int) -> None:
     if not isinstance(ssd, SSDConfig):
-        raise TypeError(f"ssd must be a dspark_hf.SSDConfig, got {type(ssd).__name__}.")
+        raise WrongTypeError(f"ssd must be a dspark_hf.SSDConfig, got {type(ssd).__name__}.")
     ssd.validate()
     if not isinstance(ssd.fan_out, str):
         if len(ssd.fan_out) not in (gamma, gamma + 1):

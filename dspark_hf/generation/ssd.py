@@ -26,6 +26,7 @@ from typing import Sequence
 import torch
 
 from ..devices import clock
+from ..errors import WrongTypeError
 from ..model.sampling import BlockProposer, DraftBlock, sample_blocks, score_block
 from ..scheduling.costs import cached_costs
 from ..scheduling.ssd import critical_batch_size, geometric_fan_out, uniform_fan_out
@@ -69,23 +70,23 @@ class SSDConfig:
         """Raise a TypeError or ValueError naming the first field that cannot work (run when made, and again by
         generate(), as a field may have been set since)."""
         if isinstance(self.cache_size, bool) or not isinstance(self.cache_size, numbers.Integral):
-            raise TypeError(f"SSDConfig.cache_size must be an int (blocks per row), got {self.cache_size!r}.")
+            raise WrongTypeError(f"SSDConfig.cache_size must be an int (blocks per row), got {self.cache_size!r}.")
         for name in ("power_law_r", "saguaro_c") + (("acceptance",) if self.acceptance is not None else ()):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, numbers.Real):
-                raise TypeError(f"SSDConfig.{name} must be a number, got {value!r}.")
+                raise WrongTypeError(f"SSDConfig.{name} must be a number, got {value!r}.")
             if math.isnan(value):
                 raise ValueError(f"SSDConfig.{name} must be a number, got NaN.")
         for name in ("overlap", "progress"):
             if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"SSDConfig.{name} must be True or False, got {getattr(self, name)!r}.")
+                raise WrongTypeError(f"SSDConfig.{name} must be True or False, got {getattr(self, name)!r}.")
         if isinstance(self.fan_out, str):
             if self.fan_out not in FAN_OUTS:
                 raise ValueError(f"SSDConfig.fan_out must be one of {', '.join(FAN_OUTS)} or a list of blocks per "
                                  f"number of accepted tokens, got {self.fan_out!r}.")
         elif not isinstance(self.fan_out, Sequence) or not all(
                 isinstance(F, numbers.Integral) and not isinstance(F, bool) and F >= 0 for F in self.fan_out):
-            raise TypeError("SSDConfig.fan_out must be geometric, uniform or a list of blocks (ints >= 0) per number "
+            raise WrongTypeError("SSDConfig.fan_out must be geometric, uniform or a list of blocks (ints >= 0) per number "
                             f"of accepted tokens, got {self.fan_out!r}.")
         if self.fallback not in FALLBACKS:
             raise ValueError(f"SSDConfig.fallback must be one of {', '.join(FALLBACKS)}, got {self.fallback!r}.")

@@ -177,8 +177,11 @@ class DSparkConfig(PreTrainedConfig):
                         "HF returns after the final norm).")
         if self.confidence_temperatures is not None:
             if len(self.confidence_temperatures) != self.block_size:
-                raise ValueError(f"confidence_temperatures has {len(self.confidence_temperatures)} entries; it needs "
-                                 f"one per block position ({self.block_size}).")
+                n = len(self.confidence_temperatures)
+                raise ValueError(f"block_size is {self.block_size} but confidence_temperatures has {n} entries, one "
+                                 f"per block position of the block size they were calibrated for: set block_size back "
+                                 f"to {n}, or set confidence_temperatures to null and calibrate the draft for "
+                                 f"block_size {self.block_size} (`dspark calibrate`).")
             if not all(math.isfinite(t) and t > 0 for t in self.confidence_temperatures):
                 raise ValueError(f"confidence_temperatures must be finite and > 0, got {self.confidence_temperatures} "
                                  "(None: uncalibrated).")

@@ -37,6 +37,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from transformers import PreTrainedModel
 
+from ..errors import UnsupportedError
 from ..files import check_output_folder, written_by_dspark
 from .configuration_dspark import DSparkConfig
 from .engines import format_blockers, public_name, rename, serving_card
@@ -69,7 +70,7 @@ def backbone_fields(raw: dict, source: str) -> dict:
         hint = {"DFlashDraftModel": " (a DFlash draft: use --from dflash)",
                 "DSparkDraftModel": " (a SpecForge DSpark draft: use --from specforge)",
                 "Qwen3DSparkModel": " (a DeepSpec draft: use --from deepspec)"}.get(next(iter(architectures), ""), "")
-        raise NotImplementedError(
+        raise UnsupportedError(
             f"--from {source} expects architectures [{_ARCHITECTURES[source]!r}] with model_type 'qwen3'; this "
             f"checkpoint has {architectures} / {raw.get('model_type')!r}{hint}. Other backbones (e.g. DeepSpec's "
             "Gemma4DSparkModel: unscaled attention, v_norm, extra feed-forward norms, a layer scalar) are not mapped.")
@@ -80,11 +81,11 @@ def backbone_fields(raw: dict, source: str) -> dict:
                          "taken from the target when one is passed).")
     rope = raw.get("rope_parameters") or {**(raw.get("rope_scaling") or {}), "rope_theta": raw.get("rope_theta")}
     if rope.get("rope_type", rope.get("type", "default")) != "default" or rope.get("rope_theta") is None:
-        raise NotImplementedError(f"RoPE settings {rope} are not supported: the draft uses plain RoPE with a "
+        raise UnsupportedError(f"RoPE settings {rope} are not supported: the draft uses plain RoPE with a "
                                   "rope_theta and no scaling.")
     sliding = [i for i, kind in enumerate(_layer_types(raw)) if kind != "full_attention"]
     if sliding:
-        raise NotImplementedError(f"Draft layers {sliding} use sliding-window attention (causal within the block); "
+        raise UnsupportedError(f"Draft layers {sliding} use sliding-window attention (causal within the block); "
                                   "DSparkDraftModel layers are full attention, bidirectional within the block.")
     return dict(
         hidden_size=raw["hidden_size"], intermediate_size=raw["intermediate_size"],
@@ -119,7 +120,7 @@ def _default_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[in
 
 def _layer_ids(ids: list[int]) -> list[int]:
     if any(i == -1 for i in ids):
-        raise NotImplementedError("target_layer_ids contains -1 (DeepSpec's code for the embedding output); "
+        raise UnsupportedError("target_layer_ids contains -1 (DeepSpec's code for the embedding output); "
                                   "DSparkDraftModel reads decoder-layer outputs only.")
     return [int(i) for i in ids]
 
@@ -129,10 +130,10 @@ def head_fields(markov_rank: int, markov_head_type: str | None, confidence: bool
     kind = str(markov_head_type).lower() if markov_rank else "none"
     head_type = {"none": "none", "vanilla": "markov", "rnn": "rnn"}.get(kind)
     if head_type is None:
-        raise NotImplementedError(f"markov_head_type={markov_head_type!r} has no counterpart here (we have "
+        raise UnsupportedError(f"markov_head_type={markov_head_type!r} has no counterpart here (we have "
                                   "'vanilla' -> 'markov' and 'rnn'; the gated head scales W1[x] by a sigmoid gate).")
     if confidence and markov_rank and not with_markov:
-        raise NotImplementedError("confidence_head_with_markov=False with a Markov head: the source confidence head "
+        raise UnsupportedError("confidence_head_with_markov=False with a Markov head: the source confidence head "
                                   "reads h_k only, ours reads [h_k ; W1[x_{k-1}]] whenever a sequential head exists.")
     return dict(head_type=head_type, markov_rank=markov_rank, confidence_head=confidence)
 
@@ -159,7 +160,7 @@ def specforge_config(raw: dict) -> dict:
     if "block_size" not in raw:
         raise ValueError("config.json lacks block_size, which a SpecForge DSparkDraftModel config carries.")
     if dc.get("projector_type", "dspark") != "dspark" or dc.get("pure_draft_prefix_len", 0):
-        raise NotImplementedError(f"dflash_config {dc} asks for a projector or draft prefix other than plain DSpark.")
+        raise UnsupportedError(f"dflash_config {dc} asks for a projector or draft prefix other than plain DSpark.")
     if not dc.keys() & _HEAD_SETTINGS and raw.keys() & _HEAD_SETTINGS:
         # SpecForge's first DSpark trainer (commit 9facb330) kept them at the top level, with its own defaults
         heads = head_fields(int(raw.get("markov_rank", 0) or 0), raw.get("markov_head_type", "vanilla"),
@@ -194,7 +195,7 @@ def dflash_config(raw: dict) -> dict:
     for name, (neutral, effect) in _DFLASH_UNSUPPORTED.items():
         value = dc.get(name, raw.get(name))
         if value is not None and value != neutral:
-            raise NotImplementedError(f"{name}={value!r} {effect} in this DFlash draft; dspark-hf does not reproduce "
+            raise UnsupportedError(f"{name}={value!r} {effect} in this DFlash draft; dspark-hf does not reproduce "
                                       "it, so the checkpoint cannot be converted faithfully.")
     cap = dc.get("final_logit_softcapping", raw.get("final_logit_softcapping"))
     return dict(fields, block_size=sizes.pop() - 1, anchor_predicts=False, mask_token_id=dc.get("mask_token_id"),

@@ -242,6 +242,8 @@ class DSparkDraftModel(DSparkPreTrainedModel):
         fields = fields_from_target(target, overrides.get("num_hidden_layers", DSparkConfig.num_hidden_layers))
         unknown = sorted(set(overrides) - {f.name for f in dataclass_fields(DSparkConfig)} - {"draft_vocab"})
         if unknown:
+            # a TypeError as for any unexpected keyword (this file ships beside drafts for trust_remote_code, so it
+            # imports nothing of the package outside the model folder, dspark_hf.errors included)
             raise TypeError(f"from_target() got fields that DSparkConfig does not have: {unknown}.")
         fields.update(overrides)
         draft_vocab = fields.pop("draft_vocab", None)

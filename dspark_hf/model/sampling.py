@@ -18,6 +18,7 @@ from typing import Callable, Protocol, runtime_checkable
 
 import torch
 
+from ..errors import NotFiniteError
 from .modeling_dspark import DSparkContext, DSparkDraftModel
 
 # process_logits(tokens_so_far (M, k), logits (M, V)) -> logits: generation's logits processors
@@ -200,8 +201,8 @@ def raise_if_not_finite(finite: list[bool]) -> None:
         return
     if not all(finite[:-1]):
         position = finite.index(False) + 1
-        raise FloatingPointError(f"The draft produced non-finite probabilities (NaN or inf) at block position "
+        raise NotFiniteError(f"The draft produced non-finite probabilities (NaN or inf) at block position "
                                  f"{position}: its weights or the logits processors' output are not finite. "
                                  "Reload the draft (or check training for divergence).")
-    raise FloatingPointError("The draft produced non-finite confidences (NaN): its confidence head's weights are "
+    raise NotFiniteError("The draft produced non-finite confidences (NaN): its confidence head's weights are "
                              "not finite. Reload the draft (or check training for divergence).")

@@ -3,7 +3,9 @@ drafting pays, so that adding a draft to generate() does not make it slower than
 
 from __future__ import annotations
 
+import copy
 import math
+import threading
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,8 +29,10 @@ class Learned:
     probing: bool = True  # is the next drafted round a probe: the first one, or the first after a pause
 
 
-# draft -> target -> (batch size, profile, settings) -> Learned: what greedy calls hand on to the next in this process
+# draft -> target -> (batch size, profile, settings) -> Learned: what greedy calls hand on to the next in this process.
+# Each call learns in its own copy, which becomes the one handed on: calls that run at once (threads) share nothing.
 _CARRIED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_CARRIED_LOCK = threading.Lock()
 
 
 class AutoScheduled(Policy):
@@ -62,8 +66,9 @@ class AutoScheduled(Policy):
       gets found out. The gain estimate counts a probe as the plan would have done in it.
     - Across calls: greedy decoding carries all of the above (`Learned`) over to the next greedy call in this
       process with the same draft, target, batch size and settings, which goes on where the last one stopped:
-      with a weak draft a stream of short requests pays one probe per pause, not one per request. No decision can
-      change greedy output. Sampled calls start afresh and hand nothing on, because the tokens drawn depend on how many
+      with a weak draft a stream of short requests pays one probe per pause, not one per request. Each call learns in
+      its own copy, so calls that run at once (threads) share nothing; the one started last hands on. No decision
+      can change greedy output. Sampled calls start afresh and hand nothing on, because the tokens drawn depend on how many
       were drafted: a seed gives the same sample on every call.
 
     Decisions read the costs and the acceptance seen so far, never a clock: greedy output is plain generate()'s,
@@ -108,10 +113,12 @@ class AutoScheduled(Policy):
         if sampling:
             self.learned = self.fresh(draft.config.block_size)
             return
-        by_target = _CARRIED.setdefault(draft, weakref.WeakKeyDictionary())
         key = (batch_size, None if self.profile is None else str(self.profile), self.smoothing, self.probe_every,
                self.max_pause, self.probe_budget)  # a policy set up otherwise would have learned otherwise
-        self.learned = by_target.setdefault(target, {}).setdefault(key, self.fresh(draft.config.block_size))
+        with _CARRIED_LOCK:
+            carried = _CARRIED.setdefault(draft, weakref.WeakKeyDictionary()).setdefault(target, {})
+            self.learned = copy.deepcopy(carried[key]) if key in carried else self.fresh(draft.config.block_size)
+            carried[key] = self.learned
 
     def draft_this_round(self, num_rows: int) -> bool:
         if self.learned.skip > 0:

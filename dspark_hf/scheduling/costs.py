@@ -160,7 +160,8 @@ AUTO_MAX_ROWS = 64
 @dataclass
 class EngineCosts:
     """Seconds of the target's verification forward by rows R and tokens per row n, and of one draft pass by R.
-    Linear in R between measured rows, proportional to R beyond the largest (and flat below the smallest)."""
+    Linear in R between measured rows and in tokens between measured widths, proportional beyond the largest (and flat
+    below the smallest)."""
 
     verify_seconds: dict[int, dict[int, float]]
     draft_seconds: dict[int, float]
@@ -169,8 +170,8 @@ class EngineCosts:
         self.verify_seconds = {R: _monotone(row) for R, row in self.verify_seconds.items()}
 
     def verify(self, rows: int, tokens: int) -> float:
-        def at(row):  # beyond the longest measured verification, proportional to the tokens
-            return row[tokens] if tokens in row else row[max(row)] * tokens / max(row)
+        def at(row):  # between measured widths interpolated; beyond the longest, proportional to the tokens
+            return _interpolate(row, lambda n, v, x: v * x / n)(tokens)
 
         return _interpolate({R: at(row) for R, row in self.verify_seconds.items()}, lambda r, v, x: v * x / r)(rows)
 

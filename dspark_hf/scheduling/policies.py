@@ -23,6 +23,8 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from ..errors import UnsupportedError, WrongTypeError
+
 
 @runtime_checkable
 class VerificationPolicy(Protocol):
@@ -51,7 +53,7 @@ class Policy:
     (and `observe` to learn); define `plan` and `learn` too where the policy can work on plain Python numbers."""
 
     def __call__(self, confidences: torch.Tensor | None, gamma: int, num_rows: int) -> torch.Tensor:
-        raise NotImplementedError(f"{type(self).__name__} must define __call__(confidences, gamma, num_rows) -> (R,) "
+        raise UnsupportedError(f"{type(self).__name__} must define __call__(confidences, gamma, num_rows) -> (R,) "
                                   "lengths.")
 
     def plan(self, confidences: list[list[float]] | None, gamma: int, num_rows: int) -> list[int]:
@@ -114,16 +116,16 @@ def as_policy(policy) -> VerificationPolicy:
     """`policy` itself if it implements [`VerificationPolicy`]; a plain callable becomes one that drafts every
     round."""
     if isinstance(policy, type):  # a class passes the protocol check, but its hooks would miss `self`
-        raise TypeError(f"verification_policy={policy.__name__} is a class: pass an instance, e.g. "
+        raise WrongTypeError(f"verification_policy={policy.__name__} is a class: pass an instance, e.g. "
                         f"{policy.__name__}().")
     if isinstance(policy, VerificationPolicy):
         return policy
     if not callable(policy):
-        raise TypeError(f"verification_policy must be a dspark_hf policy or a callable (confidences, gamma, num_rows) "
+        raise WrongTypeError(f"verification_policy must be a dspark_hf policy or a callable (confidences, gamma, num_rows) "
                         f"-> lengths, got {type(policy).__name__}.")
     hooks = [name for name in ("prepare", "draft_this_round", "observe") if name in dir(policy)]
     if hooks:  # a plain callable would silently lose them
-        raise TypeError(f"{type(policy).__name__} defines {', '.join(hooks)} but not all of prepare, "
+        raise WrongTypeError(f"{type(policy).__name__} defines {', '.join(hooks)} but not all of prepare, "
                         "draft_this_round and observe: subclass dspark_hf.Policy so that generate() calls them.")
     return _Callable(policy)
 
@@ -163,7 +165,7 @@ def checked_lengths(lengths, gamma: int, num_rows: int, policy) -> list[int]:
         try:
             tensor = lengths if isinstance(lengths, torch.Tensor) else torch.tensor(lengths, device="cpu")
         except (TypeError, ValueError, RuntimeError):
-            raise TypeError(f"verification policy {name} returned {type(lengths).__name__}; it must return a "
+            raise WrongTypeError(f"verification policy {name} returned {type(lengths).__name__}; it must return a "
                             f"({num_rows},) tensor or list of whole numbers of tokens to verify.") from None
         if tensor.dtype == torch.bool or tensor.is_complex():
             raise ValueError(f"verification policy {name} returned {tensor.tolist()}: lengths are whole numbers of "

@@ -4,7 +4,8 @@ draft's shape, the machine), so that costs measured for one engine are never use
 
 Measured on the actual target, device, dtype and thread count, over a realistic cached context. A verification batch
 of B tokens is measured as R requests x n tokens for every R in `rows` and n = 1..max_tokens_per_row (the median over
-the shapes that give the same B is SPS(B)), so the table covers the loads a server sees. The files such measurements
+the shapes that give the same B is SPS(B)), so the table covers the loads a server sees; beyond 16 tokens a row, at
+widths about 1.5x apart (`measured_widths`), interpolated between. The files such measurements
 are kept in, and the cost model read from them, are `costs`'s.
 """
 
@@ -96,7 +97,7 @@ def profile_sps(target, rows: int | Sequence[int] = 1, max_tokens_per_row: int =
                      output_hidden_states=draft.hidden_states_request if draft is not None else None)
         runs = {n: _verification(target, cache, context, n, torch.randint(0, vocab, (R, n), generator=g,
                                                                           device="cpu").to(device))
-                for n in range(1, steps + 1)}
+                for n in measured_widths(steps)}
         if draft is not None:
             positions = torch.arange(context, device=device).expand(R, -1)
             ctx = draft.encode_context(draft.target_features(out.hidden_states), positions,
@@ -105,7 +106,7 @@ def profile_sps(target, rows: int | Sequence[int] = 1, max_tokens_per_row: int =
             runs["draft"] = (lambda: draft_block(anchor, anchor_pos, ctx), None)
         seconds = _interleaved_seconds(runs, device, warmup, repeats, statistic, on_repeat=lambda: bar.update(1))
         if steps:
-            grid[R] = {n: 1.0 / seconds[n] for n in range(1, steps + 1)}
+            grid[R] = {n: 1.0 / seconds[n] for n in measured_widths(steps)}
         if draft is not None:
             draft_seconds[R] = seconds["draft"]
     bar.close()
@@ -117,6 +118,16 @@ def profile_sps(target, rows: int | Sequence[int] = 1, max_tokens_per_row: int =
             "repeats": repeats, **profile_keys(target, draft),
             "sps": {b: statistics.median(v) for b, v in sorted(by_tokens.items())},
             "grid": grid, "draft_seconds": draft_seconds or None}
+
+
+def measured_widths(max_tokens: int, every_up_to: int = 16) -> list[int]:
+    """The tokens per row a profile measures, up to max_tokens: each one up to `every_up_to` (the blocks drafts are
+    trained with), then about 1.5 times the last, and max_tokens; the costs between are interpolated. A draft whose
+    block_size was set to 100 is measured at 21 widths, not 101 (minutes, not most of an hour, on a CPU)."""
+    widths = list(range(1, min(max_tokens, every_up_to) + 1))
+    while widths and widths[-1] < max_tokens:
+        widths.append(min(max_tokens, max(widths[-1] + 1, round(widths[-1] * 1.5))))
+    return widths
 
 
 def _verification(target, cache, context: int, n: int, tokens: torch.Tensor):

