@@ -12,13 +12,13 @@ from dataclasses import dataclass
 
 import torch
 
-from ..devices import clock
 from ..generation.eos import eos_token_ids
 from ..model.modeling_dspark import DSparkDraftModel
 from ..options import (batch_sizes_option, max_new_tokens_option, option, plan_profile_option, repeats_option,
                        report_option)
 from ..scheduling.policies import FullBlock
 from .evaluate import COMPILED_PLAIN, check_identity, static_compile
+from .harness import interleaved
 from .machine import machine_info
 from .oracle import OracleDraft
 from .suites import DEFAULT_PROMPTS, chat_inputs
@@ -104,17 +104,12 @@ def bench_oracle(target, tokenizer, draft: DSparkDraftModel, batch_sizes=(1, 8),
 
         for name in arms:  # warm-up: the default policy measures costs, the compiled arms compile
             call(name)
-        seconds, splits = {name: [] for name in arms}, []
+        timed = interleaved({name: lambda _, name=name: call(name) for name in arms}, [None], repeats, target.device,
+                            on_repeat=lambda *_: progress.update(1) if progress is not None else None)
+        seconds, splits = timed.seconds, []
         runs = {name: {"taus": [], "same": batch} for name in arms if arms[name][1] is not None}
-        order = list(arms)
-        for repeat in range(repeats):
-            # rotated as bench speed and serve do, so that no call always follows the same one
-            for name in order[repeat % len(order):] + order[:repeat % len(order)]:
-                start = clock(target.device)
-                out = call(name)
-                seconds[name].append(clock(target.device) - start)
-                if name not in runs:
-                    continue
+        for name in runs:
+            for (out,) in timed.results[name]:
                 same = check_identity(target, name, [out.sequences[:, P:]], [reference[:, P:]], eos_ids)
                 runs[name]["same"] = min(runs[name]["same"], same)
                 runs[name]["taus"].append(statistics.mean(r.tau for rows in out.rounds for r in rows))
@@ -123,11 +118,6 @@ def bench_oracle(target, tokenizer, draft: DSparkDraftModel, batch_sizes=(1, 8),
                     rounds_s = t["total"] - t["prefill"]
                     splits.append({"draft": t["draft"] / rounds_s, "target": t["target"] / rounds_s,
                                    "other": (rounds_s - t["draft"] - t["target"]) / rounds_s})
-            if progress is not None:
-                progress.update(1)
-
-        def paired(name, baseline):
-            return statistics.median(p / s for p, s in zip(seconds[baseline], seconds[name]))
 
         main, plain_s = runs[first], seconds["plain"]
         plain_med, dspark_med = statistics.median(plain_s), statistics.median(seconds[first])
@@ -138,14 +128,14 @@ def bench_oracle(target, tokenizer, draft: DSparkDraftModel, batch_sizes=(1, 8),
             "plain_tokens_per_s": tokens / plain_med,
             "dspark_tokens_per_s": tokens / dspark_med,
             "speedup": plain_med / dspark_med,
-            "paired_speedup": paired(first, "plain"),
+            "paired_speedup": timed.paired(first, "plain"),
             "tokens_per_round": statistics.mean(main["taus"]),
             "identical_rows": main["same"],
             "round_split": {k: statistics.mean(s[k] for s in splits) for k in ("draft", "target", "other")},
             "plain_seconds": plain_s,
             "dspark_seconds": seconds[first],
             "policies": {name: {"speedup": plain_med / statistics.median(seconds[name]),
-                                "paired_speedup": paired(name, "plain"),
+                                "paired_speedup": timed.paired(name, "plain"),
                                 "tokens_per_round": statistics.mean(runs[name]["taus"]),
                                 "identical_rows": runs[name]["same"], "dspark_seconds": seconds[name]}
                          for name in policies},
@@ -155,10 +145,10 @@ def bench_oracle(target, tokenizer, draft: DSparkDraftModel, batch_sizes=(1, 8),
                 "plain_tokens_per_s": tokens / statistics.median(seconds[COMPILED_PLAIN]),
                 "dspark_tokens_per_s": tokens / statistics.median(seconds[fast]),
                 # the fair comparison: DSpark's compiled steps against plain generate() compiled alike
-                "paired_speedup": paired(fast, COMPILED_PLAIN),
-                "paired_speedup_vs_eager_plain": paired(fast, "plain"),
-                "plain_compiled_vs_eager": paired(COMPILED_PLAIN, "plain"),
-                "eager_dspark_vs_compiled_plain": paired(first, COMPILED_PLAIN),
+                "paired_speedup": timed.paired(fast, COMPILED_PLAIN),
+                "paired_speedup_vs_eager_plain": timed.paired(fast, "plain"),
+                "plain_compiled_vs_eager": timed.paired(COMPILED_PLAIN, "plain"),
+                "eager_dspark_vs_compiled_plain": timed.paired(first, COMPILED_PLAIN),
                 "tokens_per_round": statistics.mean(runs[fast]["taus"]), "identical_rows": runs[fast]["same"],
                 "plain_seconds": seconds[COMPILED_PLAIN], "dspark_seconds": seconds[fast]}
         results.append(entry)

@@ -156,107 +156,32 @@ def _rates(t: dict) -> dict:
 def bench_ssd(target, tokenizer, draft, prompts: list[dict], cache_sizes=(2, 4, 8, 16), saguaro_cs=(1.0, 0.7, 0.4, 0.1),
               batch_sizes=(1, 4), max_new_tokens: int = 48, repeats: int = 2, temperature: float = 0.7,
               speed_cache_size: int = 8, progress=None) -> dict:
-    """Run the four parts (module docstring); returns a JSON-ready report."""
-    gamma = draft.config.block_size
-    tick = (lambda: progress.update(1)) if progress is not None else (lambda: None)
-
-    # 1. hit rate by fan-out shape at each cache size, greedy
-    uniform = {}
-    for B in cache_sizes:
-        uniform[B] = _decode_all(target, tokenizer, draft, prompts, SSDConfig(B, "uniform", fallback="draft",
-                                                                               overlap=False), max_new_tokens, 0.0)
-        tick()
-    alpha = _alpha(sum(t["accepted"] for t in uniform.values()), sum(t["rejections"] for t in uniform.values()))
-    try:  # the uniform cache spreads B blocks over the gamma outcomes it can cache (k < gamma accepted)
-        r = fit_power_law({B / gamma: 1 - _rates(t)["hit_rate"] for B, t in uniform.items()})
-    except ValueError:  # every point at a hit rate of 0 or 1: nothing to fit, keep Theorem 12's example r = 1
-        r = 1.0
-    r = max(r, 1e-3)
-    geometric = {}
-    for B in cache_sizes:
-        geometric[B] = _decode_all(target, tokenizer, draft, prompts, SSDConfig(
-            B, "geometric", power_law_r=r, acceptance=alpha, fallback="draft", overlap=False),
-            max_new_tokens, 0.0)
-        tick()
-    # planned from rounds the decode did not see: each prompt's cache from the other prompts' rounds
-    try:
-        plans = {B: _measured_plans(B, gamma, uniform[B]["prompt_ranks"]) for B in cache_sizes} \
-            if len(prompts) > 1 else {}
-    except ValueError:  # the other prompts ended before any round a cache could hold: nothing to plan from
-        plans = {}
-    by_plan = {}
-    for B in cache_sizes:
-        if B in plans:
-            by_plan[B] = _decode_all(target, tokenizer, draft, prompts, [SSDConfig(
-                B, F, fallback="draft", overlap=False) for F in plans[B]], max_new_tokens, 0.0)
-        tick()
-
-    # 2. Saguaro's C, sampled, at the speed run's cache size
-    by_c = {}
-    for C in saguaro_cs:
-        by_c[C] = _decode_all(target, tokenizer, draft, prompts, SSDConfig(
-            speed_cache_size, "geometric", power_law_r=r, saguaro_c=C, fallback="draft", overlap=False),
-            max_new_tokens, temperature)
-        tick()
-
-    # 3. speed, greedy, interleaved: plain, DSpark (full block, as SSD verifies), DSpark + SSD (in its thread)
-    ssd = SSDConfig(speed_cache_size, "geometric", power_law_r=r, fallback="auto")
-    speed = {}
-    for b in batch_sizes:
-        speed[b] = bench_speed(target, tokenizer, draft, prompts, b, max_new_tokens, repeats, progress=False,
-                               policy=FullBlock, compiled=False, extra_methods={"dspark + ssd": {
-                                   "assistant_model": draft, "ssd": ssd, "verification_policy": FullBlock}})
-        tick()
-
-    # 4. the speedup equation on figures measured at the speed run's cache size (greedy, the draft as fallback):
-    # times without a speculator beside the target, then how much the speculator overlapped in a thread here
-    measured = _decode_all(target, tokenizer, draft, prompts, SSDConfig(
-        speed_cache_size, "geometric", power_law_r=r, fallback="draft", overlap=False), max_new_tokens, 0.0)
-    overlapped = _decode_all(target, tokenizer, draft, prompts, SSDConfig(
-        speed_cache_size, "geometric", power_law_r=r, fallback="draft", overlap=True), max_new_tokens, 0.0)
-    tick()
-    rounds = measured["drafted_rounds"]
-    # a round without its drafting: the verification forward and everything else the loop does per round (sampling,
-    # bookkeeping, the last undrafted round), the prefill left out as it is from t_plain
-    t_verify = round_seconds_without_drafting(measured) / max(rounds, 1)
-    t_fallback = measured["draft"] / max(measured["missed_rounds"], 1)
-    rates = _rates(measured)
-    equation = None
+    """Run the four parts (module docstring), one step each; returns a JSON-ready report."""
+    run = _SSDRun(target, tokenizer, draft, prompts, max_new_tokens,
+                  (lambda: progress.update(1)) if progress is not None else (lambda: None))
+    shapes = _fan_out_shapes(run, cache_sizes)
+    by_c = _saguaro(run, saguaro_cs, speed_cache_size, shapes.r, temperature)
+    ssd = SSDConfig(speed_cache_size, "geometric", power_law_r=shapes.r, fallback="auto")
+    speed = _speed(run, batch_sizes, repeats, ssd)
     skipped = {f"{what} at batch {b}": why for b, report in speed.items() for what, why in report["skipped"].items()}
-    t_plain = plain_step_seconds(target, tokenizer, prompts, max_new_tokens) if rounds else None
-    if not rounds:
-        skipped["equation"] = "no drafted round (one new token per prompt): raise --max-new-tokens"
-    elif noise := unmeasured_times({"plain generate()'s step": t_plain, "a round without drafting": t_verify}):
-        skipped["equation"] = noise
-    else:
-        equation = {
-            "hit_rate": rates["hit_rate"],
-            "tokens_after_hit": measured["tokens_hit"] / max(measured["rounds_hit"], 1),
-            "tokens_after_miss": measured["tokens_miss"] / max(measured["rounds_miss"], 1),
-            "t_verify": t_verify, "t_fallback": t_fallback, "t_plain": t_plain,
-            "speculate_seconds_per_round": measured["speculate"] / max(rounds, 1),
-        }
-        equation["speedup_speculator_apart"] = ssd_speedup(
-            equation["hit_rate"], equation["tokens_after_hit"], equation["tokens_after_miss"], t_verify, t_fallback,
-            t_plain)
-        equation["speedup_speculator_apart_all_hits"] = ssd_speedup(
-            1.0, equation["tokens_after_hit"], equation["tokens_after_miss"], t_verify, t_fallback, t_plain)
-
+    measured, overlapped, equation = _speedup_equation(run, speed_cache_size, shapes.r, skipped)
+    gamma = draft.config.block_size
     return {
         "benchmark": "ssd", "max_new_tokens": max_new_tokens, "prompts": len(prompts), "repeats": repeats,
-        "temperature": temperature, "block_size": gamma, "power_law_r": r, "acceptance": alpha,
+        "temperature": temperature, "block_size": gamma, "power_law_r": shapes.r, "acceptance": shapes.alpha,
         "prompt_ids": [p["id"] for p in prompts], "machine": machine_info(target, draft), "skipped": skipped,
         "fan_out": {shape: {str(B): {**_rates(t), "rounds": t["rounds"]} for B, t in runs.items()}
-                    for shape, runs in (("uniform", uniform), ("geometric", geometric), ("measured", by_plan))
+                    for shape, runs in (("uniform", shapes.uniform), ("geometric", shapes.geometric),
+                                        ("measured", shapes.by_plan))
                     if runs},
         # the fan-outs the measured shape decoded each prompt with (planned from the other prompts), and the one all
         # the prompts' uniform rounds together give (what a user would take from this run)
-        "measured_plans": {str(B): {"per_prompt": plans.get(B), "all_prompts": _plan_or_none(
-            B, gamma, _pooled(uniform[B]["prompt_ranks"]))} for B in cache_sizes},
+        "measured_plans": {str(B): {"per_prompt": shapes.plans.get(B), "all_prompts": _plan_or_none(
+            B, gamma, _pooled(shapes.uniform[B]["prompt_ranks"]))} for B in cache_sizes},
         # where each bonus stood, prompt by prompt, in the uniform runs ({k: {rank: rounds}}): to plan from again
-        "uniform_bonus_ranks": {str(B): t["prompt_ranks"] for B, t in uniform.items()},
+        "uniform_bonus_ranks": {str(B): t["prompt_ranks"] for B, t in shapes.uniform.items()},
         # each outcome's share of the rounds and hit curve, from the uniform run at the largest cache size
-        "outcome_hit_curves": _hit_curves(uniform[max(cache_sizes)], gamma),
+        "outcome_hit_curves": _hit_curves(shapes.uniform[max(cache_sizes)], gamma),
         "saguaro": {str(C): {**_rates(t), "rounds": t["rounds"]} for C, t in by_c.items()},
         "speed": {str(b): {"ssd": ssd.to_dict(), **{m: {k: v[k] for k in ("tokens_per_s", "ratio_to_plain",
                                                                              "paired_ratio_to_plain",
@@ -271,6 +196,123 @@ def bench_ssd(target, tokenizer, draft, prompts: list[dict], cache_sizes=(2, 4, 
         # acceptance of blocks by their lag (0: drafted in time with every feature; k + 1: prepared for k accepted)
         "acceptance_by_lag": {str(lag): {"acceptance": _alpha(a, rejected), "verified": v}
                               for lag, (a, v, rejected) in sorted(measured["by_lag"].items())},
+    }
+
+
+@dataclass
+class _SSDRun:
+    """What every step of `bench_ssd` decodes with, and its progress tick (one per decode of all the prompts)."""
+
+    target: object
+    tokenizer: object
+    draft: object
+    prompts: list[dict]
+    max_new_tokens: int
+    tick: object
+
+    def decode(self, ssd, temperature: float = 0.0) -> dict:
+        """Every prompt alone with `ssd` (one config, or one per prompt): `_decode_all`'s totals."""
+        return _decode_all(self.target, self.tokenizer, self.draft, self.prompts, ssd, self.max_new_tokens,
+                           temperature)
+
+
+@dataclass
+class _FanOuts:
+    """Step 1's decodes by cache size, per fan-out shape; the power law r fitted to the uniform ones' misses and
+    the acceptance rate alpha they saw; the measured shapes' plans."""
+
+    uniform: dict
+    geometric: dict
+    by_plan: dict
+    plans: dict
+    r: float
+    alpha: float
+
+
+def _fan_out_shapes(run: _SSDRun, cache_sizes) -> _FanOuts:
+    """1. Hit rate by fan-out shape at each cache size, greedy: uniform, then geometric (Theorem 12, with the power
+    law fitted to the uniform runs), then as measured (each prompt's cache planned from the other prompts' rounds)."""
+    gamma = run.draft.config.block_size
+    uniform = {}
+    for B in cache_sizes:
+        uniform[B] = run.decode(SSDConfig(B, "uniform", fallback="draft", overlap=False))
+        run.tick()
+    alpha = _alpha(sum(t["accepted"] for t in uniform.values()), sum(t["rejections"] for t in uniform.values()))
+    try:  # the uniform cache spreads B blocks over the gamma outcomes it can cache (k < gamma accepted)
+        r = fit_power_law({B / gamma: 1 - _rates(t)["hit_rate"] for B, t in uniform.items()})
+    except ValueError:  # every point at a hit rate of 0 or 1: nothing to fit, keep Theorem 12's example r = 1
+        r = 1.0
+    r = max(r, 1e-3)
+    geometric = {}
+    for B in cache_sizes:
+        geometric[B] = run.decode(SSDConfig(B, "geometric", power_law_r=r, acceptance=alpha, fallback="draft",
+                                            overlap=False))
+        run.tick()
+    # planned from rounds the decode did not see: each prompt's cache from the other prompts' rounds
+    try:
+        plans = {B: _measured_plans(B, gamma, uniform[B]["prompt_ranks"]) for B in cache_sizes} \
+            if len(run.prompts) > 1 else {}
+    except ValueError:  # the other prompts ended before any round a cache could hold: nothing to plan from
+        plans = {}
+    by_plan = {}
+    for B in cache_sizes:
+        if B in plans:
+            by_plan[B] = run.decode([SSDConfig(B, F, fallback="draft", overlap=False) for F in plans[B]])
+        run.tick()
+    return _FanOuts(uniform, geometric, by_plan, plans, r, alpha)
+
+
+def _saguaro(run: _SSDRun, saguaro_cs, cache_size: int, r: float, temperature: float) -> dict:
+    """2. Saguaro's C, sampled, at the speed run's cache size: C -> the decodes' totals."""
+    by_c = {}
+    for C in saguaro_cs:
+        by_c[C] = run.decode(SSDConfig(cache_size, "geometric", power_law_r=r, saguaro_c=C, fallback="draft",
+                                       overlap=False), temperature)
+        run.tick()
+    return by_c
+
+
+def _speed(run: _SSDRun, batch_sizes, repeats: int, ssd: SSDConfig) -> dict:
+    """3. Speed, greedy, interleaved by the bench harness: plain, DSpark (full block, as SSD verifies), DSpark + SSD
+    (in its thread); batch size -> `bench_speed`'s report."""
+    speed = {}
+    for b in batch_sizes:
+        speed[b] = bench_speed(run.target, run.tokenizer, run.draft, run.prompts, b, run.max_new_tokens, repeats,
+                               progress=False, policy=FullBlock, compiled=False, extra_methods={"dspark + ssd": {
+                                   "assistant_model": run.draft, "ssd": ssd, "verification_policy": FullBlock}})
+        run.tick()
+    return speed
+
+
+def _speedup_equation(run: _SSDRun, cache_size: int, r: float, skipped: dict) -> tuple[dict, dict, dict | None]:
+    """4. The speedup equation on figures measured at the speed run's cache size (greedy, the draft as fallback):
+    times without a speculator beside the target, then how much the speculator overlapped in a thread here. Returns
+    (the sequential decodes' totals, the threaded ones', the equation or None with the reason in `skipped`)."""
+    measured = run.decode(SSDConfig(cache_size, "geometric", power_law_r=r, fallback="draft", overlap=False))
+    overlapped = run.decode(SSDConfig(cache_size, "geometric", power_law_r=r, fallback="draft", overlap=True))
+    run.tick()
+    rounds = measured["drafted_rounds"]
+    # a round without its drafting: the verification forward and everything else the loop does per round (sampling,
+    # bookkeeping, the last undrafted round), the prefill left out as it is from t_plain
+    t_verify = round_seconds_without_drafting(measured) / max(rounds, 1)
+    t_fallback = measured["draft"] / max(measured["missed_rounds"], 1)
+    t_plain = plain_step_seconds(run.target, run.tokenizer, run.prompts, run.max_new_tokens) if rounds else None
+    if not rounds:
+        skipped["equation"] = "no drafted round (one new token per prompt): raise --max-new-tokens"
+        return measured, overlapped, None
+    if noise := unmeasured_times({"plain generate()'s step": t_plain, "a round without drafting": t_verify}):
+        skipped["equation"] = noise
+        return measured, overlapped, None
+    rates = _rates(measured)
+    after_hit = measured["tokens_hit"] / max(measured["rounds_hit"], 1)
+    after_miss = measured["tokens_miss"] / max(measured["rounds_miss"], 1)
+    return measured, overlapped, {
+        "hit_rate": rates["hit_rate"], "tokens_after_hit": after_hit, "tokens_after_miss": after_miss,
+        "t_verify": t_verify, "t_fallback": t_fallback, "t_plain": t_plain,
+        "speculate_seconds_per_round": measured["speculate"] / max(rounds, 1),
+        "speedup_speculator_apart": ssd_speedup(rates["hit_rate"], after_hit, after_miss, t_verify, t_fallback,
+                                                t_plain),
+        "speedup_speculator_apart_all_hits": ssd_speedup(1.0, after_hit, after_miss, t_verify, t_fallback, t_plain),
     }
 
 

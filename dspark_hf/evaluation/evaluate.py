@@ -10,12 +10,12 @@ from dataclasses import dataclass
 import torch
 
 from .. import internals
-from ..devices import clock
 from ..generation.eos import eos_token_ids, until_eos
 from ..generation.records import DSparkRound
 from ..options import (POSITIVE, TEMPERATURE, max_new_tokens_option, option, plan_profile_option, repeats_option,
                        report_option)
 from ..scheduling.policies import FullBlock
+from .harness import interleaved
 from .machine import machine_info
 from .metrics import format_tau, summarize
 
@@ -192,14 +192,16 @@ def bench_speed(target, tokenizer, draft, prompts: list[dict], batch_size: int =
     def fresh(kw):
         return {**kw, "verification_policy": kw["verification_policy"]()} if "verification_policy" in kw else kw
 
-    def run(kw, inputs):
-        """(user tokens, seconds, new tokens (B, new), rounds) of one call."""
-        start = clock(target.device)
-        out = target.generate(**inputs, max_new_tokens=max_new_tokens, **sampling, **fresh(kw),
-                              **({"return_dict_in_generate": True} if "assistant_model" in kw else {}))
-        seconds = clock(target.device) - start
-        new = (out.sequences if hasattr(out, "sequences") else out)[:, inputs["input_ids"].shape[1]:]
-        return user_tokens(new, eos_ids), seconds, new, [r for rows in getattr(out, "rounds", []) for r in rows]
+    def arm(kw):
+        def call(inputs):
+            out = target.generate(**inputs, max_new_tokens=max_new_tokens, **sampling, **fresh(kw),
+                                  **({"return_dict_in_generate": True} if "assistant_model" in kw else {}))
+            return out, inputs["input_ids"].shape[1]
+        return call
+
+    def new_tokens(result) -> torch.Tensor:
+        out, P = result
+        return (out.sequences if hasattr(out, "sequences") else out)[:, P:]
 
     # warm-up (the default policy measures its costs here, once); the compiled arms decode every batch in full, and
     # prompt lookup with a static cache leaves the run where this transformers refuses it
@@ -214,36 +216,27 @@ def bench_speed(target, tokenizer, draft, prompts: list[dict], batch_size: int =
                 raise
             skipped[name] = f"transformers fails it: {type(error).__name__}: {' '.join(str(error).split())[:200]}"
             del methods[name]
-    seconds, tokens, rounds, same = defaultdict(list), defaultdict(list), defaultdict(list), defaultdict(list)
-    names = list(methods)
-    greedy = temperature == 0
+    names, same = list(methods), defaultdict(list)
     bar = tqdm(total=repeats * len(batches) * len(methods), desc="bench speed", disable=not progress)
-    for repeat in range(repeats):
-        outputs = defaultdict(list)
-        for name in names:
-            tokens[name].append(0)
-            seconds[name].append(0.0)
-        # every batch runs under every method back to back (in a rotating order), so that the machine's drift over
-        # minutes falls on all methods alike and the ratios of one repeat compare like with like
-        for b, inputs in enumerate(batches):
-            shift = (repeat + b) % len(names)
-            for name in names[shift:] + names[:shift]:
-                n, s, new, collected = run(methods[name], inputs)
-                tokens[name][-1] += n
-                seconds[name][-1] += s
-                outputs[name].append(new)
-                rounds[name].extend(collected)
-                bar.update(1)
-        if greedy:  # every repeat: the default policy may draft differently from one call to the next
-            for name in (n for n in names if n != "plain"):
-                same[name].append(check_identity(target, name, outputs[name], outputs["plain"], eos_ids))
-    bar.close()
-    rates = {m: statistics.median(n / s for n, s in zip(tokens[m], seconds[m])) for m in methods}
 
-    def paired(m, reference):
-        """The median of ratios taken within each repeat: drift between repeats cancels."""
-        return statistics.median((n / s) / (n0 / s0) for n, s, n0, s0 in zip(tokens[m], seconds[m],
-                                                                            tokens[reference], seconds[reference]))
+    def check(repeat, runs):  # greedy, every repeat: the default policy may draft differently from one call to the next
+        if temperature == 0:
+            reference = [new_tokens(r) for r in runs.results["plain"][repeat]]
+            for name in (n for n in names if n != "plain"):
+                same[name].append(check_identity(target, name, [new_tokens(r) for r in runs.results[name][repeat]],
+                                                 reference, eos_ids))
+
+    runs = interleaved({name: arm(methods[name]) for name in names}, batches, repeats, target.device,
+                       on_call=lambda _: bar.update(1), on_repeat=check)
+    bar.close()
+
+    def work(result) -> int:
+        return user_tokens(new_tokens(result), eos_ids)
+
+    tokens = {m: [sum(map(work, calls)) for calls in runs.results[m]] for m in names}
+    rounds = {m: [r for calls in runs.results[m] for out, _ in calls for rows in getattr(out, "rounds", [])
+                  for r in rows] for m in names}
+    rates = {m: statistics.median(runs.rates(m, work)) for m in names}
 
     return {
         "settings": {"batch_size": batch_size, "max_new_tokens": max_new_tokens, "repeats": repeats,
@@ -253,10 +246,11 @@ def bench_speed(target, tokenizer, draft, prompts: list[dict], batch_size: int =
         "machine": machine_info(target, draft),
         "skipped": skipped,
         "methods": {m: {"tokens_per_s": rates[m], "ratio_to_plain": rates[m] / rates["plain"],
-                        "paired_ratio_to_plain": paired(m, "plain"),
-                        **({"paired_ratio_to_compiled_plain": paired(m, COMPILED_PLAIN)} if compiled else {}),
+                        "paired_ratio_to_plain": runs.paired(m, "plain", work),
+                        **({"paired_ratio_to_compiled_plain": runs.paired(m, COMPILED_PLAIN, work)} if compiled
+                           else {}),
                         "acceptance_length": (sum(r.tau for r in rounds[m]) / len(rounds[m])) if rounds[m] else None,
-                        "seconds": seconds[m], "tokens": tokens[m],
+                        "seconds": runs.seconds[m], "tokens": tokens[m],
                         # greedy only: rows whose output equals plain generate()'s, in the repeat with fewest
                         "identical_rows": min(same[m]) if same[m] else None}
                     for m in methods},

@@ -22,11 +22,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from ..devices import clock
 from ..generation.eos import eos_token_ids
 from ..options import POSITIVE, SHARE, batch_sizes_option, max_new_tokens_option, option, repeats_option, report_option
 from ..scheduling.named import named_policy
 from .evaluate import chat_batch, check_identity, user_tokens
+from .harness import interleaved
 from .machine import machine_info
 
 
@@ -91,37 +91,43 @@ def bench_serve(target, tokenizer, draft, prompts: list[dict], batch_sizes=(1, 2
     prompts = _round_robin(prompts)
     names = list(methods)
     bar = tqdm(total=len(batch_sizes) * repeats * len(methods), desc="bench serve", disable=not progress)
+
+    def arm(make):
+        def call(batch):
+            out = target.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False,
+                                  return_dict_in_generate=True, **make())
+            return out, batch["input_ids"].shape[1]
+        return call
+
+    def new_tokens(result):
+        out, P = result
+        return out.sequences[:, P:]
+
+    def work(result) -> int:
+        return user_tokens(new_tokens(result), eos_ids)
+
     for R in batch_sizes:
         batches = concurrent_batches(prompts, R)
         prompt_ids[R] = [[p["id"] for p in batch] for batch in batches]
         inputs = [chat_batch(tokenizer, batch, target.device) for batch in batches]
         for make in methods.values():  # warm-up
             target.generate(**inputs[0], max_new_tokens=4, do_sample=False, **make())
-        runs = defaultdict(list)
-        for i in range(repeats):
-            tokens, seconds = defaultdict(int), defaultdict(float)
-            rounds, outputs = defaultdict(list), defaultdict(list)
-            for b, batch in enumerate(inputs):
-                # every batch under every policy back to back, in an order rotated by repeat and batch, so that the
-                # machine's drift falls on all policies alike
-                shift = (i + b) % len(names)
-                for name in names[shift:] + names[:shift]:
-                    kwargs = methods[name]()
-                    start = clock(target.device)
-                    out = target.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False,
-                                          return_dict_in_generate=True, **kwargs)
-                    seconds[name] += clock(target.device) - start
-                    new = out.sequences[:, batch["input_ids"].shape[1]:]
-                    tokens[name] += user_tokens(new, eos_ids)
-                    outputs[name].append(new)
-                    rounds[name] += [r for rows in getattr(out, "rounds", None) or [] for r in rows]
-            for name in names:
-                same = None if name == "no speculation" else check_identity(
-                    target, name, outputs[name], outputs["no speculation"], eos_ids)
-                runs[name].append((tokens[name] / seconds[name], rounds[name], same))
-                bar.update(1)
+
+        def progressed(repeat, runs):
+            bar.update(len(names))
             bar.set_postfix(R=R)
-        plain = [t for t, *_ in runs["no speculation"]]
+
+        timed = interleaved({name: arm(methods[name]) for name in names}, inputs, repeats, target.device,
+                            on_repeat=progressed)
+        plain = timed.rates("no speculation", work)
+        reference = [[new_tokens(r) for r in calls] for calls in timed.results["no speculation"]]
+        runs = defaultdict(list)  # per policy and repeat: (tokens/s, rounds, rows identical to no speculation's)
+        for name in names:
+            for i, (rate, calls) in enumerate(zip(timed.rates(name, work), timed.results[name])):
+                rounds = [r for out, _ in calls for rows in (getattr(out, "rounds", None) or []) for r in rows]
+                same = None if name == "no speculation" else check_identity(
+                    target, name, [new_tokens(r) for r in calls], reference[i], eos_ids)
+                runs[name].append((rate, rounds, same))
         results[R] = {name: _summary(runs[name], plain, R, gamma) for name in names}
     bar.close()
     return {"settings": {"batch_sizes": list(batch_sizes), "max_new_tokens": max_new_tokens, "repeats": repeats,

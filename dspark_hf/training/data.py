@@ -134,11 +134,9 @@ def prepare_data(target, tokenizer, prompts: Iterator[dict], output: str | Path,
     prompts that share an id) raises ValueError.
     time_budget (seconds): no batch starts that would likely end after it; run again to continue.
     """
-    from tqdm.auto import tqdm
-
     started = time.perf_counter()
     settings = settings or GenerationSettings()
-    decoding = _decoding(settings)
+    decoding = _decoding(settings)  # checked before anything is written
     if engine not in ENGINES:
         raise ValueError(f"engine={engine!r}: choose one of {', '.join(ENGINES)}.")
     output = Path(output)
@@ -146,7 +144,24 @@ def prepare_data(target, tokenizer, prompts: Iterator[dict], output: str | Path,
     done = _answered(output)
     if done:
         _refuse_other_settings(output, made_with)
+    chosen = _chosen_prompts(prompts, tokenizer, num_examples, max_prompt_tokens)
+    rows, elsewhere = _rows_to_answer(chosen, settings.samples_per_prompt, answered, done, output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    if not done:  # how the answers are made, recorded before the first one: a resumed run is checked against it
+        output.touch()
+        write_manifest(output, made_with, len(rows), 0.0)
+    shape = _Shape(batch_size, max_prompt_tokens, tokenizer) if engine == "static" else None
+    timing = _answer_batches(target, tokenizer, _length_sorted_batches(rows, batch_size), output, done, decoding,
+                             settings.max_new_tokens, seed, shape, started, time_budget, len(rows), progress)
+    write_manifest(output, made_with, len(rows), time.perf_counter() - started,
+                   this_call={**_rates(timing), "answered_elsewhere": elsewhere})
+    return output
 
+
+def _chosen_prompts(prompts: Iterator[dict], tokenizer, num_examples: int | None,
+                    max_prompt_tokens: int) -> list[tuple[dict, str, list[int]]]:
+    """The first `num_examples` prompts (None: all) whose chat text fits in max_prompt_tokens: (prompt, its chat text,
+    its token ids); prompts that share an id are refused."""
     chosen, seen = [], set()
     for p in prompts:
         if p["id"] in seen:  # its answer would be taken for the other's, and a resumed run would never complete
@@ -163,8 +178,16 @@ def prepare_data(target, tokenizer, prompts: Iterator[dict], output: str | Path,
     if not chosen:
         raise ValueError(f"no prompt to answer: the prompts are empty (or all skipped), or none fits within "
                          f"max_prompt_tokens={max_prompt_tokens} tokens with the chat template.")
-    rows = [_Row(_sample_id(p["id"], k, settings.samples_per_prompt), p, text, len(ids), k, ids)
-            for p, text, ids in chosen for k in range(settings.samples_per_prompt)]
+    return chosen
+
+
+def _rows_to_answer(chosen: list, samples_per_prompt: int, answered: set[str] | None, done: set[str],
+                    output: Path) -> tuple[list["_Row"], int]:
+    """The answers this run makes (those in `output` already, `done`, included: they are skipped as their batches
+    come), and how many exist elsewhere (`answered`) and are not made again. Refuses a run with nothing to make, and
+    one resumed into a file that holds answers of another selection of prompts."""
+    rows = [_Row(_sample_id(p["id"], k, samples_per_prompt), p, text, len(ids), k, ids)
+            for p, text, ids in chosen for k in range(samples_per_prompt)]
     elsewhere = len(rows)
     rows = [r for r in rows if r.id not in (answered or set()) or r.id in done]
     elsewhere -= len(rows)
@@ -177,19 +200,27 @@ def prepare_data(target, tokenizer, prompts: Iterator[dict], output: str | Path,
                          "this run regenerates (was it started with another --num-examples, --skip, "
                          "--samples-per-prompt or prompt file?). Resume it with the settings it was started with, or "
                          "write to a new --output.")
-    # every prompt's first answer before any second one (a time budget cuts answers, not prompts), and within each
-    # pass similar lengths per batch: less padding
-    rows.sort(key=lambda r: (r.sample, r.tokens, r.prompt["id"]))
-    batches = [rows[i: i + batch_size] for i in range(0, len(rows), batch_size)]
+    return rows, elsewhere
 
-    output.parent.mkdir(parents=True, exist_ok=True)
-    if not done:  # how the answers are made, recorded before the first one: a resumed run is checked against it
-        output.touch()
-        write_manifest(output, made_with, len(rows), 0.0)
-    bar = tqdm(total=len(rows), initial=sum(r.id in done for r in rows),
+
+def _length_sorted_batches(rows: list["_Row"], batch_size: int) -> list[list["_Row"]]:
+    """Every prompt's first answer before any second one (a time budget cuts answers, not prompts), and within each
+    pass similar lengths per batch: less padding."""
+    rows = sorted(rows, key=lambda r: (r.sample, r.tokens, r.prompt["id"]))
+    return [rows[i: i + batch_size] for i in range(0, len(rows), batch_size)]
+
+
+def _answer_batches(target, tokenizer, batches: list, output: Path, done: set[str], decoding: dict,
+                    max_new_tokens: int, seed: int, shape: "_Shape | None", started: float, time_budget: float | None,
+                    total: int, progress: bool) -> dict:
+    """Decode the batches not yet in `output` (batch i sampled with seed + i, with generate() options `decoding`) and
+    append their answers, until the time budget would run out; returns this call's timing (warm-up and generation
+    seconds, answer tokens)."""
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=total, initial=sum(r.id in done for batch in batches for r in batch),
                desc="regenerating answers", disable=not progress)
     eos_ids = eos_token_ids(target.generation_config)
-    shape = _Shape(batch_size, max_prompt_tokens, tokenizer) if engine == "static" else None
     extra = {"cache_implementation": "static"} if shape else {}
     timing = {"warmup_seconds": 0.0, "generation_seconds": 0.0, "answer_tokens": 0}
     slowest = 0.0
@@ -200,10 +231,10 @@ def prepare_data(target, tokenizer, prompts: Iterator[dict], output: str | Path,
             if shape is not None and not shape.warm:  # compiles the step (on a GPU) outside the budget's estimate
                 warm_start = time.perf_counter()
                 target.generate(**shape.inputs(batch, target.device), **decoding, **extra,
-                                max_new_tokens=settings.max_new_tokens, stopping_criteria=[_After(shape.WARMUP)])
+                                max_new_tokens=max_new_tokens, stopping_criteria=[_After(shape.WARMUP)])
                 shape.warm, timing["warmup_seconds"] = True, time.perf_counter() - warm_start
             if time_budget is not None and time.perf_counter() - started + slowest > time_budget:
-                bar.write(f"time budget reached: {output} holds {bar.n} of {len(rows)} answers; run the same "
+                bar.write(f"time budget reached: {output} holds {bar.n} of {total} answers; run the same "
                           "command again to continue")
                 break
             batch_start = time.perf_counter()
@@ -213,19 +244,8 @@ def prepare_data(target, tokenizer, prompts: Iterator[dict], output: str | Path,
             else:
                 inputs = shape.inputs(batch, target.device)
             torch.manual_seed(seed + i)
-            seqs = target.generate(**inputs, **decoding, **extra, max_new_tokens=settings.max_new_tokens).cpu()
-            P = inputs["input_ids"].shape[1]
-            lines = []
-            for r, mask, row in zip(batch, inputs["attention_mask"].cpu(), seqs):  # a filled batch's copies: dropped
-                if r.id in done:  # a batch cut short by a crash is generated whole again (same seed, same answers)
-                    continue
-                prompt_ids = row[:P][mask.bool()].tolist()
-                answer = until_eos(row[P:].tolist(), eos_ids)  # what follows EOS is padding
-                timing["answer_tokens"] += len(answer)
-                lines.append(json.dumps({"id": r.id, "prompt_id": r.prompt["id"], "group": r.prompt.get("group"),
-                                         "domain": r.prompt.get("domain"),
-                                         "source": r.prompt.get("source"), "prompt": r.text,
-                                         "input_ids": prompt_ids + answer, "answer_start": len(prompt_ids)}) + "\n")
+            seqs = target.generate(**inputs, **decoding, **extra, max_new_tokens=max_new_tokens).cpu()
+            lines = _answer_lines(batch, inputs, seqs, done, eos_ids, timing)
             out.write("".join(lines))
             out.flush()
             bar.update(len(lines))
@@ -233,9 +253,26 @@ def prepare_data(target, tokenizer, prompts: Iterator[dict], output: str | Path,
             timing["generation_seconds"] += spent
             slowest = max(slowest, spent)
     bar.close()
-    write_manifest(output, made_with, len(rows), time.perf_counter() - started,
-                   this_call={**_rates(timing), "answered_elsewhere": elsewhere})
-    return output
+    return timing
+
+
+def _answer_lines(batch: list["_Row"], inputs, seqs: torch.Tensor, done: set[str], eos_ids: set[int],
+                  timing: dict) -> list[str]:
+    """The dataset's lines of a decoded batch (its rows not in `done`; a filled batch's copies are dropped), the
+    answers cut at EOS; counts their tokens in `timing`."""
+    P = inputs["input_ids"].shape[1]
+    lines = []
+    for r, mask, row in zip(batch, inputs["attention_mask"].cpu(), seqs):
+        if r.id in done:  # a batch cut short by a crash is generated whole again (same seed, same answers)
+            continue
+        prompt_ids = row[:P][mask.bool()].tolist()
+        answer = until_eos(row[P:].tolist(), eos_ids)  # what follows EOS is padding
+        timing["answer_tokens"] += len(answer)
+        lines.append(json.dumps({"id": r.id, "prompt_id": r.prompt["id"], "group": r.prompt.get("group"),
+                                 "domain": r.prompt.get("domain"), "source": r.prompt.get("source"),
+                                 "prompt": r.text, "input_ids": prompt_ids + answer,
+                                 "answer_start": len(prompt_ids)}) + "\n")
+    return lines
 
 
 class _Shape:
