@@ -6,7 +6,8 @@
 
 from transformers import AutoConfig, AutoModel
 
-from .generation import DSparkGenerateOutput, DSparkRound, HalfPrecisionGreedyWarning, SSDConfig, dspark_generate
+from .generation import (DSparkCandidateGenerator, DSparkGenerateOutput, DSparkRound, HalfPrecisionGreedyWarning,
+                         SSDConfig, dspark_generate)
 from .generation.streamers import DSparkRoundStreamer, DSparkStep, RoundStreamer
 from .generation.integration import install as _install_generate_hook
 from . import hub  # noqa: F401  what a draft's save_pretrained and push_to_hub hand over to (model/binding.py)
@@ -37,6 +38,7 @@ __all__ = [
     "DSparkStep",
     "RoundStreamer",
     "dspark_generate",
+    "DSparkCandidateGenerator",
     "HalfPrecisionGreedyWarning",
     "AutoScheduled",
     "Policy",

@@ -56,7 +56,8 @@ class CardData:
             return value
         unknown = set(value) - {f.name for f in fields(cls)}
         if unknown:
-            raise WrongTypeError(f"card_data has unknown fields {sorted(unknown)}; use {[f.name for f in fields(cls)]}.")
+            raise WrongTypeError(f"card_data has unknown fields {sorted(unknown)}; use "
+                                 f"{[f.name for f in fields(cls)]}.")
         return cls(**value)
 
 

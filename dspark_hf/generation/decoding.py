@@ -26,10 +26,10 @@ from ..devices import Stopwatch
 from ..model.modeling_dspark import DSparkDraftModel
 from ..model.sampling import raise_if_not_finite
 from ..scheduling.auto import AutoScheduled
-from ..scheduling.policies import (FullBlock, VerificationPolicy, as_policy, keeps_drafted, learn_outcome,
-                                   plan_lengths)
+from ..scheduling.policies import FullBlock, VerificationPolicy, as_policy
 from . import verify
-from .drafting import BlockSource, Drafter, Outcome, Proposal, empty_block
+from .candidates import DSparkCandidateGenerator
+from .drafting import Drafter, Outcome, Proposal
 from .host import HostRead, to_device
 from .records import DSparkGenerateOutput
 from .request import check_request
@@ -84,11 +84,13 @@ def dspark_generate(
     if ssd is None:
         policy = AutoScheduled() if verification_policy is None else as_policy(verification_policy)
         call = Decoding(model, draft_model, policy, do_sample, steps, out, watch)
-        return decode(call, Drafter(draft_model, do_sample, steps.draft_block))
+        return decode(call, DSparkCandidateGenerator(draft_model, Drafter(draft_model, do_sample, steps.draft_block),
+                                                     policy))
     policy = FullBlock() if verification_policy is None else as_policy(verification_policy)
     source = SSDSource(ssd, model, draft_model, out, do_sample)
     try:
-        result = decode(Decoding(model, draft_model, policy, do_sample, steps, out, watch), source)
+        result = decode(Decoding(model, draft_model, policy, do_sample, steps, out, watch),
+                        DSparkCandidateGenerator(draft_model, source, policy))
     finally:
         source.close()
     if isinstance(result, DSparkGenerateOutput):
@@ -130,8 +132,9 @@ class Plan:
         return max(self.lengths, default=0)
 
 
-def decode(s: Decoding, source: BlockSource):
-    """The call: the prompt once, then rounds until every row is done. Returns what generate() returns."""
+def decode(s: Decoding, candidates: DSparkCandidateGenerator):
+    """The call: the prompt once, then rounds until every row is done, each block from `candidates` (a transformers
+    candidate generator over the call's block source and policy). Returns what generate() returns."""
     with s.watch.phase("total"):
         s.out.open()
         if s.out.max_new > 0:
@@ -139,15 +142,15 @@ def decode(s: Decoding, source: BlockSource):
             s.policy.prepare(s.target, s.draft, B, sampling=s.do_sample)
             state = s.steps.state(B, P, s.out.max_new)
             try:
-                plan = _prefill(s, source, state)
+                plan = _prefill(s, candidates, state)
                 while plan is not None:
-                    plan = _round(s, source, state, plan)
+                    plan = _round(s, candidates, state, plan)
             finally:
                 s.steps.release(state)
     return s.out.close(s.watch.totals(PHASES))
 
 
-def _prefill(s: Decoding, source: BlockSource, state: DecodingState) -> Plan | None:
+def _prefill(s: Decoding, candidates: DSparkCandidateGenerator, state: DecodingState) -> Plan | None:
     """Run the prompt once, pick the first token (it becomes the first anchor), seed the draft context, draft the
     first block."""
     prompt, mask = s.out.prompt, s.out.prompt_mask
@@ -155,21 +158,22 @@ def _prefill(s: Decoding, source: BlockSource, state: DecodingState) -> Plan | N
     with s.watch.phase("prefill"):
         logits = state.prefill(s.target, s.draft, prompt, mask)
         s.steps.prepared(state)
+        s.steps.warm(state, s.do_sample, s.out.process)
         scores = s.out.process(prompt.new_zeros(B, 0), logits[:, -1])
         token = torch.multinomial(torch.softmax(scores, -1), 1).squeeze(1) if s.do_sample else scores.argmax(-1)
         ones = torch.ones_like(token)
         stop_at = s.out.stop_index(token[:, None], ones, scores[:, None])
         s.out.commit(token[:, None], ones, stop_at)
         state.anchor = token
-    proposal = _propose(s, source, state, rows=list(range(B)), bound=state.host_end,
+    proposal = _propose(s, candidates, state, rows=list(range(B)), bound=state.host_end,
                         remaining=[s.out.limit - 1] * B)
     read = _read(s, proposal, HostRead().add("stop_at", stop_at).add("token", token[:1]))
     s.out.committed_on_host([1] * B, read["stop_at"])
     s.out.stream(read["token"])
-    return _plan(s, proposal, read)
+    return _plan(s, candidates, proposal, read)
 
 
-def _round(s: Decoding, source: BlockSource, state: DecodingState, plan: Plan) -> Plan | None:
+def _round(s: Decoding, candidates: DSparkCandidateGenerator, state: DecodingState, plan: Plan) -> Plan | None:
     """One round, in the order of the math: verify the planned prefix of the block in one target forward, accept a
     prefix and the target's own next token, commit them; then draft the next block and read what the host needs."""
     out, proposal, L = s.out, plan.proposal, plan.longest
@@ -179,7 +183,7 @@ def _round(s: Decoding, source: BlockSource, state: DecodingState, plan: Plan) -
     # verify: one target forward over [anchor, x] after each row's committed tokens
     Q = s.steps.width(L + 1)
     inputs = torch.cat([state.anchor[:, None], x, x.new_zeros(x.shape[0], Q - L - 1)], 1)  # padded to a bucket
-    with source.verifying(proposal, plan.verify_len, state.anchor, state.count, _context(s, state, 0)), \
+    with candidates.source.verifying(proposal, plan.verify_len, state.anchor, state.count, _context(s, state, 0)), \
             s.watch.phase("target"):
         logits = s.steps.verify(state, inputs)
     scores = out.process_block(x, logits)
@@ -191,13 +195,14 @@ def _round(s: Decoding, source: BlockSource, state: DecodingState, plan: Plan) -
     stop_at = out.stop_index(chunk, kept, scores)
     committed = torch.where(stop_at > 0, stop_at, kept) if out.pads_finished else kept
 
-    # commit: to the output, the state and the source; then the next block, drafted while this round is on the device
+    # commit: to the output, the state and the block source; then the next block, drafted while this round is on the
+    # device
     outcome = Outcome(proposal, plan.verify_len, n, nxt, committed)
     out.commit(chunk, committed, stop_at)
     state.keep(kept, nxt, Q)
-    source.learn(outcome, plan.rows)
+    candidates.update_candidate_strategy(None, scores, n, outcome=outcome, rows=plan.rows)
     remaining = [r - 1 for r in out.remaining(plan.rows)]  # at most, once every row has committed its token
-    upcoming = _propose(s, source, state, plan.rows, bound=state.host_end + Q, remaining=remaining)
+    upcoming = _propose(s, candidates, state, plan.rows, bound=state.host_end + Q, remaining=remaining)
 
     # what the host learns of the round, in one read
     read = _read(s, upcoming, HostRead().add("accepted", n).add("committed", committed).add("stop_at", stop_at)
@@ -205,25 +210,22 @@ def _round(s: Decoding, source: BlockSource, state: DecodingState, plan: Plan) -
     rows, live = plan.rows, set(plan.rows)
     state.kept_on_host([a + 1 if b in live else 0 for b, a in enumerate(read["accepted"])], Q)
     out.committed_on_host(read["committed"], read["stop_at"])
-    learn_outcome(s.policy, plan.lengths, [read["accepted"][b] for b in rows], drafted=proposal.drafted)
+    candidates.learn(plan.lengths, [read["accepted"][b] for b in rows], drafted=proposal.drafted)
     out.record(rows, outcome, plan.lengths, plan.one_token_left, read["stop_at"])
     if read["chunk"] is not None and 0 in rows:
         stop = read["stop_at"][0]
         out.stream(read["chunk"][: stop or read["committed"][0]])
-    return _plan(s, upcoming, read)
+    return _plan(s, candidates, upcoming, read)
 
 
-def _propose(s: Decoding, source: BlockSource, state: DecodingState, rows: list[int], bound: int,
+def _propose(s: Decoding, candidates: DSparkCandidateGenerator, state: DecodingState, rows: list[int], bound: int,
              remaining: list[int]) -> Proposal:
-    """The next round's block, drafted before the host knows how this round ended: unless the policy pauses drafting
-    (decided from past rounds only, so it cannot depend on the block: lossless), or no row can have more than one
-    token left (`remaining`: each row's most tokens left after this round; nothing could be verified)."""
-    if all(r <= 1 for r in remaining) or not s.policy.draft_this_round(len(rows)):
-        return Proposal(empty_block(s.draft, state.anchor))
+    """The next round's block, drafted before the host knows how this round ended (`candidates.propose`: none where
+    the policy pauses drafting, or no row can have more than one token left; `remaining`: each row's most tokens
+    left after this round)."""
     with s.watch.phase("draft"):
-        B = state.anchor.shape[0]
-        return source.propose(torch.arange(B, device=state.anchor.device), state.anchor, state.count,
-                              _context(s, state, bound), s.out.process)
+        return candidates.propose(rows, state.anchor, state.count, _context(s, state, bound), s.out.process,
+                                  remaining)
 
 
 def _context(s: Decoding, state: DecodingState, bound: int):
@@ -242,31 +244,21 @@ def _read(s: Decoding, proposal: Proposal, read: HostRead) -> dict:
     return values
 
 
-def _plan(s: Decoding, proposal: Proposal, read: dict) -> Plan | None:
-    """The next round's verify lengths for the rows still decoding, by the policy, never past a row's length limit
-    or its block's reach; None when every row is done."""
+def _plan(s: Decoding, candidates: DSparkCandidateGenerator, proposal: Proposal, read: dict) -> Plan | None:
+    """The next round's verify lengths for the rows still decoding (`candidates.plan`: by the policy, never past a
+    row's length limit or its block's reach); None when every row is done."""
     rows = s.out.live_rows()
     if not rows:
         return None
     remaining = s.out.remaining(rows)
-    gamma, B = s.draft.config.block_size, s.out.prompt.shape[0]
-    one_token_left = all(r <= 1 for r in remaining)
-    # a block drafted for a round that can verify nothing goes unused, as does one the policy drops now that it has
-    # seen the round drafted beside it
-    if one_token_left or not proposal.drafted or not keeps_drafted(s.policy, len(rows)):
-        proposal = Proposal(empty_block(s.draft, proposal.block.tokens.new_zeros(B)))
-        lengths = [0] * len(rows)
-    else:
-        confidences = None if read["confidences"] is None else [read["confidences"][b] for b in rows]
-        chosen = plan_lengths(s.policy, confidences, gamma, len(rows))
-        reach = read["reach"] or [gamma] * B
-        lengths = [min(n, left - 1, reach[b]) for n, left, b in zip(chosen, remaining, rows)]
+    B = s.out.prompt.shape[0]
+    proposal, lengths = candidates.plan(proposal, read["confidences"], read["reach"], rows, remaining)
     per_row, live = [0] * B, [False] * B
     for b, n in zip(rows, lengths):
         per_row[b], live[b] = n, True
     device = proposal.block.tokens.device
     return Plan(proposal, to_device(per_row, torch.long, device), to_device(live, torch.bool, device), lengths, rows,
-                one_token_left)
+                all(r <= 1 for r in remaining))
 
 
 def _accept(do_sample: bool, scores, block, x, verify_len) -> tuple[torch.Tensor, torch.Tensor]:

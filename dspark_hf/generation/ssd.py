@@ -86,8 +86,8 @@ class SSDConfig:
                                  f"number of accepted tokens, got {self.fan_out!r}.")
         elif not isinstance(self.fan_out, Sequence) or not all(
                 isinstance(F, numbers.Integral) and not isinstance(F, bool) and F >= 0 for F in self.fan_out):
-            raise WrongTypeError("SSDConfig.fan_out must be geometric, uniform or a list of blocks (ints >= 0) per number "
-                            f"of accepted tokens, got {self.fan_out!r}.")
+            raise WrongTypeError("SSDConfig.fan_out must be geometric, uniform or a list of blocks (ints >= 0) per "
+                                 f"number of accepted tokens, got {self.fan_out!r}.")
         if self.fallback not in FALLBACKS:
             raise ValueError(f"SSDConfig.fallback must be one of {', '.join(FALLBACKS)}, got {self.fallback!r}.")
         if self.cache_size < 0:

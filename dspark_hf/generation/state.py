@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -56,6 +56,7 @@ class DecodingState:
     shared: bool
     window: int | None
     host_ends: list[int] | None = None
+    warmed: set = field(default_factory=set)  # what compiled steps have run on this state (`Steps.warm`)
 
     @classmethod
     def allocate(cls, target, draft: DSparkDraftModel, batch_size: int, slots: int, shared: bool) -> "DecodingState":

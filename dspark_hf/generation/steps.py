@@ -113,6 +113,19 @@ class Steps:
                       *(t for layer in state.cache.layers for t in (layer.keys, layer.values))]:
                 torch._dynamo.mark_static_address(t)
 
+    def warm(self, state: DecodingState, do_sample: bool, process_logits) -> None:
+        """Compiled, the first call on a state: every verification width and the draft's block, once, so that a
+        policy that verifies another number of tokens later compiles nothing then (nor, on CUDA, records a graph in
+        the middle of a decode). The forwards write past each row's end only, where the round's first forward writes
+        over them before any query could read them (a query reads its row's slots up to its own)."""
+        if not self.compiled or ("warm", do_sample) in state.warmed:
+            return
+        B = state.anchor.shape[0]
+        for width in self._widths:
+            self.verify(state, state.anchor.new_zeros(B, width))
+        self.draft_block(state.anchor, state.count, state.context(state.slots), do_sample, process_logits)
+        state.warmed.add(("warm", do_sample))
+
     # -- the forwards ----------------------------------------------------------------------------------------------
     def width(self, queries: int) -> int:
         """The forward width that runs `queries` tokens: itself eagerly, else the bucket it falls in."""

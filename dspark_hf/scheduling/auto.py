@@ -68,8 +68,8 @@ class AutoScheduled(Policy):
       process with the same draft, target, batch size and settings, which goes on where the last one stopped:
       with a weak draft a stream of short requests pays one probe per pause, not one per request. Each call learns in
       its own copy, so calls that run at once (threads) share nothing; the one started last hands on. No decision
-      can change greedy output. Sampled calls start afresh and hand nothing on, because the tokens drawn depend on how many
-      were drafted: a seed gives the same sample on every call.
+      can change greedy output. Sampled calls start afresh and hand nothing on, because the tokens drawn depend on
+      how many were drafted: a seed gives the same sample on every call.
 
     Decisions read the costs and the acceptance seen so far, never a clock: greedy output is plain generate()'s,
     and a seed gives the same sampled output every run with the same cached costs. An instance may serve several

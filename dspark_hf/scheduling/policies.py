@@ -117,16 +117,16 @@ def as_policy(policy) -> VerificationPolicy:
     round."""
     if isinstance(policy, type):  # a class passes the protocol check, but its hooks would miss `self`
         raise WrongTypeError(f"verification_policy={policy.__name__} is a class: pass an instance, e.g. "
-                        f"{policy.__name__}().")
+                             f"{policy.__name__}().")
     if isinstance(policy, VerificationPolicy):
         return policy
     if not callable(policy):
-        raise WrongTypeError(f"verification_policy must be a dspark_hf policy or a callable (confidences, gamma, num_rows) "
-                        f"-> lengths, got {type(policy).__name__}.")
+        raise WrongTypeError(f"verification_policy must be a dspark_hf policy or a callable (confidences, gamma, "
+                             f"num_rows) -> lengths, got {type(policy).__name__}.")
     hooks = [name for name in ("prepare", "draft_this_round", "observe") if name in dir(policy)]
     if hooks:  # a plain callable would silently lose them
         raise WrongTypeError(f"{type(policy).__name__} defines {', '.join(hooks)} but not all of prepare, "
-                        "draft_this_round and observe: subclass dspark_hf.Policy so that generate() calls them.")
+                             "draft_this_round and observe: subclass dspark_hf.Policy so that generate() calls them.")
     return _Callable(policy)
 
 
@@ -166,7 +166,7 @@ def checked_lengths(lengths, gamma: int, num_rows: int, policy) -> list[int]:
             tensor = lengths if isinstance(lengths, torch.Tensor) else torch.tensor(lengths, device="cpu")
         except (TypeError, ValueError, RuntimeError):
             raise WrongTypeError(f"verification policy {name} returned {type(lengths).__name__}; it must return a "
-                            f"({num_rows},) tensor or list of whole numbers of tokens to verify.") from None
+                                 f"({num_rows},) tensor or list of whole numbers of tokens to verify.") from None
         if tensor.dtype == torch.bool or tensor.is_complex():
             raise ValueError(f"verification policy {name} returned {tensor.tolist()}: lengths are whole numbers of "
                              "tokens.")

@@ -45,7 +45,7 @@ def _sps_fn(sps: SPS) -> Callable[[int], float]:
         return sps_curve(sps)
     if isinstance(sps, (str, bytes)) or not (hasattr(sps, "__getitem__") and hasattr(sps, "__len__")):
         raise WrongTypeError(f"sps must be a list indexed by B, a {{B: sps}} dict or a callable B -> sps, got "
-                        f"{type(sps).__name__}.")
+                             f"{type(sps).__name__}.")
     table = list(sps)
 
     def lookup(b: int) -> float:

@@ -63,8 +63,8 @@ def trainer_state(optimizer, step: int, clock, generator: torch.Generator, batch
     """What a checkpoint keeps beside the weights: the optimizer, the step, the run clock's state, the anchor
     generator's (a resumed epoch draws the anchors it would have drawn), the batch size (which auto_find_batch_size may
     have chosen: a resumed run keeps it) and the processes the run steps on (a resume needs as many)."""
-    return {"optimizer": optimizer.state_dict(), "step": step, "clock": clock.state(), "generator": generator.get_state(),
-            "batch_size": batch_size, "processes": processes}
+    return {"optimizer": optimizer.state_dict(), "step": step, "clock": clock.state(),
+            "generator": generator.get_state(), "batch_size": batch_size, "processes": processes}
 
 
 def save_checkpoint(model, weights: dict, state: dict, out_dir: Path) -> None:
