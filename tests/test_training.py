@@ -396,6 +396,17 @@ def test_cached_features_equal_online_features(tmp_path):
         CachedFeatures(tmp_path / "cache", target, [0], examples, progress=False)
 
 
+def test_each_process_computes_a_fixed_share_of_the_feature_cache_whatever_the_others_wrote_already(tmp_path):
+    """Process 1 of 2 starts after process 0 has written part of its share: its own share is still the same examples
+    (cut before looking at what exists), so that none falls in nobody's share (a race two-process runs once lost)."""
+    target = tiny_target("qwen3")
+    examples = load_dataset(tiny_dataset(tmp_path, target))[:6]
+    first = CachedFeatures(tmp_path / "cache", target, [1, 2], examples[0:1] + examples[2:3], progress=False)
+    second = CachedFeatures(tmp_path / "cache", target, [1, 2], examples, progress=False, shard=(1, 2))
+    assert all(second._path(e).exists() for e in examples[1::2])  # its share: 1, 3, 5
+    assert not second._path(examples[4]).exists() and first._path(examples[2]).exists()  # 4 is process 0's
+
+
 def test_a_feature_cache_for_layers_the_target_lacks_is_refused_before_anything_is_written(tmp_path):
     target = tiny_target("llama")  # 4 layers: features come from layers 0 to 2
     examples = load_dataset(tiny_dataset(tmp_path, target, n=2))

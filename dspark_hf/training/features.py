@@ -132,8 +132,10 @@ class CachedFeatures:
                                   for i in target_layer_ids])
         online = OnlineFeatures(target, cached)
         # each of several processes computes its share (`shard`: its index, how many), and reads all once every
-        # process has written its own (the caller waits for them)
-        missing = [e for e in examples if not self._path(e).exists()][shard[0]::shard[1]]
+        # process has written its own (the caller waits for them). The shares are cut from the examples before
+        # looking at what exists: cut from what is missing, they would change as another process writes, and an
+        # example could fall in nobody's share
+        missing = [e for e in examples[shard[0]::shard[1]] if not self._path(e).exists()]
         for i in tqdm(range(0, len(missing), 8), desc="caching target features", disable=not progress):
             chunk = missing[i: i + 8]
             features, last = online(chunk)
