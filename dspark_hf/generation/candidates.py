@@ -45,16 +45,14 @@ class DSparkCandidateGenerator(CandidateGenerator):
         them. anchor, anchor_positions (B,): each row's last token and its position; context: the draft's view of
         the rows' committed tokens; remaining: each row's most tokens left (default: no limit)."""
         B = anchor.shape[0]
-        rows = list(range(B))
-        proposal = self.propose(rows, anchor, anchor_positions, context, process_logits,
-                                remaining or [self.draft.config.block_size + 1] * B)
+        rows, remaining = list(range(B)), remaining or [self.draft.config.block_size + 1] * B
+        proposal = self.propose(rows, anchor, anchor_positions, context, process_logits, remaining)
         block = proposal.block
         if proposal.drafted and block.finite is not None:  # drawn unchecked: checked here, as the loop's read does
             raise_if_not_finite(block.finite.tolist())
         confidences = block.confidences.tolist() if proposal.drafted and block.confidences is not None else None
         reach = proposal.reach.tolist() if proposal.reach is not None else None
-        proposal, self.verify_lengths = self.plan(proposal, confidences, reach, rows,
-                                                  remaining or [self.draft.config.block_size + 1] * B)
+        proposal, self.verify_lengths = self.plan(proposal, confidences, reach, rows, remaining)
         L = max(self.verify_lengths, default=0)
         block = proposal.block
         candidates = block.tokens[:, :L]
