@@ -1,5 +1,7 @@
 """Greedy DSpark decoding returns exactly what plain `generate()` returns, whatever the batch looks like."""
 
+import copy
+import dataclasses
 import logging
 import string
 import threading
@@ -247,6 +249,24 @@ def test_round_records_add_up():
         assert rebuilt == out.sequences[row, ids.shape[1] + 1:].tolist()
     assert set(out.timings) == {"prefill", "draft", "target", "total"}
     assert out.timings["total"] >= out.timings["prefill"] + out.timings["draft"] + out.timings["target"]
+
+
+def test_the_output_dict_has_plain_generate_s_fields_and_refuses_the_cache_saying_why():
+    target = tiny_target("llama")
+    ids, mask = left_padded_prompts(2)
+    want = target.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=6, pad_token_id=PAD,
+                           return_dict_in_generate=True)
+    out = dspark(target, tiny_draft(target), ids, mask, max_new_tokens=6)
+    assert isinstance(out, type(want)) and torch.equal(out.sequences, want.sequences)
+    assert [k for k in want.keys() if k not in ("cache", "past_key_values")] == ["sequences"]  # plain's, but the cache
+    # plain's cache cannot hold DSpark's rows (each at its own offset): reading it says so instead of giving None
+    for name in {"past_key_values", *(f.name for f in dataclasses.fields(want))} - {"sequences", "scores", "logits",
+                                                                               "attentions", "hidden_states"}:
+        with pytest.raises(AttributeError, match="no cache.*call generate\\(\\) again on out.sequences"):
+            getattr(out, name)
+        assert getattr(out, name, None) is None and name not in out  # absent, as any unset field of a ModelOutput
+    assert list(out.keys()) == ["sequences", "rounds", "timings"]
+    assert "rounds=" in repr(out) and out == out and list(copy.deepcopy(out).keys()) == list(out.keys())
 
 
 def test_verification_length_is_an_input_of_the_round():
@@ -751,7 +771,8 @@ def test_the_custom_generate_route_is_checked_as_the_assistant_model_route():
     route = dict(input_ids=ids, attention_mask=mask, max_new_tokens=4, custom_generate=dspark_generate)
     with pytest.raises(ValueError, match="Pass either assistant_model=<DSpark draft> or custom_generate, not both"):
         target.generate(**route, draft_model=draft, assistant_model=draft, streamer=BaseStreamer())
-    for name in ("past_key_values", "cache"):  # the name of transformers <= 5.23, and of 5.24 on
+    for name in {"past_key_values", *(f.name for f in dataclasses.fields(want))} - {"sequences", "scores", "logits",
+                                                                               "attentions", "hidden_states"}:  # the name of transformers <= 5.23, and of 5.24 on
         with pytest.raises(ValueError, match=f"{name} is not supported"):
             target.generate(**route, draft_model=draft, **{name: DynamicCache()})
 

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import OrderedDict
+from dataclasses import dataclass, fields
 
 from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+from ..errors import UnsupportedError
 
 
 @dataclass
@@ -65,8 +68,54 @@ class DSparkGenerateOutput(GenerateDecoderOnlyOutput):
             overlap=False) and "wait" (how long a finished verification then waited for the speculator).
         ssd_stats: with `ssd=`, counts over the decode: "rounds" and "hits" (row-rounds that had a cache, and
             found their block in it), "fallbacks" by kind, and tokens committed after hits and misses.
+
+    The target's cache, which plain `generate()` returns in this dict, is absent: reading `out.cache` (or
+    `out.past_key_values`) raises an AttributeError that says why; `scores`, `logits`, `attentions` and
+    `hidden_states` are refused when asked for (`output_scores=True`, ...), as they are not computed per token.
     """
 
     rounds: list[list[DSparkRound]] | None = None
     timings: dict[str, float] | None = None
     ssd_stats: dict | None = None
+
+    def __repr__(self) -> str:  # the dataclass's own would read the cache field, which refuses to be read
+        shown = ", ".join(f"{k}={v!r}" for k, v in self.items())
+        return f"{type(self).__name__}({shown})"
+
+    def __eq__(self, other) -> bool:  # as the dataclass's, over the fields that are set
+        return type(other) is type(self) and list(self.items()) == list(other.items())
+
+    def __reduce__(self):  # for copy and pickle, as ModelOutput's, without reading the cache field
+        rebuild, _, *rest = OrderedDict.__reduce__(self)
+        return rebuild, tuple(self.__dict__.get(f.name) for f in fields(self)), *rest
+
+
+# The field plain generate() returns its cache in ("cache" since transformers 5.24, "past_key_values" before).
+_CACHE_FIELD = "cache" if "cache" in {f.name for f in fields(GenerateDecoderOnlyOutput)} else "past_key_values"
+
+
+class _NoCache:
+    """Plain generate() returns the target's cache; DSpark's output refuses the field when it is read, saying why,
+    rather than holding a None that looks like an empty cache. `getattr(out, "cache", None)` (and transformers'
+    own probing) still gets None, and the field stays out of `out.keys()`, as any unset field of a ModelOutput."""
+
+    def __get__(self, output, owner=None):
+        if output is None:
+            return None  # the dataclass default
+        raise _NoCacheError(
+            "DSpark's generate() output has no cache: the target's cache it decodes with keeps each row at its own "
+            "offset (and compiled, is reused by later calls), which plain generate()'s cache layout cannot express, "
+            "and generate() with a DSpark draft takes no cache back. To go on from an output, call generate() again "
+            "on out.sequences.")
+
+    def __set__(self, output, value) -> None:
+        if value is not None:
+            raise ValueError("DSparkGenerateOutput holds no cache; leave the field unset.")
+        output.__dict__[_CACHE_FIELD] = None
+
+
+class _NoCacheError(UnsupportedError, AttributeError):
+    """An AttributeError, so that getattr(out, name, None) and hasattr() treat the cache as absent."""
+
+
+setattr(DSparkGenerateOutput, _CACHE_FIELD, _NoCache())
