@@ -85,6 +85,13 @@ BASE_MODEL=HuggingFaceTB/SmolLM2-135M-Instruct
 # the warm start: the shipped draft keeps its shape (3 layers, target layers 1/14/27, rank-128 Markov head, 8,192
 # draft tokens, block 7); 48 anchors of 64 sequences as in the first run, lr 1e-3 as recipe v5's warm start
 RECIPE=${CAMPAIGN_RECIPE:-"--anchors 48 --batch-size 64 --auto-find-batch-size --lr 1e-3 --save-every 1000"}
+# a draft made without per-head q/k norms (the first shipped one) gets them before training, so that the draft this
+# run lands is one vLLM, SGLang and llama.cpp serve (issue "Train here, serve anywhere"; the CPU A/B that chose the
+# warm start over a fresh draft: experiments/engine-shape-warm-start)
+QK_NORM=()
+if [ -f "$INIT_DRAFT/config.json" ] && python3 -c "import json, sys; sys.exit(json.load(open(sys.argv[1])).get('qk_norm', False))" "$INIT_DRAFT/config.json"; then
+  QK_NORM=(--add-qk-norm)
+fi
 # the ablation (only when asked): the first run's fresh recipe without the Markov head; its figure from that run
 # stays in docs/training.md
 ABLATION_RECIPE=${CAMPAIGN_ABLATION_RECIPE:-"--layers 3 --target-layer-ids 1 14 27 --copy-target-layers
@@ -328,7 +335,8 @@ PY
   # shellcheck disable=SC2086  # the recipe is a list of flags
   step train "$(deadline "$end")" "${DSPARK[@]}" train --target "$toy" --target-dtype "$DTYPE" \
     --dataset "$S/generate.jsonl" \
-    --heldout-fraction 0.25 --output-dir "$S/draft" --init-from "$INIT_DRAFT" $RECIPE --gpu-memory-fraction 0.45 \
+    --heldout-fraction 0.25 --output-dir "$S/draft" --init-from "$INIT_DRAFT" ${QK_NORM[@]+"${QK_NORM[@]}"} $RECIPE \
+    --gpu-memory-fraction 0.45 \
     --time-budget 0.2 --stop-after 0.5 ${flags[@]+"${flags[@]}"} || stop $?
   step calibrate "$(deadline "$end")" "${DSPARK[@]}" calibrate --target "$toy" --draft "$S/draft" \
     --dataset "$S/generate.jsonl" \
@@ -418,7 +426,7 @@ train_arms() {  # DSpark from the draft in the tree; the ablation beside it only
   [ "$ABLATION" = 1 ] && share=(--gpu-memory-fraction 0.45)
   # shellcheck disable=SC2086  # the recipes are lists of flags
   dspark train --target "$STATE/target" --target-dtype "$DTYPE" --dataset "$STATE/train.jsonl" \
-    --heldout-fraction "$HELDOUT" --output-dir "$STATE/dspark" --init-from "$INIT_DRAFT" $RECIPE \
+    --heldout-fraction "$HELDOUT" --output-dir "$STATE/dspark" --init-from "$INIT_DRAFT" ${QK_NORM[@]+"${QK_NORM[@]}"} $RECIPE \
     ${share[@]+"${share[@]}"} --time-budget "$budget" --stop-after "$stop" > "$STATE/logs/run-train-dspark.log" 2>&1 &
   pids+=($!)
   if [ "$ABLATION" = 1 ]; then

@@ -314,6 +314,26 @@ def test_a_block_size_edited_in_a_calibrated_draft_s_config_is_refused_naming_bl
         DSparkDraftModel.from_pretrained(tmp_path / "draft")
 
 
+def test_a_draft_loaded_with_another_block_size_than_it_was_trained_with_warns(tmp_path):
+    import json
+    import warnings
+
+    from dspark_hf.model.binding import BlockSizeWarning
+
+    draft = tiny_draft(tiny_target("llama"))
+    draft.config.trained_block_size = trained = draft.config.block_size
+    draft.save_pretrained(tmp_path / "draft")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", BlockSizeWarning)
+        DSparkDraftModel.from_pretrained(tmp_path / "draft")  # as trained: not a word
+    config = json.loads((tmp_path / "draft" / "config.json").read_text())
+    (tmp_path / "draft" / "config.json").write_text(json.dumps({**config, "block_size": 100,
+                                                                "confidence_temperatures": [1.0] * 100}))
+    with pytest.warns(BlockSizeWarning, match=f"trained with block_size {trained} but its config says 100.*positions "
+                                              f"past {trained} were never trained. Set block_size back to {trained}"):
+        DSparkDraftModel.from_pretrained(tmp_path / "draft")
+
+
 def test_a_folder_of_another_model_or_a_misspelled_field_is_refused(tmp_path):
     target = tiny_target("llama")
     target.save_pretrained(tmp_path)

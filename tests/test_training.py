@@ -703,10 +703,38 @@ def test_dspark_train_flags_shape_a_fresh_draft_and_are_refused_when_fine_tuning
     config = json.loads((tmp_path / "fresh" / "config.json").read_text())
     assert (config["num_hidden_layers"], config["draft_vocab_size"]) == (1, 16)
     assert (config["head_type"], config["markov_rank"], config["block_size"]) == ("markov", 128, 7)  # defaults
+    assert config["trained_block_size"] == 7  # what a later load compares its block_size with
 
     assert main(run + ["--output-dir", str(tmp_path / "tuned"), "--init-from", str(tmp_path / "fresh")]) == 0
     assert "num_hidden_layers" in cli_error(capsys, run + ["--output-dir", str(tmp_path / "bad"), "--init-from",
                                                         str(tmp_path / "fresh"), "--layers", "2"])
+
+
+def test_add_qk_norm_gives_a_saved_draft_the_engines_layer_shape_and_keeps_every_other_weight(tmp_path, monkeypatch,
+                                                                                             capsys):
+    from dspark_hf.cli import main
+
+    monkeypatch.setattr("transformers.AutoTokenizer.from_pretrained", lambda *a, **k: None)  # tiny target: none
+    target = tiny_target("llama")
+    target.save_pretrained(tmp_path / "target")
+    DSparkDraftModel.from_target(target, qk_norm=False).save_pretrained(tmp_path / "unnormed")  # as drafts were made
+    data = tiny_dataset(tmp_path, target, n=8)
+    run = ["train", "--target", str(tmp_path / "target"), "--dataset", str(data), "--max-steps", "1", "--lr", "1e-12",
+           "--batch-size", "8", "--heldout-fraction", "0", "--anchors", "2", "--init-from", str(tmp_path / "unnormed")]
+    assert main(run + ["--output-dir", str(tmp_path / "normed"), "--add-qk-norm"]) == 0
+    before = DSparkDraftModel.from_pretrained(tmp_path / "unnormed").state_dict()
+    after = DSparkDraftModel.from_pretrained(tmp_path / "normed")
+    assert after.config.qk_norm
+    added = {k: v for k, v in after.state_dict().items() if k not in before}
+    assert sorted(added) == sorted(f"layers.{i}.self_attn.{n}_norm.weight" for i in range(len(after.layers))
+                                   for n in "qk")
+    # one step of 1e-12 leaves every weight where the run started it
+    assert all(torch.allclose(v, torch.ones_like(v), rtol=0, atol=1e-9) for v in added.values())  # at one
+    assert all(torch.allclose(after.state_dict()[k], v, rtol=0, atol=1e-9) for k, v in before.items())  # carried
+    # a fresh draft has them, and a draft that has them needs none added
+    assert "--init-from" in cli_error(capsys, run[:-2] + ["--output-dir", str(tmp_path / "x"), "--add-qk-norm"])
+    assert "already" in cli_error(capsys, run[:-1] + [str(tmp_path / "normed"), "--output-dir", str(tmp_path / "y"),
+                                                      "--add-qk-norm"])
 
 
 def test_fine_tuning_a_bf16_checkpoint_trains_fp32_weights(tmp_path):

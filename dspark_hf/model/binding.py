@@ -59,6 +59,10 @@ def _unbound() -> None:
     return None
 
 
+class BlockSizeWarning(UserWarning):
+    """A draft loaded with a block_size other than the one it was trained with (`DSparkConfig.trained_block_size`)."""
+
+
 class OtherTargetWarning(UserWarning):
     """A draft bound to a target of its shape whose embedding and LM head are not the ones it was built for."""
 

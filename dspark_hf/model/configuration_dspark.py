@@ -38,6 +38,12 @@ class DSparkConfig(PreTrainedConfig):
         metadata={"help": "Inputs per drafted block, anchor included (anchor + block_size - 1 mask tokens). "
                   "The draft proposes block_size tokens per round; up to block_size + 1 are committed."},
     )
+    trained_block_size: int | None = field(
+        default=None,
+        metadata={"help": "The block_size the draft's weights were trained with (written by `dspark train` and the "
+                  "converters; None: never trained). A draft loaded with another block_size warns: its block "
+                  "positions were learned for blocks of this size."},
+    )
     anchor_predicts: bool = field(
         default=True,
         metadata={"help": "True (DSpark): the anchor row's output predicts the first draft token. False (DFlash "
@@ -145,6 +151,16 @@ class DSparkConfig(PreTrainedConfig):
     def vocab_size(self, value):
         raise ValueError(f"A DSpark draft has no vocabulary of its own (vocab_size={value}): it proposes its target's "
                          "tokens (target_vocab_size), or a subset of them (draft_vocab_size).")
+
+    def block_size_note(self) -> str | None:
+        """Why a block_size other than the trained one costs acceptance, or None when they agree (or it is unknown)."""
+        trained, size = self.trained_block_size, self.block_size
+        if trained is None or trained == size:
+            return None
+        return (f"This DSpark draft was trained with block_size {trained} but its config says {size}: its block "
+                f"positions were learned for blocks of {trained}, so its drafts will be accepted less (output stays "
+                f"lossless){', and positions past ' + str(trained) + ' were never trained' if size > trained else ''}."
+                f" Set block_size back to {trained}, or train it at {size} (`dspark train --block-size {size}`).")
 
     def _check_sizes(self):
         named = _SIZES + tuple(name for name in ("head_dim", "draft_vocab_size", "markov_rank")

@@ -320,7 +320,7 @@ def convert_checkpoint(src: str | Path, dst: str | Path, source: str,
         fields.update(target_model_type=t.model_type,
                       target_name_or_path=getattr(target.config, "_name_or_path", None) or None)
     # only DFlash configs set a soft cap: DeepSpec and SpecForge take draft logits straight from the LM head
-    config = DSparkConfig(**fields)
+    config = DSparkConfig(**fields, trained_block_size=fields["block_size"])  # a published draft is a trained one
     tensors = _one_dtype(drop_target_copies(load_safetensors(src), target))
     with torch.device("meta"):  # no random init: every parameter is assigned from the checkpoint
         draft = DSparkDraftModel(config)

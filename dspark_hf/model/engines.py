@@ -64,7 +64,8 @@ def engine_gaps(draft: DSparkDraftModel, target: PreTrainedModel | None = None) 
     embedding = type(target.get_input_embeddings()) if target is not None else torch.nn.Embedding
     gaps = [
         ("its layers do not norm queries and keys per head (qk_norm=False), which every engine's draft layers do: "
-         "train a new draft (dspark train and DSparkDraftModel.from_target make them with q/k norms)",
+         "fine-tune it with them added (dspark train --init-from DRAFT --add-qk-norm), or train a new draft "
+         "(dspark train and DSparkDraftModel.from_target make them with q/k norms)",
          ENGINES, not c.qk_norm),
         ("it is a DFlash-style draft (anchor_predicts=False), not a DSpark one", ENGINES, not c.anchor_predicts),
         ("its logits are soft-capped (final_logit_softcapping), which no engine's DSpark draft does", ENGINES,

@@ -21,6 +21,7 @@ is not installed.
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass
 from dataclasses import fields as dataclass_fields
 from pathlib import Path
@@ -34,7 +35,7 @@ from transformers import PreTrainedModel
 from transformers.activations import ACT2FN
 from transformers.utils import ModelOutput
 
-from .binding import TargetBinding, check_target, fields_from_target, refuse_card_data, sharing
+from .binding import BlockSizeWarning, TargetBinding, check_target, fields_from_target, refuse_card_data, sharing
 from .configuration_dspark import DSparkConfig
 
 
@@ -207,6 +208,8 @@ class DSparkDraftModel(DSparkPreTrainedModel):
         if config.target_layer_ids is None or config.target_vocab_size is None:
             raise ValueError("DSparkConfig needs target_layer_ids and target_vocab_size: build the draft with "
                              "DSparkDraftModel.from_target(target) or load a saved one with from_pretrained.")
+        if config.block_size_note():
+            warnings.warn(BlockSizeWarning(config.block_size_note()), stacklevel=3)
         self.binding: TargetBinding | None = None  # set by bind_target
         d, r = config.hidden_size, config.markov_rank
         feature_size = len(config.target_layer_ids) * (config.target_hidden_size or d)

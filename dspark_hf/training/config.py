@@ -95,6 +95,9 @@ class TrainConfig:
                                                                     "one (fine-tuning; a LoRA adapter folder is "
                                                                     "merged into its base first); the base draft "
                                                                     "with lora (a whole draft, not an adapter)."})
+    add_qk_norm: bool = field(default=False, metadata={"help": "With init_from: add per-head q/k norms (weights at "
+                              "one) to a draft made without them, the layer shape vLLM, SGLang and llama.cpp serve; "
+                              "every other weight carries over, and training adapts them to the norms."})
     lora: bool = field(default=False, metadata={"help": "Adapt init_from (default: the shipped draft, for the "
                        "default target) with LoRA: its weights stay frozen and the run saves a peft adapter."})
     lora_rank: int = field(default=16, metadata={"help": "LoRA rank r."})
@@ -142,6 +145,9 @@ class TrainConfig:
             raise ValueError(f"target_dtype={self.target_dtype!r}: choose 'auto', 'float32' or 'bfloat16'.")
         if self.copy_target_layers and (self.lora or self.init_from):
             raise ValueError("copy_target_layers initialises a fresh draft: drop it, or drop init_from / lora.")
+        if self.add_qk_norm and (self.lora or not self.init_from):
+            raise ValueError("add_qk_norm (--add-qk-norm) adds q/k norms to the draft init_from names: pass "
+                             "--init-from DIR without --lora (a fresh draft has them already).")
         if self.draft and (self.lora or self.init_from):
             raise ValueError(f"The draft shape {self.draft} (--layers, --head-type, ...) applies to a fresh draft; "
                              "fine-tuning (init_from / lora) keeps the saved draft's shape. Drop those settings, or "

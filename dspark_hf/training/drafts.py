@@ -86,6 +86,21 @@ def copy_target_layers(draft: DSparkDraftModel, target) -> DSparkDraftModel:
     return draft
 
 
+@torch.no_grad()
+def with_qk_norms(draft: DSparkDraftModel, target) -> DSparkDraftModel:
+    """`draft` with per-head q/k RMS norms added to its layers (weights at one), bound to `target`: the layer shape
+    the engines serve, every other weight carried over. The norms rescale queries and keys, so the draft drafts
+    differently until trained with them. Raises ValueError for a draft that has them."""
+    if draft.config.qk_norm:
+        raise ValueError("This draft's layers norm queries and keys already (qk_norm=True): drop --add-qk-norm.")
+    config = DSparkConfig.from_dict({**draft.config.to_dict(), "qk_norm": True})
+    normed = DSparkDraftModel(config).to(device=draft.device, dtype=draft.dtype)
+    missing, unexpected = normed.load_state_dict(draft.state_dict(), strict=False)
+    if unexpected or not all(k.endswith(_QK_NORMS) for k in missing):  # a model change, not a user's mistake
+        raise RuntimeError(f"with_qk_norms: unexpected {unexpected}, missing {missing}")
+    return normed.bind_target(target)
+
+
 def add_lora(draft: DSparkDraftModel, config: TrainConfig, base_name_or_path: str | None = None):
     """Freeze `draft` and wrap it in a peft ``PeftModel`` with trainable LoRA adapters on
     ``config.lora_target_modules``; the heads ``config.lora_heads`` names are trained in full and saved with the
@@ -155,5 +170,6 @@ def initial_draft(config: TrainConfig, target, resume: Path | None, default_targ
 
         # as --draft reads it: a LoRA adapter folder is merged into its base (which peft leaves frozen), and
         # fine-tuning trains all of the result
-        return load_draft(config.init_from, target, torch.float32).requires_grad_(True)
+        draft = load_draft(config.init_from, target, torch.float32)
+        return (with_qk_norms(draft, target) if config.add_qk_norm else draft).requires_grad_(True)
     return make_draft(target, config, train_set)
