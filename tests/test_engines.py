@@ -1,8 +1,11 @@
 """Drafts exported for serving engines, checked with the engines' own code where it runs on a CPU.
 
 speculators (0.9.0) is installed by .ci/run with --no-deps (it pins transformers <= 5.19): its modules load our
-speculators-layout export and compute the draft's logits and confidences, which must equal ours. Without it the
-check is skipped, except where DSPARK_TEST_ENGINES=1 (CI) makes a missing engine a failure.
+speculators-layout export and compute the draft's logits and confidences, which must equal ours. vLLM's (0.33.0)
+speculators reader runs from its wheel's Python files (DSPARK_VLLM), llama.cpp's converter and GGUF reader from the
+llama-cpp-python 0.3.36 sources (DSPARK_LLAMA_CPP); SGLang's loader imports only with its GPU kernels, so the names it
+reads are checked against its published source. Without an engine its check is skipped, except where
+DSPARK_TEST_ENGINES=1 (CI) makes a missing engine a failure.
 """
 
 import importlib.util
@@ -107,6 +110,84 @@ def test_the_speculators_export_names_its_layers_and_vocabulary_as_vllm_reads_th
     assert torch.equal(torch.arange(56) + tensors["d2t"], draft.draft_vocab)
     assert "embed_tokens.weight" not in tensors
     assert serving_engines(draft, saved_target, "speculators") == ("vLLM", "llama.cpp")
+
+
+def vllm_files() -> Path:
+    """The Python files of the vllm 0.33.0 wheel (.ci/run unpacks them and names the folder in DSPARK_VLLM)."""
+    folder = Path(os.environ.get("DSPARK_VLLM", "/nonexistent"))
+    if not (folder / "vllm" / "transformers_utils" / "configs" / "speculators" / "algos.py").is_file():
+        if os.environ.get("DSPARK_TEST_ENGINES") == "1":
+            pytest.fail(f"DSPARK_VLLM={folder} holds no vllm/transformers_utils: .ci/run unpacks the vllm wheel there")
+        pytest.skip("set DSPARK_VLLM to the unpacked Python files of the vllm 0.33.0 wheel")
+    return folder
+
+
+@pytest.mark.parametrize("vocab", ["full", "reduced"])
+def test_vllm_s_own_speculators_reader_builds_the_draft_we_exported(saved_target, tmp_path, vocab):
+    """vLLM 0.33.0's SpeculatorsConfig (the code vLLM loads a speculators checkpoint with) run on our export: the
+    draft config it builds has our geometry, feature layers, anchor rule, Markov head and confidence head, and Qwen3
+    layers (vLLM's Qwen3DSparkModel norms q and k per head, as ours)."""
+    draft = tiny_draft(saved_target, **({"draft_vocab": torch.arange(5, 61)} if vocab == "reduced" else {}))
+    export_speculators(draft, saved_target, tmp_path / "export")
+    run = subprocess.run([sys.executable, str(CHECK.parent / "vllm_check.py"), str(tmp_path / "export"),
+                          str(tmp_path / "vllm.json")], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join([str(vllm_files()), *sys.path])})
+    assert run.returncode == 0, run.stderr[-3000:]
+    theirs = json.loads((tmp_path / "vllm.json").read_text())
+    c = draft.config
+    assert theirs["speculative"] == {"method": "dspark", "num_speculative_tokens": c.block_size}
+    assert theirs["layers_model_type"] == "qwen3"
+    assert theirs["draft"] == {
+        "architectures": ["Qwen3DSparkModel"], "model_type": "speculators",
+        "target_layer_ids": c.target_layer_ids, "eagle_aux_hidden_state_layer_ids": [i + 1 for i in c.target_layer_ids],
+        "sample_from_anchor": True, "dspark_bonus_anchor": False,  # the anchor row predicts, as ours
+        "draft_vocab_size": c.draft_vocab_size or c.target_vocab_size, "vocab_size": c.target_vocab_size,
+        "target_hidden_size": c.target_hidden_size, "mask_token_id": c.mask_token_id,
+        "markov_rank": c.markov_rank, "markov_head_type": "vanilla", "block_size": c.block_size,
+        "enable_confidence_head": True, "confidence_head_with_markov": True,
+        "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
+        "num_hidden_layers": c.num_hidden_layers, "num_attention_heads": c.num_attention_heads,
+        "num_key_value_heads": c.num_key_value_heads, "head_dim": c.head_dim,
+        "rms_norm_eps": pytest.approx(c.rms_norm_eps)}
+
+
+# The checkpoint names each engine's DSpark loader maps onto its model (read from the published sources; neither
+# model class imports here: vLLM's needs its serving stack, SGLang's its GPU kernels, triton and tvm_ffi):
+# - vLLM 0.33.0, model_executor/models/qwen3_dspark.py load_weights (l. 312-372) with qwen3_dflash.py's mapper
+#   (l. 390-409): names without a "model." prefix; q/k/v and gate/up stacked; t2d skipped, d2t kept as
+#   draft_id_to_target_id; embed_tokens and lm_head optional (shared from the target, lm_head required with a reduced
+#   vocabulary); confidence_head.proj optional. Missing q/k norms are not reported: they stay at one.
+# - SGLang 0.5.23, srt/models/dspark.py DSparkDraftMixin.load_weights (l. 627-696) and srt/models/dflash.py
+#   DFlashDraftModel.load_weights (l. 886-1000): lm_head., rotary_emb. and embed_tokens. skipped; markov_head.* and
+#   confidence_head.* checked by name (unknown ones raise); other unknown names silently ignored; no reduced
+#   vocabulary; missing q/k norms stay at one.
+_LAYER = ("input_layernorm", "post_attention_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+          "self_attn.o_proj", "self_attn.q_norm", "self_attn.k_norm", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+_HEADS = {"fc.weight", "hidden_norm.weight", "norm.weight", "markov_head.markov_w1.weight",
+          "markov_head.markov_w2.weight", "confidence_head.proj.weight", "confidence_head.proj.bias"}
+
+
+@pytest.mark.parametrize("fmt", ["deepspec", "speculators"])
+def test_each_export_holds_exactly_the_tensors_the_engines_loaders_take(saved_target, tmp_path, fmt):
+    from safetensors.torch import load_file
+
+    draft = tiny_draft(saved_target, **({"draft_vocab": torch.arange(5, 61)} if fmt == "speculators" else {}))
+    (export_deepspec if fmt == "deepspec" else export_speculators)(draft, saved_target, tmp_path / "export")
+    names = set(load_file(tmp_path / "export" / "model.safetensors"))
+    layers = {f"layers.{i}.{m}.weight" for i in range(draft.config.num_hidden_layers) for m in _LAYER}
+    # DeepSpec's layout stores the target's embedding and head (both engines skip or share them); speculators' a
+    # reduced vocabulary's own head rows and its maps
+    extra = {"embed_tokens.weight", "lm_head.weight"} if fmt == "deepspec" else {"lm_head.weight", "d2t", "t2d"}
+    assert names == layers | _HEADS | extra
+    config = json.loads((tmp_path / "export" / "config.json").read_text())
+    if fmt == "deepspec":  # SGLang 0.5.23 reads these at the top level (speculative/dflash_utils.py
+        # parse_dflash_draft_config, l. 588-817; speculative/dspark_components/dspark_config.py, l. 206-322;
+        # models/dspark.py build_markov_head, l. 385-405): block_size and target_layer_ids nowhere else
+        c = draft.config
+        assert {k: config[k] for k in ("block_size", "target_layer_ids", "mask_token_id", "markov_rank",
+                                       "markov_head_type", "sample_from_anchor")} == {
+            "block_size": c.block_size, "target_layer_ids": c.target_layer_ids, "mask_token_id": c.mask_token_id,
+            "markov_rank": c.markov_rank, "markov_head_type": "vanilla", "sample_from_anchor": True}
 
 
 def test_what_each_layout_cannot_carry_is_refused_naming_the_engines(saved_target, tmp_path):
