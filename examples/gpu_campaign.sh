@@ -89,7 +89,9 @@ RECIPE=${CAMPAIGN_RECIPE:-"--anchors 48 --batch-size 64 --auto-find-batch-size -
 # run lands is one vLLM, SGLang and llama.cpp serve (issue "Train here, serve anywhere"; the CPU A/B that chose the
 # warm start over a fresh draft: experiments/engine-shape-warm-start)
 QK_NORM=()
-if [ -f "$INIT_DRAFT/config.json" ] && python3 -c "import json, sys; sys.exit(json.load(open(sys.argv[1])).get('qk_norm', False))" "$INIT_DRAFT/config.json"; then
+if [ -f "$INIT_DRAFT/config.json" ] \
+    && python3 -c "import json, sys; sys.exit(json.load(open(sys.argv[1])).get('qk_norm', False))" "$INIT_DRAFT/config.json"
+then
   QK_NORM=(--add-qk-norm)
 fi
 # the ablation (only when asked): the first run's fresh recipe without the Markov head; its figure from that run

@@ -112,14 +112,20 @@ def test_the_speculators_export_names_its_layers_and_vocabulary_as_vllm_reads_th
     assert serving_engines(draft, saved_target, "speculators") == ("vLLM", "llama.cpp")
 
 
-def vllm_files() -> Path:
-    """The Python files of the vllm 0.33.0 wheel (.ci/run unpacks them and names the folder in DSPARK_VLLM)."""
-    folder = Path(os.environ.get("DSPARK_VLLM", "/nonexistent"))
-    if not (folder / "vllm" / "transformers_utils" / "configs" / "speculators" / "algos.py").is_file():
+def engine_folder(variable: str, marker: str, what: str) -> Path:
+    """The folder `variable` names, holding `marker` (.ci/run unpacks `what` there); skipped without it, unless CI
+    asks for every engine check (DSPARK_TEST_ENGINES=1)."""
+    folder = Path(os.environ.get(variable, "/nonexistent"))
+    if not (folder / marker).is_file():
         if os.environ.get("DSPARK_TEST_ENGINES") == "1":
-            pytest.fail(f"DSPARK_VLLM={folder} holds no vllm/transformers_utils: .ci/run unpacks the vllm wheel there")
-        pytest.skip("set DSPARK_VLLM to the unpacked Python files of the vllm 0.33.0 wheel")
+            pytest.fail(f"{variable}={folder} holds no {marker}: .ci/run unpacks {what} there")
+        pytest.skip(f"set {variable} to {what}")
     return folder
+
+
+def vllm_files() -> Path:
+    return engine_folder("DSPARK_VLLM", "vllm/transformers_utils/configs/speculators/algos.py",
+                         "the Python files of the vllm 0.33.0 wheel")
 
 
 @pytest.mark.parametrize("vocab", ["full", "reduced"])
@@ -242,15 +248,9 @@ def test_dspark_export_says_which_engines_serve_it_and_what_they_drop(saved_targ
 
 
 def llama_cpp() -> Path:
-    """llama.cpp's converter folder (vendor/llama.cpp of the llama-cpp-python source distribution, which .ci/run
-    unpacks and names in DSPARK_LLAMA_CPP)."""
-    folder = Path(os.environ.get("DSPARK_LLAMA_CPP", "/nonexistent"))
-    if not (folder / "convert_hf_to_gguf.py").is_file():
-        if os.environ.get("DSPARK_TEST_ENGINES") == "1":
-            pytest.fail(f"DSPARK_LLAMA_CPP={folder} holds no convert_hf_to_gguf.py: .ci/run unpacks it from the "
-                        "llama-cpp-python source distribution")
-        pytest.skip("set DSPARK_LLAMA_CPP to vendor/llama.cpp of the llama-cpp-python 0.3.36 sdist")
-    return folder
+    """llama.cpp's converter folder (vendor/llama.cpp of the llama-cpp-python source distribution)."""
+    return engine_folder("DSPARK_LLAMA_CPP", "convert_hf_to_gguf.py",
+                         "vendor/llama.cpp of the llama-cpp-python 0.3.36 sdist")
 
 
 @pytest.mark.smollm2

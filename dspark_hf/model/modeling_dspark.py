@@ -208,8 +208,8 @@ class DSparkDraftModel(DSparkPreTrainedModel):
         if config.target_layer_ids is None or config.target_vocab_size is None:
             raise ValueError("DSparkConfig needs target_layer_ids and target_vocab_size: build the draft with "
                              "DSparkDraftModel.from_target(target) or load a saved one with from_pretrained.")
-        if config.block_size_note():
-            warnings.warn(BlockSizeWarning(config.block_size_note()), stacklevel=3)
+        if note := config.block_size_note():
+            warnings.warn(BlockSizeWarning(note), stacklevel=3)
         self.binding: TargetBinding | None = None  # set by bind_target
         d, r = config.hidden_size, config.markov_rank
         feature_size = len(config.target_layer_ids) * (config.target_hidden_size or d)

@@ -28,26 +28,23 @@ ROOT = Path(__file__).resolve().parents[2]
 SIZES = (2048, 4096, 8192, 16384, 32768, None)  # None: the full vocabulary
 
 
-def coverage(train, heldout, vocab_size: int) -> dict:
+def coverage(order: torch.Tensor, heldout, vocab_size: int) -> dict:
+    """order: the target's tokens by training frequency, most frequent first."""
     from dspark_hf.training.data import token_frequencies
 
-    counts = token_frequencies(train, vocab_size)
     held = token_frequencies(heldout, vocab_size)
-    order = counts.argsort(descending=True)
     return {str(v or vocab_size): round(held[order[:v or vocab_size]].sum().item() / held.sum().item(), 5)
             for v in SIZES}
 
 
 @torch.inference_mode()
-def draft_seconds(target, train, repeats: int, batch: int) -> dict:
+def draft_seconds(target, order: torch.Tensor, repeats: int, batch: int) -> dict:
     """Median seconds of one draft pass per vocabulary size, the sizes interleaved in every repeat."""
     from dspark_hf import DSparkDraftModel
     from dspark_hf.defaults import SHIPPED_DRAFT_DIR
-    from dspark_hf.training.data import token_frequencies
 
     shape = DSparkDraftModel.config_class.from_pretrained(SHIPPED_DRAFT_DIR).to_dict()
     keep = {k: shape[k] for k in ("num_hidden_layers", "markov_rank", "block_size", "intermediate_size")}
-    order = token_frequencies(train, target.config.vocab_size).argsort(descending=True)
     drafts = {v: DSparkDraftModel.from_target(target, **keep, **({"draft_vocab": order[:v].sort().values}
                                                                    if v else {})).eval() for v in SIZES}
     g, T = keep["block_size"], 256
@@ -74,10 +71,11 @@ def main() -> None:
     args = parser.parse_args()
 
     from dspark_hf.defaults import default_target
-    from dspark_hf.training.data import load_dataset, split_heldout
+    from dspark_hf.training.data import load_dataset, split_heldout, token_frequencies
 
     target, _ = default_target(device="cpu")
     train, heldout = split_heldout(load_dataset(args.dataset), 0.05)
+    order = token_frequencies(train, target.config.vocab_size).argsort(descending=True)  # as dspark train chooses
     record = {
         "command": "python experiments/draft-vocab/measure.py", "dataset": args.dataset,
         "examples": {"train": len(train), "heldout": len(heldout)},
@@ -86,8 +84,8 @@ def main() -> None:
         "code": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                                text=True).stdout.strip(),
         "utc": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M"),
-        "coverage": coverage(train, heldout, target.config.vocab_size),
-        "draft_seconds": {f"batch {b}": draft_seconds(target, train, args.repeats, b) for b in (1, 8)},
+        "coverage": coverage(order, heldout, target.config.vocab_size),
+        "draft_seconds": {f"batch {b}": draft_seconds(target, order, args.repeats, b) for b in (1, 8)},
     }
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output).write_text(json.dumps(record, indent=2) + "\n")

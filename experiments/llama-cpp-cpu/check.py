@@ -25,6 +25,7 @@ import argparse
 import json
 import platform
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -69,7 +70,7 @@ def to_gguf(source: Path, work: Path, target_dir: Path, draft_dir: str) -> tuple
     target_gguf, export, draft_gguf = work / "target-f32.gguf", work / "draft-export", work / "draft-f32.gguf"
     if not target_gguf.is_file():
         subprocess.run(convert + [str(target_dir), "--outtype", "f32", "--outfile", str(target_gguf)], check=True)
-    subprocess.run(["rm", "-rf", str(export)], check=True)
+    shutil.rmtree(export, ignore_errors=True)  # an earlier run's export
     subprocess.run([sys.executable, "-m", "dspark_hf", "export", draft_dir, "--format", "speculators", "--target",
                     str(target_dir), "--dtype", "float32", "--output", str(export)], check=True)
     subprocess.run(convert + [str(export), "--target-model-dir", str(target_dir), "--outtype", "f32", "--outfile",
@@ -77,11 +78,11 @@ def to_gguf(source: Path, work: Path, target_dir: Path, draft_dir: str) -> tuple
     return target_gguf, draft_gguf
 
 
-def _stat(pattern: str, text: str) -> float:
+def _stat(pattern: str, text: str, group: int = 1) -> float:
     found = re.search(pattern, text)
     if found is None:
         raise RuntimeError(f"llama.cpp's output lacks {pattern!r}:\n{text[-2000:]}")
-    return float(found.group(1))
+    return float(found.group(group))
 
 
 def llama_plain(bin_dir: Path, target: Path, prompt_file: Path, n: int, threads: int) -> dict:
@@ -90,8 +91,8 @@ def llama_plain(bin_dir: Path, target: Path, prompt_file: Path, n: int, threads:
                           "--no-display-prompt"], capture_output=True, text=True, stdin=subprocess.DEVNULL,
                          check=True)
     text = run.stdout.replace("[end of text]", "")
-    decoding = r"print:\s+eval time =\s*[\d.]+ ms /\s*(\d+) runs.*?([\d.]+) tokens per second"  # not prompt eval
-    runs, speed = (float(x) for x in re.search(decoding, run.stderr).groups())
+    decoding = r"print:\s+eval time =\s*[\d.]+ ms /\s*(\d+) runs"  # "print:" leaves out the prompt's eval line
+    runs, speed = _stat(decoding, run.stderr), _stat(decoding + r".*?([\d.]+) tokens per second", run.stderr, group=2)
     return {"text": text.strip(), "tokens_per_s": speed, "stopped_early": runs + 1 < n}
 
 
