@@ -89,9 +89,8 @@ RECIPE=${CAMPAIGN_RECIPE:-"--anchors 48 --batch-size 64 --auto-find-batch-size -
 # run lands is one vLLM, SGLang and llama.cpp serve (issue "Train here, serve anywhere"; the CPU A/B that chose the
 # warm start over a fresh draft: experiments/engine-shape-warm-start)
 QK_NORM=()
-if [ -f "$INIT_DRAFT/config.json" ] \
-    && python3 -c "import json, sys; sys.exit(json.load(open(sys.argv[1])).get('qk_norm', False))" "$INIT_DRAFT/config.json"
-then
+if [ -f "$INIT_DRAFT/config.json" ] && python3 -c "import json, sys
+sys.exit(json.load(open(sys.argv[1])).get('qk_norm', False))" "$INIT_DRAFT/config.json"; then
   QK_NORM=(--add-qk-norm)
 fi
 # the ablation (only when asked): the first run's fresh recipe without the Markov head; its figure from that run
@@ -428,7 +427,8 @@ train_arms() {  # DSpark from the draft in the tree; the ablation beside it only
   [ "$ABLATION" = 1 ] && share=(--gpu-memory-fraction 0.45)
   # shellcheck disable=SC2086  # the recipes are lists of flags
   dspark train --target "$STATE/target" --target-dtype "$DTYPE" --dataset "$STATE/train.jsonl" \
-    --heldout-fraction "$HELDOUT" --output-dir "$STATE/dspark" --init-from "$INIT_DRAFT" ${QK_NORM[@]+"${QK_NORM[@]}"} $RECIPE \
+    --heldout-fraction "$HELDOUT" --output-dir "$STATE/dspark" --init-from "$INIT_DRAFT" \
+    ${QK_NORM[@]+"${QK_NORM[@]}"} $RECIPE \
     ${share[@]+"${share[@]}"} --time-budget "$budget" --stop-after "$stop" > "$STATE/logs/run-train-dspark.log" 2>&1 &
   pids+=($!)
   if [ "$ABLATION" = 1 ]; then

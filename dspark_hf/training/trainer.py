@@ -73,8 +73,9 @@ def train(config: TrainConfig, target=None, progress: bool = True, started: floa
     resume, state = found if found is not None else (None, None)
     _refuse_other_processes(state, accelerator, out_dir)
     draft = initial_draft(config, target, resume, default_target_used, train_set)
-    _refuse_a_block_past_every_answer(unwrap_draft(draft).config.block_size, train_set, config)
-    unwrap_draft(draft).config.trained_block_size = unwrap_draft(draft).config.block_size  # saved with each checkpoint
+    drafted = unwrap_draft(draft).config
+    _refuse_a_block_past_every_answer(drafted.block_size, train_set, config)
+    drafted.trained_block_size = drafted.block_size  # saved with each checkpoint
     out_dir.mkdir(parents=True, exist_ok=True)
     write_atomic(out_dir / CONFIG_FILE, json.dumps({**asdict(config), **made_for}, indent=2))
     draft.to(device).train()

@@ -23,13 +23,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import re
 import shutil
 import subprocess
 import sys
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
@@ -134,13 +132,6 @@ def dspark_hf_rounds(draft_dir: str, prompts: list[dict], n: int) -> list[dict]:
     return out
 
 
-def _cpu() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").is_file() else []:
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--draft", required=True, help="a dspark-hf draft folder for the default target")
@@ -153,6 +144,7 @@ def main(argv=None) -> int:
 
     from dspark_hf import DSparkDraftModel
     from dspark_hf.defaults import default_target_path
+    from dspark_hf.evaluation.machine import machine_info
     from dspark_hf.evaluation.suites import load_prompts
     from transformers import AutoTokenizer
 
@@ -195,13 +187,9 @@ def main(argv=None) -> int:
         "llama_cpp_dspark_speedup": round(spec_speed / plain_speed, 3),
         "dspark_hf_tokens_per_s": round(sum(r["dspark_hf"]["tokens_per_s"] for r in rows) / len(rows), 2),
     }
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    dirty = subprocess.run(["git", "status", "--porcelain", "--", "dspark_hf"], cwd=ROOT, capture_output=True,
-                           text=True).stdout.strip()
-    record = {"command": " ".join([Path(sys.argv[0]).name] + (argv or sys.argv[1:])), "draft": args.draft,
-              "llama_cpp": f"{SDIST} vendor/llama.cpp", "machine": _cpu(),
-              "threads": args.threads, "torch": torch.__version__, "code": commit.stdout.strip() + ("-dirty" * bool(dirty)),
-              "utc": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M"), "max_new_tokens": args.max_new_tokens,
+    command = " ".join([Path(sys.argv[0]).name] + (argv or sys.argv[1:]))
+    record = {"machine": {**machine_info(), "command": command}, "draft": args.draft,
+              "llama_cpp": f"{SDIST} vendor/llama.cpp", "threads": args.threads, "max_new_tokens": args.max_new_tokens,
               "block_size": block, "summary": summary, "rows": rows}
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output).write_text(json.dumps(record, indent=2) + "\n")
