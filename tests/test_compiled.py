@@ -109,9 +109,10 @@ def test_a_length_limit_the_static_cache_cannot_hold_is_refused_in_one_line():
 
 
 def test_the_compiled_state_is_sized_as_transformers_sizes_its_static_cache_and_only_grows():
-    """Attention reads every slot of a compiled state, so it holds what the call needs (the prompt, every new token,
-    one verification past them), or `max_cache_len` tokens where the call gives it, as plain generate()'s static cache
-    does; a later call that fits reuses it (its graphs too), a longer one gets a larger state, which is kept."""
+    """Attention reads every slot of a compiled state, so it holds what the call needs (the prompt and every new
+    token), or `max_cache_len` tokens where the call gives it, exactly as plain generate()'s static cache does (a
+    verification's padding writes on the last slot, which no kept token occupies); a later call that fits reuses it
+    (its graphs too), a longer one gets a larger state, which is kept."""
     from transformers import GenerationConfig
 
     from dspark_hf.generation.steps import Steps
@@ -120,15 +121,14 @@ def test_the_compiled_state_is_sized_as_transformers_sizes_its_static_cache_and_
     draft = tiny_draft(target)
     config = GenerationConfig(cache_implementation="static", compile_config=cpu_compile_config())
     steps = Steps.for_call(target, draft, config)
-    past = draft.config.block_size + 1  # the widest verification writes this far past the last token
     state = steps.state(batch_size=2, prompt_length=9, max_new=30)
-    assert state.slots == 9 + 30 + past
+    assert state.slots == 9 + 30
     steps.release(state)
     assert steps.state(2, 7, 30) is state  # fits: reused
     steps.release(state)
     longer = steps.state(2, 9, 60)
-    assert longer.slots == 9 + 60 + past
+    assert longer.slots == 9 + 60
     steps.release(longer)
     assert steps.state(2, 9, 30) is longer  # the pool keeps the larger
     config.max_cache_len = 200
-    assert Steps.for_call(target, draft, config).state(2, 9, 30).slots == 200 + past
+    assert Steps.for_call(target, draft, config).state(2, 9, 30).slots == 200

@@ -332,7 +332,7 @@ def test_a_profile_measures_every_shape_in_every_repeat_so_a_slowdown_midway_ske
 
     runs = {key: run(key, s) for key, s in (("1 token", 1.0), ("6 tokens", 2.0), ("draft", 0.5))}
     monkeypatch.setattr(profile, "clock", lambda device: now[0])
-    seconds = profile._interleaved_seconds(runs, "cpu", warmup=0, repeats=4, statistic=statistics.median)
+    seconds = profile.interleaved_seconds(runs, "cpu", warmup=0, repeats=4, statistic=statistics.median)
     assert [calls[i:i + 3] for i in range(0, 12, 3)] == [
         ["1 token", "6 tokens", "draft"], ["6 tokens", "draft", "1 token"],
         ["draft", "1 token", "6 tokens"], ["1 token", "6 tokens", "draft"]]
@@ -373,7 +373,9 @@ def play(policy, confidences, accepted_of, rounds):
 
 
 def test_the_default_policy_stops_drafting_a_draft_that_never_pays_and_probes_less_and_less():
-    policy = auto(costs(draft=0.04))  # a draft pass almost as dear as a verification, nothing accepted
+    # a draft pass almost as dear as a verification, nothing accepted; a budget whose floor (41 rounds) lets the
+    # pauses double
+    policy = auto(costs(draft=0.04), probe_budget=0.02)
     drafted = play(policy, torch.full((1, 7), 0.6), lambda lengths: torch.zeros_like(lengths), 200)
     probes = [i for i, d in enumerate(drafted) if d]
     assert policy.gain < 1 and len(probes) <= 6
@@ -393,7 +395,7 @@ def test_the_probes_of_a_draft_that_never_pays_cost_at_most_the_probe_budget(max
 
 
 def test_a_short_request_with_a_draft_that_never_pays_pays_for_one_probe():
-    policy = auto(costs(draft=0.04))  # a probe costs 0.82 of a plain step: the default budget pauses 41+ rounds
+    policy = auto(costs(draft=0.04))  # a probe costs 0.82 of a plain step: the default budget pauses 164+ rounds
     drafted = play(policy, torch.full((1, 7), 0.6), lambda lengths: torch.zeros_like(lengths), 32)
     assert drafted[0] and sum(drafted) == 1
 
@@ -509,6 +511,22 @@ def test_the_gain_estimate_reads_what_a_round_was_expected_to_commit_not_the_noi
     assert all(drafted) and policy.gain > 1
 
 
+def test_drafting_is_judged_against_what_a_round_that_drafts_nothing_costs_on_the_call_s_path():
+    """A round that drafts nothing runs one token per row and no draft work, cheaper than a drafting round's
+    verification of one token (which projects the target's features for the draft): a draft that beats the latter,
+    but not the former, pauses."""
+    from dspark_hf.scheduling.costs import EngineCosts
+
+    def drafts(plain):
+        policy = auto(EngineCosts({1: {n: 0.05 + 0.004 * n for n in range(1, 9)}}, {1: 0.01}, plain))
+        luck = iter([1, 0, 1, 0, 0] * 20)  # the first drafted token accepted in 2 rounds of 5, never the second
+        confidences = torch.tensor([[0.4] + [0.05] * 6])
+        return play(policy, confidences, lambda ls: torch.minimum(ls, torch.tensor(next(luck))), 60)
+
+    assert all(drafts(None))  # against verifying one token: 1.4 tokens in 0.068 s, 1.11x one in 0.054 s
+    assert sum(drafts({1: 0.045})) <= 3  # against the plain round it costs: 0.93x one in 0.045 s
+
+
 def test_one_unlucky_round_does_not_stop_a_draft_that_pays():
     policy = auto(costs())
     luck = iter([7] * 10 + [0] + [7] * 10)
@@ -540,7 +558,7 @@ def test_a_draft_algorithm_1_would_never_verify_at_batch_8_is_verified_and_found
 
 
 def test_probes_verify_at_least_one_token_and_are_judged_by_what_the_plan_would_have_gained():
-    policy = auto(costs(draft=0.04))
+    policy = auto(costs(draft=0.04), probe_budget=0.02)  # probes every 41+ rounds
     lengths = []
     drafted = play(policy, torch.full((1, 7), 0.05),
                    lambda ls: lengths.append(int(ls)) or torch.zeros_like(ls), 200)
@@ -585,27 +603,46 @@ def test_the_default_policy_measures_costs_once_and_later_processes_reuse_them(t
     assert cached.stat().st_mtime_ns == written
 
 
-def test_a_reused_default_policy_plans_each_call_with_the_costs_of_that_call_s_target_and_batch_size(tmp_path,
-                                                                                                        monkeypatch):
-    from dspark_hf.scheduling.costs import cached_costs
+def test_a_reused_default_policy_prices_each_call_on_that_call_s_path_target_and_batch_size(tmp_path, monkeypatch):
+    """Costs are those of the call's own rounds: measured once per path (eager, or compiled), target, draft and batch
+    size, read again only for a call on another, and never in place of costs set by hand."""
+    from conftest import cpu_compile_config
+    from dspark_hf.scheduling import auto
 
     monkeypatch.setenv("DSPARK_HF_PROFILE_CACHE", str(tmp_path))
+    measured, path_costs = [], auto.path_costs
+    monkeypatch.setattr(auto, "path_costs", lambda clock, **kw: measured.append(clock) or path_costs(clock, **kw))
     llama, qwen = tiny_target("llama"), tiny_target("qwen3")
     llama_draft, qwen_draft = tiny_draft(llama), tiny_draft(qwen)
     policy = AutoScheduled(progress=False)
-    policy.prepare(llama, llama_draft, 1)
-    first = policy.costs
-    policy.prepare(llama, llama_draft, 1)
-    assert policy.costs is first  # nothing to read again
-    policy.prepare(qwen, qwen_draft, 1)
-    assert policy.costs.verify_seconds == cached_costs(qwen, qwen_draft, [1], progress=False).verify_seconds
-    policy.prepare(qwen, qwen_draft, 3)
-    assert policy.costs.verify(3, 2) == cached_costs(qwen, qwen_draft, [1, 3], progress=False).verify(3, 2)
-    assert 3 in policy.costs.verify_seconds
+
+    def decode(target, draft, batch, **options):
+        ids, mask = left_padded_prompts(batch)
+        target.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=6, assistant_model=draft,
+                        verification_policy=policy, **options)
+        return policy.costs
+
+    first = decode(llama, llama_draft, 1)
+    assert decode(llama, llama_draft, 1) is first and len(measured) == 1  # nothing to read again
+    assert set(decode(qwen, qwen_draft, 1).verify_seconds) == {1}
+    assert set(decode(qwen, qwen_draft, 3).verify_seconds) == {3} and len(measured) == 3
+    compiled = decode(llama, llama_draft, 1, cache_implementation="static", compile_config=cpu_compile_config())
+    eager_clock, compiled_clock = measured[0], measured[-1]
+    assert compiled_clock.key["path"].startswith("compiled") and eager_clock.key["path"] == "eager"
+    # eagerly every width is timed; compiled, the widths the forward is compiled for, each pricing the tokens it runs
+    block = llama_draft.config.block_size
+    assert widths_timed(eager_clock) == list(range(1, block + 2))
+    buckets = widths_timed(compiled_clock)
+    assert buckets == [1, 2, 4, block + 1]
+    assert compiled_clock.verify_table({w: float(w) for w in buckets}) == {1: 1.0, 2: 2.0, 3: 4.0, 4: 4.0, 5: 5.0}
+    assert set(compiled.verify_seconds[1]) == set(first.verify_seconds[1]) == set(range(1, block + 2))
     by_hand = costs()
     policy.costs = by_hand
-    policy.prepare(llama, llama_draft, 2)
-    assert policy.costs is by_hand  # costs set by hand are the caller's
+    assert decode(llama, llama_draft, 2) is by_hand and len(measured) == 4  # costs set by hand are the caller's
+
+
+def widths_timed(clock) -> list[int]:
+    return sorted(name[1] for name in clock.runs() if isinstance(name, tuple))
 
 
 def test_a_call_plans_with_the_row_counts_it_asked_for_only_whatever_else_earlier_calls_cached(tmp_path, monkeypatch):
@@ -880,7 +917,8 @@ def measure_counting(monkeypatch):
 
 @pytest.mark.parametrize("content", ['{"key": {}, "verify": {"1": {"1": 0.', "", '{"key": {}}', "[]",
                                      '{"key": {}, "verify": {"1": {}}, "drafts": {}}',
-                                     '{"key": {}, "verify": {"1": {"1": -2}}, "drafts": {}}'])
+                                     '{"key": {}, "verify": {"1": {"1": -2}}, "drafts": {}}',
+                                     '{"key": {}, "verify": {}, "drafts": {}, "rounds": {"a": {"verify": {"1": 1}}}}'])
 def test_an_unreadable_cost_cache_is_named_measured_again_and_written_anew(tmp_path, monkeypatch, content):
     from dspark_hf.scheduling.costs import cached_costs
 

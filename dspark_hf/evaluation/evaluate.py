@@ -203,14 +203,15 @@ def bench_speed(target, tokenizer, draft, prompts: list[dict], batch_size: int =
         out, P = result
         return (out.sequences if hasattr(out, "sequences") else out)[:, P:]
 
-    # warm-up (the default policy measures its costs here, once); the compiled arms decode every batch in full, and
-    # prompt lookup with a static cache leaves the run where this transformers refuses it
+    # warm-up: the compiled arms decode every batch in full; DSpark decodes every batch, as the default policy times
+    # the rounds of each path and length of context it meets (once, cached); prompt lookup with a static cache
+    # leaves the run where this transformers refuses it
     for name, kw in list(methods.items()):
-        warm = batches if kw.get("cache_implementation") == "static" else batches[:1]
+        warm = batches if kw.get("cache_implementation") == "static" or "assistant_model" in kw else batches[:1]
         try:
             for inputs in warm:
-                target.generate(**inputs, max_new_tokens=max_new_tokens if len(warm) > 1 else 8, **sampling,
-                                **fresh(kw))
+                full = kw.get("cache_implementation") == "static"
+                target.generate(**inputs, max_new_tokens=max_new_tokens if full else 8, **sampling, **fresh(kw))
         except (ValueError, RuntimeError) as error:
             if name != STATIC_LOOKUP:
                 raise

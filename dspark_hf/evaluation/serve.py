@@ -110,8 +110,9 @@ def bench_serve(target, tokenizer, draft, prompts: list[dict], batch_sizes=(1, 2
         batches = concurrent_batches(prompts, R)
         prompt_ids[R] = [[p["id"] for p in batch] for batch in batches]
         inputs = [chat_batch(tokenizer, batch, target.device) for batch in batches]
-        for make in methods.values():  # warm-up
-            target.generate(**inputs[0], max_new_tokens=4, do_sample=False, **make())
+        for make in methods.values():  # warm-up: the default policy times its rounds for each length of context
+            for batch in inputs:
+                target.generate(**batch, max_new_tokens=4, do_sample=False, **make())
 
         def progressed(repeat, runs):
             bar.update(len(names))

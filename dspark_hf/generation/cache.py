@@ -2,7 +2,7 @@
 
 transformers' caches keep one length for the whole batch: `DynamicCache` grows by concatenation and `StaticLayer`
 keeps one `cumulative_length`. The rows of a DSpark batch commit different numbers of tokens every round, so this
-cache writes each row's new keys and values at that row's own next slot (`write_at`, (B,)). What a round rejects
+cache writes each row's new keys and values at that row's own next slot (`row_slots`). What a round rejects
 stays past the row's end and the next round writes over it: nothing is ever copied, cloned or shifted. Which slots a
 query may read is the attention mask's business, built per row from the same offsets (`state.DecodingState`).
 
@@ -47,32 +47,49 @@ class _Slots(CacheLayerMixin):
         return self.slots
 
 
-def write_rows(buffer: torch.Tensor, start: torch.Tensor, values: torch.Tensor, dim: int) -> None:
-    """Write values (B, ..., Q, ...) into buffer (B, ..., S, ...) along `dim`, row b from slot start[b] on.
+def row_slots(start: torch.Tensor, queries: int, limit: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The index of `queries` consecutive slots from each row's start (B,) on, in buffers of `limit` slots: (rows,
+    slots), each (B, Q). Slots past the buffers' end (a compiled forward's padding to its width, the forward of a
+    row that has finished) fall on the last slot, which no row ever keeps a token in: the buffers need no room
+    beyond the call's tokens. A forward computes it once and every write of its tokens uses it (the target's layers,
+    the draft's context, the positions): built per write, it cost a sixth of a one-token round's extra time on a
+    CPU."""
+    slots = (start[:, None] + torch.arange(queries, device=start.device)).clamp_max(limit - 1)
+    return torch.arange(slots.shape[0], device=start.device)[:, None].expand_as(slots), slots
+
+
+Slots = "tuple[torch.Tensor, torch.Tensor] | slice"  # row_slots' index, or one span of slots every row writes
+
+
+def write_rows(buffer: torch.Tensor, index: Slots, values: torch.Tensor, dim: int) -> None:
+    """Write values (B, ..., Q, ...) into buffer (B, ..., S, ...) along `dim`, at the slots `index` names
+    ([`row_slots`], or a slice where every row writes the same slots and the host knows which).
 
     An indexed assignment (index_put_), not a scatter: compiled, inductor writes it into the buffer in place, where a
     scatter into a graph input made it copy every layer's whole cache back each step (at batch 8 on a CPU, 60% more
-    time a round)."""
-    Q = values.shape[dim]
-    slots = start[:, None] + torch.arange(Q, device=start.device)  # (B, Q)
-    rows = torch.arange(slots.shape[0], device=start.device)[:, None].expand_as(slots)
+    time a round). A slice is a plain copy, the cheapest write eagerly."""
+    if isinstance(index, slice):
+        buffer[(slice(None),) * dim + (index,)] = values.to(buffer.dtype)
+        return
+    rows, slots = index
     # the two index tensors come first in the indexed view: (B, Q, the other dims in order)
     buffer[(rows, *[slice(None)] * (dim - 1), slots)] = values.movedim(dim, 1).to(buffer.dtype)  # (autocast too)
 
 
 class DecodingCache(Cache):
-    """KV cache whose rows write at their own offsets. `frame(write_at, queries, width)` before each forward: row b
-    writes its `queries` new entries from slot write_at[b] on, and attention reads slots [0, width)."""
+    """KV cache whose rows write at their own offsets. `frame(index, queries, width)` before each forward: each row
+    writes its `queries` new entries at the slots `index` names ([`write_rows`]), and attention reads slots
+    [0, width)."""
 
     def __init__(self, slots: int):
         super().__init__(layers=[])
         self.slots = slots
-        self.write_at: torch.Tensor | None = None
+        self.index: Slots | None = None
         self.queries = 0
         self.width = 0
 
-    def frame(self, write_at: torch.Tensor, queries: int, width: int) -> None:
-        self.write_at, self.queries, self.width = write_at, queries, width
+    def frame(self, index: Slots, queries: int, width: int) -> None:
+        self.index, self.queries, self.width = index, queries, width
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         while len(self.layers) <= layer_idx:  # the first forward (the prompt's) meets every layer in turn
@@ -80,8 +97,8 @@ class DecodingCache(Cache):
         layer = self.layers[layer_idx]
         if not layer.is_initialized:
             layer.lazy_initialization(key_states, value_states)
-        write_rows(layer.keys, self.write_at, key_states, 2)
-        write_rows(layer.values, self.write_at, value_states, 2)
+        write_rows(layer.keys, self.index, key_states, 2)
+        write_rows(layer.values, self.index, value_states, 2)
         return layer.keys[:, :, :self.width], layer.values[:, :, :self.width]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:

@@ -12,7 +12,8 @@ What differs from transformers' contract, and why:
 - the loop runs the two halves of `get_candidates` apart, `propose` (on the device, while the previous round is
   still computing) and `plan` (once the confidences reach the host with the round's one read), and its rows keep
   their tokens in the decoding state, so it passes no `input_ids`; `get_candidates` itself is both halves at once,
-  for a caller that drives the generator as transformers does.
+  for a caller that drives the generator as transformers does. It asks whether the next block is drafted at all
+  (`drafts`) before the round's forward, which then leaves the draft's context alone when it is not.
 transformers may change these methods' signatures between releases: this class follows 5.23 and 5.24 (CI tests
 both) and promises only what is documented here.
 """
@@ -46,7 +47,7 @@ class DSparkCandidateGenerator(CandidateGenerator):
         the rows' committed tokens; remaining: each row's most tokens left (default: no limit)."""
         B = anchor.shape[0]
         rows, remaining = list(range(B)), remaining or [self.draft.config.block_size + 1] * B
-        proposal = self.propose(rows, anchor, anchor_positions, context, process_logits, remaining)
+        proposal = self.propose(anchor, anchor_positions, context, process_logits, self.drafts(rows, remaining))
         block = proposal.block
         if proposal.drafted and block.finite is not None:  # drawn unchecked: checked here, as the loop's read does
             raise_if_not_finite(block.finite.tolist())
@@ -72,12 +73,16 @@ class DSparkCandidateGenerator(CandidateGenerator):
         self.source.learn(outcome, list(range(num_matches.shape[0])) if rows is None else rows)
 
     # -- the two halves the pipelined loop calls apart ---------------------------------------------------------------
-    def propose(self, rows: list[int], anchor: torch.Tensor, anchor_positions: torch.Tensor, context: DSparkContext,
-                process_logits: ProcessLogits | None, remaining: list[int]) -> Proposal:
-        """The next block, on the device: unless the policy pauses drafting (decided from past rounds only, so it
-        cannot depend on the block: lossless), or no row of `rows` can have more than one token left (`remaining`:
-        each one's most tokens left; nothing could be verified)."""
-        if all(r <= 1 for r in remaining) or not self.policy.draft_this_round(len(rows)):
+    def drafts(self, rows: list[int], remaining: list[int]) -> bool:
+        """Whether the next block is drafted: not where the policy pauses drafting (decided from past rounds only,
+        so it cannot depend on the block: lossless), nor where no row of `rows` can have more than one token left
+        (`remaining`: each one's most tokens left; nothing could be verified). Asked once per block."""
+        return not all(r <= 1 for r in remaining) and self.policy.draft_this_round(len(rows))
+
+    def propose(self, anchor: torch.Tensor, anchor_positions: torch.Tensor, context: DSparkContext | None,
+                process_logits: ProcessLogits | None, drafting: bool) -> Proposal:
+        """The next block, on the device, where `drafting` ([`drafts`]); else an empty one (context may be None)."""
+        if not drafting:
             return Proposal(empty_block(self.draft, anchor))
         B = anchor.shape[0]
         return self.source.propose(torch.arange(B, device=anchor.device), anchor, anchor_positions, context,

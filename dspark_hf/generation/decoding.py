@@ -10,8 +10,10 @@ The device is never waited for within a round but once: everything the host must
 accepted and committed, where it stopped, the next block's confidences and whether it is finite) comes back in one
 transfer at the round's end (`host.HostRead`), and the policy plans the next round from it. The next block is
 drafted before that read, so the policy's choice whether to draft a round is made before the previous round's
-outcome reaches it; once it has, the policy may still drop that block (`Policy.keep_drafted`). With
-``cache_implementation="static"`` the two forwards are compiled (`steps.Steps`).
+outcome reaches it; once it has, the policy may still drop that block (`Policy.keep_drafted`). That choice is made
+before the round's forward, so a round after which nothing is drafted runs plain generate()'s step: the target over
+one token per row, its features kept for later, no draft work. With ``cache_implementation="static"`` the two
+forwards are compiled (`steps.Steps`).
 """
 
 from __future__ import annotations
@@ -26,11 +28,12 @@ from ..devices import Stopwatch
 from ..model.modeling_dspark import DSparkDraftModel
 from ..model.sampling import raise_if_not_finite
 from ..scheduling.auto import AutoScheduled
-from ..scheduling.policies import FullBlock, VerificationPolicy, as_policy
+from ..scheduling.policies import FullBlock, VerificationPolicy, as_policy, price_rounds
 from . import verify
 from .candidates import DSparkCandidateGenerator
 from .drafting import Drafter, Outcome, Proposal
 from .host import HostRead, to_device
+from .pricing import StepClock
 from .records import DSparkGenerateOutput
 from .request import check_request
 from .ssd import SSDConfig, SSDSource
@@ -159,14 +162,15 @@ def _prefill(s: Decoding, candidates: DSparkCandidateGenerator, state: DecodingS
         logits = state.prefill(s.target, s.draft, prompt, mask)
         s.steps.prepared(state)
         s.steps.warm(state, s.do_sample, s.out.process)
+        price_rounds(s.policy, StepClock(s.steps, state, s.out, s.do_sample))
         scores = s.out.process(prompt.new_zeros(B, 0), logits[:, -1])
-        token = torch.multinomial(torch.softmax(scores, -1), 1).squeeze(1) if s.do_sample else scores.argmax(-1)
+        token = verify.next_token(scores, s.do_sample)
         ones = torch.ones_like(token)
         stop_at = s.out.stop_index(token[:, None], ones, scores[:, None])
         s.out.commit(token[:, None], ones, stop_at)
         state.anchor = token
-    proposal = _propose(s, candidates, state, rows=list(range(B)), bound=state.host_end,
-                        remaining=[s.out.limit - 1] * B)
+    rows = list(range(B))
+    proposal = _propose(s, candidates, state, candidates.drafts(rows, [s.out.limit - 1] * B), bound=state.host_end)
     read = _read(s, proposal, HostRead().add("stop_at", stop_at).add("token", token[:1]))
     s.out.committed_on_host([1] * B, read["stop_at"])
     s.out.stream(read["token"])
@@ -180,16 +184,23 @@ def _round(s: Decoding, candidates: DSparkCandidateGenerator, state: DecodingSta
     block = proposal.block
     x = block.tokens[:, :L]
 
+    # whether the next block is drafted, decided from past rounds (the policy's pause) and the rows' length limits;
+    # when it is not, this round's forward leaves the draft's context alone
+    drafting = candidates.drafts(plan.rows, [r - 1 for r in out.remaining(plan.rows)])
+
     # verify: one target forward over [anchor, x] after each row's committed tokens
     Q = s.steps.width(L + 1)
     inputs = torch.cat([state.anchor[:, None], x, x.new_zeros(x.shape[0], Q - L - 1)], 1)  # padded to a bucket
-    with candidates.source.verifying(proposal, plan.verify_len, state.anchor, state.count, _context(s, state, 0)), \
+    context = _context(s, state, 0) if proposal.drafted else None  # for a source that works while verifying
+    with candidates.source.verifying(proposal, plan.verify_len, state.anchor, state.count, context), \
             s.watch.phase("target"):
-        logits = s.steps.verify(state, inputs)
+        logits = s.steps.verify(state, inputs, encode=drafting)
+    if not drafting:
+        state.unencoded(plan.rows)
     scores = out.process_block(x, logits)
 
     # accept: a prefix of x, then the target's own token (a correction, or a bonus after every verified draft)
-    n, nxt = _accept(s.do_sample, scores, block, x, plan.verify_len)
+    n, nxt = verify.verify_block(scores, block.probs, x, plan.verify_len, s.do_sample)
     chunk = torch.cat([x, x.new_zeros(x.shape[0], 1)], 1).scatter(1, n[:, None], nxt[:, None])
     kept = torch.where(plan.live, n + 1, 0)
     stop_at = out.stop_index(chunk, kept, scores)
@@ -201,8 +212,7 @@ def _round(s: Decoding, candidates: DSparkCandidateGenerator, state: DecodingSta
     out.commit(chunk, committed, stop_at)
     state.keep(kept, nxt, Q)
     candidates.update_candidate_strategy(None, scores, n, outcome=outcome, rows=plan.rows)
-    remaining = [r - 1 for r in out.remaining(plan.rows)]  # at most, once every row has committed its token
-    upcoming = _propose(s, candidates, state, plan.rows, bound=state.host_end + Q, remaining=remaining)
+    upcoming = _propose(s, candidates, state, drafting, bound=state.host_end + Q)
 
     # what the host learns of the round, in one read
     read = _read(s, upcoming, HostRead().add("accepted", n).add("committed", committed).add("stop_at", stop_at)
@@ -218,19 +228,21 @@ def _round(s: Decoding, candidates: DSparkCandidateGenerator, state: DecodingSta
     return _plan(s, candidates, upcoming, read)
 
 
-def _propose(s: Decoding, candidates: DSparkCandidateGenerator, state: DecodingState, rows: list[int], bound: int,
-             remaining: list[int]) -> Proposal:
-    """The next round's block, drafted before the host knows how this round ended (`candidates.propose`: none where
-    the policy pauses drafting, or no row can have more than one token left; `remaining`: each row's most tokens
-    left after this round)."""
+def _propose(s: Decoding, candidates: DSparkCandidateGenerator, state: DecodingState, drafting: bool,
+             bound: int) -> Proposal:
+    """The next round's block, drafted before the host knows how this round ended, where `drafting`
+    (`candidates.drafts`); `bound`: past the last slot a row may have filled."""
     with s.watch.phase("draft"):
-        return candidates.propose(rows, state.anchor, state.count, _context(s, state, bound), s.out.process,
-                                  remaining)
+        context = _context(s, state, bound) if drafting else None
+        return candidates.propose(state.anchor, state.count, context, s.out.process, drafting)
 
 
 def _context(s: Decoding, state: DecodingState, bound: int):
-    """The draft's context: every slot a row may have filled (up to `bound`; compiled: all)."""
-    return state.context(s.steps.context_width(state, max(bound, state.host_end)))
+    """The draft's context: every slot a row may have filled (up to `bound`; compiled: all), the slots that
+    rounds without a draft left unprojected projected first."""
+    bound = max(bound, state.host_end)
+    state.catch_up(s.draft, min(bound, state.slots))
+    return state.context(s.steps.context_width(state, bound))
 
 
 def _read(s: Decoding, proposal: Proposal, read: HostRead) -> dict:
@@ -259,11 +271,3 @@ def _plan(s: Decoding, candidates: DSparkCandidateGenerator, proposal: Proposal,
     device = proposal.block.tokens.device
     return Plan(proposal, to_device(per_row, torch.long, device), to_device(live, torch.bool, device), lengths, rows,
                 all(r <= 1 for r in remaining))
-
-
-def _accept(do_sample: bool, scores, block, x, verify_len) -> tuple[torch.Tensor, torch.Tensor]:
-    """How many drafted tokens x (B, L) the target keeps and its own next token, from its processed scores
-    (B, L + 1, V): (n (B,), next token (B,)), by `verify`."""
-    if do_sample:
-        return verify.verify_sampling(torch.softmax(scores, -1), block.probs[:, :x.shape[1]], x, verify_len)
-    return verify.verify_greedy(scores, x, verify_len)

@@ -6,6 +6,10 @@ draft layer projects from the target's features of it, eq. 2-3), with its positi
 a token at all (`real`: False at padding). A forward writes its tokens from each row's end (`end`) on; a row keeps
 what it accepted by moving its end past it, and the next forward writes over the rest. Nothing is copied.
 
+A round after which nothing is drafted (the policy pauses drafting) costs what plain generate()'s step costs: its
+forward keeps the target's features of its tokens (`features`) without projecting them into the draft's context,
+and the first time the draft reads its context again, every slot left so is projected at once (`catch_up`).
+
 Two ways to offset the rows:
 - each row at its own end (the default): no slot is wasted, and every query gets a mask of its own
   (`internals.prepared_masks`), which models built on transformers' masking utilities take as it is;
@@ -14,11 +18,11 @@ Two ways to offset the rows:
   (not real: the 2D mask hides them, and positions count only real tokens). Sliding windows count slots, so a model
   with them never decodes this way.
 
-Sizes: compiled steps get buffers for the prompt, every new token and one forward past them (or for
-`max_cache_len` tokens, where the call gives it), and, as transformers' static cache, keep the largest a call
-needed so far, so that later calls that fit reuse the steps (and, on a GPU, their CUDA graphs) and attention reads
-no more slots than plain generate()'s static cache does; eager calls start smaller and double the buffers as the
-rows grow (`make_room`), as plain generate()'s dynamic cache grows.
+Sizes: compiled steps get buffers for the prompt and every new token (or for `max_cache_len` tokens, where the
+call gives it; a forward's writes past them fall on the last slot, see `cache.row_slots`), and, as transformers'
+static cache, keep the largest a call needed so far, so that later calls that fit reuse the steps (and, on a GPU,
+their CUDA graphs) and attention reads no more slots than plain generate()'s static cache does; eager calls start
+smaller and double the buffers as the rows grow (`make_room`), as plain generate()'s dynamic cache grows.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ import torch
 
 from .. import internals
 from ..model.modeling_dspark import DSparkContext, DSparkDraftModel
-from .cache import DecodingCache, grown, write_rows
+from .cache import DecodingCache, grown, row_slots, write_rows
 
 
 @dataclass
@@ -43,6 +47,10 @@ class DecodingState:
     prompt's included (the anchor's position); anchor (B,): its last committed token, not yet in any slot. shared:
     the rows share one end (see the module). window: the target's sliding window, or None. host_ends: the ends as
     the host last learned them (after each round's read), so that eager forwards read no slot past the last one.
+    features (B, S, m * d_t): the target's features of every slot written, kept for the slots whose context a
+    forward did not encode; stale_from: the first slot whose context may lack them in a row still decoding (host),
+    None when every slot's is there. unpadded: no row has a slot without a token (its prompt had no padding, and
+    its end is its own), as the host learned at the prefill.
     """
 
     cache: DecodingCache
@@ -55,7 +63,10 @@ class DecodingState:
     anchor: torch.Tensor
     shared: bool
     window: int | None
+    features: torch.Tensor
     host_ends: list[int] | None = None
+    stale_from: int | None = None
+    unpadded: bool = False
     warmed: set = field(default_factory=set)  # what compiled steps have run on this state (`Steps.warm`)
 
     @classmethod
@@ -69,7 +80,8 @@ class DecodingState:
         zeros = torch.zeros(B, dtype=torch.long, device=device)
         return cls(cache, context[::2], context[1::2], torch.zeros(B, slots, dtype=torch.long, device=device),
                    torch.zeros(B, slots, dtype=torch.bool, device=device), zeros, zeros.clone(), zeros.clone(),
-                   shared, None if shared else internals.sliding_window(target))
+                   shared, None if shared else internals.sliding_window(target),
+                   torch.zeros(B, slots, draft.fc.in_features, dtype=dtype, device=device))
 
     @property
     def slots(self) -> int:
@@ -77,25 +89,33 @@ class DecodingState:
 
     # -- one forward of the target ---------------------------------------------------------------------------------
     def forward(self, target, draft: DSparkDraftModel, tokens: torch.Tensor, width: int, positions=None, real=None,
-                logits_to_keep: int = 0) -> torch.Tensor:
+                logits_to_keep: int = 0, encode: bool = True, masked: bool = True,
+                at: int | None = None) -> torch.Tensor:
         """Run the target over tokens (B, Q), written from each row's end on, its queries reading slots [0, width);
-        encode their target features into the draft's context at the same slots. positions (B, Q): default, each
-        row's next ones; real (B, Q): default, all of them. Returns the logits of the last `logits_to_keep`
-        positions (0: all). The caller moves the ends afterwards ([`keep`])."""
+        keep their target features at the same slots and, with `encode`, project them into the draft's context
+        there (without it, the caller marks them `stale_from`). positions (B, Q): default, each row's next ones;
+        real (B, Q): default, all of them. masked=False: the model's own causal mask is right (`causal_only`). at:
+        the slot every row's end is at, where the host knows it (`one_end`; their writes are then plain copies).
+        Returns the logits of the last `logits_to_keep` positions (0: all). The caller moves the ends afterwards
+        ([`keep`])."""
         B, Q = tokens.shape
-        slots = self.end[:, None] + torch.arange(Q, device=tokens.device)  # (B, Q)
+        index = row_slots(self.end, Q, self.slots) if at is None else slice(at, at + Q)
         if positions is None:
             positions = self.count[:, None] + torch.arange(Q, device=tokens.device)
-        write_rows(self.positions, self.end, positions, 1)
-        write_rows(self.real, self.end, torch.ones_like(slots, dtype=torch.bool) if real is None else real, 1)
-        self.cache.frame(self.end, Q, width)
-        out = target(input_ids=tokens, attention_mask=self._masks(target, slots, width), position_ids=positions,
+        write_rows(self.positions, index, positions, 1)
+        write_rows(self.real, index, torch.ones_like(tokens, dtype=torch.bool) if real is None else real, 1)
+        self.cache.frame(index, Q, width)
+        mask = self._masks(target, self.end[:, None] + torch.arange(Q, device=tokens.device), width) \
+            if masked else None
+        out = target(input_ids=tokens, attention_mask=mask, position_ids=positions,
                      **internals.with_cache(self.cache), use_cache=True,
                      output_hidden_states=draft.hidden_states_request, logits_to_keep=logits_to_keep)
         features = draft.target_features(out.hidden_states)
-        context = draft.encode_context(features, positions, torch.ones_like(slots, dtype=torch.bool))
-        for buffer, new in zip(self.context_keys + self.context_values, context.keys + context.values):
-            write_rows(buffer, self.end, new, 2)
+        write_rows(self.features, index, features, 1)
+        if encode:
+            context = draft.encode_context(features, positions, torch.ones_like(tokens, dtype=torch.bool))
+            for buffer, new in zip(self.context_keys + self.context_values, context.keys + context.values):
+                write_rows(buffer, index, new, 2)
         return out.logits
 
     def _masks(self, target, slots: torch.Tensor, width: int):
@@ -108,16 +128,32 @@ class DecodingState:
         windowed = None if self.window is None else allowed & (keys > slots[..., None] - self.window)
         return internals.prepared_masks(target, allowed, windowed)
 
+    def one_end(self) -> int | None:
+        """The slot every row ends at, where they end at one as the host knows them (at batch 1, always), else
+        None."""
+        first = self.host_ends[0]
+        return first if all(end == first for end in self.host_ends) else None
+
+    def causal_only(self, width: int, queries: int) -> bool:
+        """Whether a forward of `queries` tokens reading slots [0, width) needs no mask of ours: every row's slots
+        are tokens, the rows end at one slot, as the host knows them, and its queries come right after it (plain
+        generate()'s own case at batch 1, eager). The model's causal mask is then the right one, and on a CPU a
+        mask-free attention costs what plain's does (SDPA skips the mask for one query)."""
+        return (self.unpadded and self.window is None and self.one_end() is not None
+                and width == self.host_end + queries)
+
     def prefill(self, target, draft: DSparkDraftModel, prompt: torch.Tensor, prompt_mask: torch.Tensor) -> torch.Tensor:
         """The prompt (B, P) into slots [0, P) of every row, positions counting its real tokens (as plain
         generate() numbers them); returns the last position's logits (B, 1, V)."""
         P = prompt.shape[1]
         self.end = torch.zeros_like(self.end)  # a state from the pool still ends where its last call did
+        self.stale_from = None  # the prompt's forward projects every slot it writes
         positions = (prompt_mask.cumsum(1) - 1).clamp_min(0)
         logits = self.forward(target, draft, prompt, P, positions, prompt_mask.bool(), logits_to_keep=1)
         self.end = torch.full_like(self.end, P)
         self.count = prompt_mask.sum(1)
         self.host_ends = [P] * prompt.shape[0]
+        self.unpadded = not self.shared and bool(prompt_mask.all())  # a state's one read at the prefill
         return logits
 
     # -- after the forward -----------------------------------------------------------------------------------------
@@ -125,7 +161,8 @@ class DecodingState:
         """Each row keeps the first kept[b] of the `queries` entries the last forward wrote (0 for a row that has
         finished: it stays where it is); `anchor` (B,) is its next token."""
         if self.shared:  # every row moves past every slot the forward took; the rest of them become holes
-            write_rows(self.real, self.end, torch.arange(queries, device=kept.device) < kept[:, None], 1)
+            kept_slots = torch.arange(queries, device=kept.device) < kept[:, None]
+            write_rows(self.real, row_slots(self.end, queries, self.slots), kept_slots, 1)
             self.end = self.end + queries
         else:
             self.end = self.end + kept
@@ -152,8 +189,26 @@ class DecodingState:
         self.context_keys = [grown(t, slots, 2) for t in self.context_keys]
         self.context_values = [grown(t, slots, 2) for t in self.context_values]
         self.positions, self.real = grown(self.positions, slots, 1), grown(self.real, slots, 1)
+        self.features = grown(self.features, slots, 1)
 
     # -- what the draft reads --------------------------------------------------------------------------------------
+    def unencoded(self, rows: list[int]) -> None:
+        """After a forward without `encode`: the context of `rows` (those still decoding) lacks the slots it wrote
+        from their ends on, as the host knew them before it."""
+        first = min(self.host_ends[b] for b in rows)
+        self.stale_from = first if self.stale_from is None else min(self.stale_from, first)
+
+    def catch_up(self, draft: DSparkDraftModel, upto: int) -> None:
+        """Project the kept features of slots [stale_from, upto) into the draft's context, every row at once (what
+        a row has not written there is past its end, where the context is never read), before the draft reads it."""
+        start, self.stale_from = self.stale_from, None
+        if start is None or start >= upto:
+            return
+        span = slice(start, upto)
+        context = draft.encode_context(self.features[:, span], self.positions[:, span], self.real[:, span])
+        for buffer, new in zip(self.context_keys + self.context_values, context.keys + context.values):
+            buffer[:, :, span] = new.to(buffer.dtype)
+
     def context(self, width: int) -> DSparkContext:
         """The draft's view of slots [0, width): valid where a row has committed a real token."""
         keys = torch.arange(width, device=self.end.device)

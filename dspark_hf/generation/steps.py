@@ -36,8 +36,9 @@ _RECOMPILE_LIMIT = 64
 _FIRST_ROOM = 256
 
 
-def _verify(state: DecodingState, target, draft, tokens: torch.Tensor, width: int) -> torch.Tensor:
-    return state.forward(target, draft, tokens, width)
+def _verify(state: DecodingState, target, draft, tokens: torch.Tensor, width: int, encode: bool,
+            masked: bool, at: int | None) -> torch.Tensor:
+    return state.forward(target, draft, tokens, width, encode=encode, masked=masked, at=at)
 
 
 def _draft(draft: DSparkDraftModel, anchor, anchor_positions, context, do_sample, process_logits):
@@ -85,14 +86,20 @@ class Steps:
     def compiled(self) -> bool:
         return self.compile_config is not None
 
+    @property
+    def path(self) -> str:
+        """How this call runs its forwards, as what they cost depends on it: eager, or compiled with what config."""
+        return "eager" if not self.compiled else f"compiled {_config_key(self.compile_config)}"
+
     # -- the call's state --------------------------------------------------------------------------------------------
     def state(self, batch_size: int, prompt_length: int, max_new: int) -> DecodingState:
-        """A state for this call: compiled, its slots hold the prompt, every new token (or max_cache_len tokens, if
-        more) and one forward past them, in a pooled state that may be larger; eager, room to start with (it grows)."""
+        """A state for this call: compiled, its slots hold the prompt and every new token (or max_cache_len tokens,
+        if more), as many as plain generate()'s static cache holds, in a pooled state that may be larger; eager,
+        room to start with (it grows)."""
         if not self.compiled:
             slots = prompt_length + min(max(max_new, 1), _FIRST_ROOM) + self._widths[-1]
             return DecodingState.allocate(self.target, self.draft, batch_size, slots, self.shared)
-        slots = max(prompt_length + max(max_new, 1), self.max_cache_len or 0) + self._widths[-1]
+        slots = max(prompt_length + max(max_new, 1), self.max_cache_len or 0)
         try:
             return _POOL.take(self.target, self.draft, batch_size, slots)
         except (RuntimeError, MemoryError) as error:  # torch.OutOfMemoryError is a RuntimeError
@@ -109,20 +116,21 @@ class Steps:
         """After the prompt's forward (which allocates the cache's layers): on CUDA, the state's buffers keep their
         addresses for the CUDA graphs that read and write them."""
         if self.compiled and state.real.device.type == "cuda":
-            for t in [state.positions, state.real, *state.context_keys, *state.context_values,
+            for t in [state.positions, state.real, state.features, *state.context_keys, *state.context_values,
                       *(t for layer in state.cache.layers for t in (layer.keys, layer.values))]:
                 torch._dynamo.mark_static_address(t)
 
     def warm(self, state: DecodingState, do_sample: bool, process_logits) -> None:
         """Compiled, the first call on a state: every verification width and the draft's block, once, so that a
         policy that verifies another number of tokens later compiles nothing then (nor, on CUDA, records a graph in
-        the middle of a decode). The forwards write past each row's end only, where the round's first forward writes
-        over them before any query could read them (a query reads its row's slots up to its own)."""
+        the middle of a decode); and the one-token forward of a round after which nothing is drafted, which leaves
+        the draft's context alone. The forwards write past each row's end only, where the round's first forward
+        writes over them before any query could read them (a query reads its row's slots up to its own)."""
         if not self.compiled or ("warm", do_sample) in state.warmed:
             return
         B = state.anchor.shape[0]
-        for width in self._widths:
-            self.verify(state, state.anchor.new_zeros(B, width))
+        for width, encode in [(w, True) for w in self._widths] + [(1, False)]:
+            self.verify(state, state.anchor.new_zeros(B, width), encode)
         self.draft_block(state.anchor, state.count, state.context(state.slots), do_sample, process_logits)
         state.warmed.add(("warm", do_sample))
 
@@ -131,14 +139,18 @@ class Steps:
         """The forward width that runs `queries` tokens: itself eagerly, else the bucket it falls in."""
         return queries if not self.compiled else next(w for w in self._widths if w >= queries)
 
-    def verify(self, state: DecodingState, tokens: torch.Tensor) -> torch.Tensor:
-        """The target over tokens (B, Q) after each row's end (see `DecodingState.forward`); logits (B, Q, V)."""
+    def verify(self, state: DecodingState, tokens: torch.Tensor, encode: bool = True) -> torch.Tensor:
+        """The target over tokens (B, Q) after each row's end, their features projected into the draft's context
+        only with `encode` (see `DecodingState.forward`); logits (B, Q, V)."""
         Q = tokens.shape[1]
-        if not self.compiled:
+        if self.compiled:  # one graph for every round: nothing read off the host's copy of the ends
+            width, masked, at = state.slots, True, None
+        else:
             state.make_room(Q)
-        width = state.slots if self.compiled else state.host_end + Q
+            width = state.host_end + Q
+            masked, at = not state.causal_only(width, Q), state.one_end()
         with self._compiling("the target's verification forward"):
-            return self._verify(state, self.target, self.draft, tokens, width)
+            return self._verify(state, self.target, self.draft, tokens, width, encode, masked, at)
 
     def draft_block(self, anchor, anchor_positions, context, do_sample, process_logits=None, check=False):
         """The draft's block at each row's anchor (a `Drafter`'s drafting step)."""
@@ -168,8 +180,12 @@ class Steps:
         return state.slots if self.compiled else min(state.slots, bound)
 
 
+def _config_key(config) -> str:
+    return repr(sorted(config.to_dict().items(), key=str))
+
+
 def _compiled(fn, config):
-    key = f"{fn.__qualname__}:{sorted(config.to_dict().items(), key=str)!r}"
+    key = f"{fn.__qualname__}:{_config_key(config)}"
     with _COMPILED_LOCK:
         if key not in _COMPILED:
             _COMPILED[key] = torch.compile(fn, **config.to_dict())

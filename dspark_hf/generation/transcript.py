@@ -73,6 +73,8 @@ class Transcript:
     stop_limit: int | None = None
     records: list[_RoundRecord] = field(default_factory=list)
     block_size: int = 0
+    keeps_records: bool = False  # records are kept: the call returns them, or streams them to a RoundStreamer
+    eos_ids: torch.Tensor | None = None  # every EOS id the criteria stop at, where they are EOS criteria only
 
     @classmethod
     def start(cls, prompt, prompt_mask, processors, criteria, cfg, streamer, block_size: int) -> "Transcript":
@@ -86,18 +88,18 @@ class Transcript:
         max_new = max(min(limits) - P, 1) if limits else cfg.max_length - P
         pad = internals.pad_token_id(cfg)
         pad_id = pad if pad is not None else 0
-        return cls(prompt, prompt_mask if prompt_mask is not None else torch.ones_like(prompt), processors,
-                   StoppingCriteriaList(c for c in criteria if not isinstance(c, MaxLengthCriteria)),
+        others = StoppingCriteriaList(c for c in criteria if not isinstance(c, MaxLengthCriteria))
+        eos_only = len(others) > 0 and all(type(c) is EosTokenCriteria for c in others)
+        return cls(prompt, prompt_mask if prompt_mask is not None else torch.ones_like(prompt), processors, others,
                    [c for c in criteria if isinstance(c, MaxLengthCriteria)], max_new,
                    # as in plain generate() (which asks the same question): rows stopped by a criterion are padded
                    # only when an EOS criterion is present; otherwise they go on until every row has stopped
                    any(hasattr(c, "eos_token_id") for c in criteria), pad_id, streamer, cfg.return_dict_in_generate,
                    prompt.new_full((B, 0), pad_id), prompt.new_zeros(B), prompt.new_zeros(B), [0] * B, [0] * B,
-                   block_size=block_size)
-
-    @property
-    def keeps_records(self) -> bool:
-        return self.return_records or isinstance(self.streamer, RoundStreamer)
+                   block_size=block_size,
+                   keeps_records=cfg.return_dict_in_generate or isinstance(streamer, RoundStreamer),
+                   eos_ids=torch.cat([c.eos_token_id.to(prompt.device).reshape(-1) for c in others])
+                   if eos_only else None)
 
     # -- the length limit, and who is done (host) ------------------------------------------------------------------
     @property
@@ -161,9 +163,9 @@ class Transcript:
         if len(self.criteria) == 0:
             return stop_at
         K = chunk.shape[1]
-        if all(type(c) is EosTokenCriteria for c in self.criteria):  # they read the last token only: all at once
-            eos = torch.cat([c.eos_token_id.to(chunk.device).reshape(-1) for c in self.criteria])
-            fired = torch.isin(chunk, eos) & (torch.arange(K, device=chunk.device) < counts[:, None])
+        if self.eos_ids is not None:  # EOS criteria read the last token only: every position at once
+            fired = (chunk[..., None] == self.eos_ids).any(-1)
+            fired &= torch.arange(K, device=chunk.device) < counts[:, None]
             first = fired.long().argmax(1) + 1
             return torch.where(fired.any(1), first, stop_at)
         for k in range(1, K + 1):

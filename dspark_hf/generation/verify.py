@@ -47,3 +47,20 @@ def verify_sampling(p, q, x, verify_len, generator=None):
     rejected = (n < verify_len)[:, None]
     dist = torch.where(rejected, residual(p_n, q_n), p_n)
     return n, torch.multinomial(dist, 1, generator=generator).squeeze(1)
+
+
+def next_token(scores: torch.Tensor, do_sample: bool) -> torch.Tensor:
+    """The target's own next token (B,) from its processed scores (B, V): drawn from their softmax, or their argmax
+    (as plain generate() picks it)."""
+    return torch.multinomial(torch.softmax(scores, -1), 1).squeeze(1) if do_sample else scores.argmax(-1)
+
+
+def verify_block(scores: torch.Tensor, q: torch.Tensor, x: torch.Tensor, verify_len: torch.Tensor, do_sample: bool):
+    """A round's verdict from the target's processed scores (B, L + 1, V) over drafted tokens x (B, L), drawn from q
+    (B, >= L, V): greedy or by speculative sampling. A round that drafted nothing (L = 0) is plain generate()'s step.
+    Returns (n accepted (B,), next token (B,))."""
+    if x.shape[1] == 0:
+        return torch.zeros_like(verify_len), next_token(scores[:, 0], do_sample)
+    if do_sample:
+        return verify_sampling(torch.softmax(scores, -1), q[:, :x.shape[1]], x, verify_len)
+    return verify_greedy(scores, x, verify_len)

@@ -4,6 +4,7 @@ drafting pays, so that adding a draft to generate() does not make it slower than
 from __future__ import annotations
 
 import copy
+import json
 import math
 import threading
 import weakref
@@ -13,7 +14,7 @@ from pathlib import Path
 import torch
 
 from .policies import Policy, real, whole
-from .costs import EngineCosts, cached_costs, check_profile
+from .costs import EngineCosts, RoundClock, check_profile, path_costs
 from .profile import cache_key
 from .scheduler import prefix_schedule
 
@@ -38,18 +39,21 @@ _CARRIED_LOCK = threading.Lock()
 class AutoScheduled(Policy):
     """What ``generate(assistant_model=draft)`` uses when no `verification_policy` is given.
 
-    - Costs: seconds of the target's verification forward by rows R and verified tokens, and of the draft pass,
-      for this target, device, dtype and thread count: measured the first time a generate() call needs them (a few
-      seconds, a progress bar, only the batch sizes in use) and cached on disk for later calls and processes
-      (``dspark_hf.scheduling.costs.cached_costs``), or read from a `dspark profile` file (`profile=`).
+    - Costs: seconds of the call's own rounds on the path it runs (eager, or compiled as its CompileConfig says), at
+      its batch size: a drafting round's verification by tokens per row (the forward as the round runs it, the
+      draft's context projected, the scores processed and checked), a round that drafts nothing (plain generate()'s
+      step), and the draft's block. Timed with the call's own steps the first time a generate() call on a path
+      needs them (a few seconds, a progress bar) and cached on disk for later calls and processes
+      (``dspark_hf.scheduling.costs.path_costs``), or read from a `dspark profile` file (`profile=`). Every round is
+      priced at the call's batch size: rows that have finished keep their place in the batch.
     - Each round: Algorithm 1 with its lossless early stop over the draft's confidences against the cost of this
-      round, t_draft(R) + t_verify(R, 1 + longest), the verification padded to its longest row. The confidences are
+      round, t_draft + t_verify(1 + longest), the verification padded to its longest row. The confidences are
       recalibrated online: at each position, by the ratio of tokens accepted to confidence spent in the rounds so
       far (a draft better or worse than its confidence head says is planned for as it is); a draft without a
       confidence head is planned with the acceptance rates seen so far.
     - Between rounds: a running estimate of what drafting gains, each drafted round's expected committed tokens
       (given its block: 1 + the recalibrated prefix survival over the positions verified) per second of its
-      measured cost over plain decoding's R / t_verify(R, 1), smoothed over rounds (`smoothing`: the weight of the
+      measured cost over plain decoding's R / t_plain, smoothed over rounds (`smoothing`: the weight of the
       newest round). The expectation, not the count, and a slow average: a draft that pays accepts nothing in many
       of its rounds and is expected to in many more (the confidences of one block vary far more than a draft's
       worth does), and a quicker, noisier estimate paused it where it paid. It starts at 1 (break
@@ -58,26 +62,27 @@ class AutoScheduled(Policy):
       below 1 doubles the pause (up to `max_pause`): one unlucky round does not stop drafting, one lucky probe does
       not restart it. No pause is shorter than what keeps the probes' extra cost (a draft pass and as many verified
       tokens as the last drafted round verified, from the costs) within `probe_budget` of the time spent decoding
-      plainly, `max_pause` notwithstanding: with a weak draft the probes cost about that much at most, and a short
-      request (tens of tokens) pays for its first probe only.
+      plainly, `max_pause` notwithstanding: with a weak draft the probes cost about that much at most (0.5% by
+      default: a round that drafts nothing costs what plain generate()'s step costs, so the probes are all a paused
+      policy adds), and a short request (tens of tokens) pays for its first probe only.
     - Rows verify at least a common length, the one that maximises tokens per second by the acceptance rates
       of past rounds (Algorithm 1's early stop cannot find it on a padded batch); probes (the first drafted round,
       and the first after a pause) verify at least one token, so that a draft better than its confidence head says
       gets found out. The gain estimate counts a probe as the plan would have done in it.
     - Across calls: greedy decoding carries all of the above (`Learned`) over to the next greedy call in this
-      process with the same draft, target, batch size and settings, which goes on where the last one stopped:
-      with a weak draft a stream of short requests pays one probe per pause, not one per request. Each call learns in
-      its own copy, so calls that run at once (threads) share nothing; the one started last hands on. No decision
-      can change greedy output. Sampled calls start afresh and hand nothing on, because the tokens drawn depend on
-      how many were drafted: a seed gives the same sample on every call.
+      process with the same draft, target, batch size, settings and path (eager or compiled), which goes on where
+      the last one stopped: with a weak draft a stream of short requests pays one probe per pause, not one per
+      request. Each call learns in its own copy, so calls that run at once (threads) share nothing; the one started
+      last hands on. No decision can change greedy output. Sampled calls start afresh and hand nothing on, because
+      the tokens drawn depend on how many were drafted: a seed gives the same sample on every call.
 
     Decisions read the costs and the acceptance seen so far, never a clock: greedy output is plain generate()'s,
     and a seed gives the same sampled output every run with the same cached costs. An instance may serve several
-    generate() calls: each call's prepare starts it afresh, with the costs of that call's target, draft and batch size.
+    generate() calls: each call's prepare starts it afresh, and `price` gives it the costs of that call's rounds.
     """
 
     def __init__(self, profile: str | Path | None = None, smoothing: float = 0.1, probe_every: int = 4,
-                 max_pause: int = 64, probe_budget: float = 0.02, progress: bool = True):
+                 max_pause: int = 64, probe_budget: float = 0.005, progress: bool = True):
         self.profile = profile
         self.smoothing = real("AutoScheduled", "smoothing", smoothing, 0.0, 1.0, low_open=True)
         self.probe_every = whole("AutoScheduled", "probe_every", probe_every, 1)
@@ -85,7 +90,9 @@ class AutoScheduled(Policy):
         self.probe_budget = real("AutoScheduled", "probe_budget", probe_budget, 0.0, math.inf, low_open=True)
         self.progress = progress
         self.costs: EngineCosts | None = None
-        self._fetched = (None, None)  # (what prepare measured the costs for, those costs)
+        self._fetched = (None, None)  # (the path and models `price` measured the costs for, those costs)
+        self.batch_size: int | None = None  # of the call: every round runs all its rows
+        self._sampling = False
         self.learned: Learned | None = None
         self._planned = None  # this round's raw confidences (R lists of gamma), or None
 
@@ -99,26 +106,38 @@ class AutoScheduled(Policy):
         return Learned(seen=[[0.0] * block_size for _ in range(3)], pause=self.probe_every)
 
     def prepare(self, target, draft, batch_size: int, sampling: bool = False) -> None:
+        self.batch_size = batch_size
         if self.profile is not None:
             if self.costs is None:
                 self.costs = EngineCosts.from_profile(self.profile)
             check_profile(self.profile, target, draft)
-        else:
-            # a reused instance may decode another target or batch size: costs are read again (cheap once cached)
-            # for what they were not measured for; costs set by hand are the caller's to keep
-            measured_for = (cache_key(target, draft), batch_size)
-            if self.costs is None or (self.costs is self._fetched[1] and measured_for != self._fetched[0]):
-                self.costs = cached_costs(target, draft, sorted({1, batch_size}), progress=self.progress)
-                self._fetched = (measured_for, self.costs)
-        if sampling:
-            self.learned = self.fresh(draft.config.block_size)
-            return
-        key = (batch_size, None if self.profile is None else str(self.profile), self.smoothing, self.probe_every,
-               self.max_pause, self.probe_budget)  # a policy set up otherwise would have learned otherwise
+        self._sampling = sampling
+        self.learned = self.fresh(draft.config.block_size) if sampling else self._carried(target, draft, path=None)
+
+    def _carried(self, target, draft, path: str | None) -> Learned:
+        """What the last greedy call with this draft, target, batch size, settings and path handed on (a copy: this
+        call's, which it hands on in turn), or a fresh start."""
+        key = (self.batch_size, None if self.profile is None else str(self.profile), self.smoothing,
+               self.probe_every, self.max_pause, self.probe_budget, path)  # set up otherwise, it learned otherwise
         with _CARRIED_LOCK:
             carried = _CARRIED.setdefault(draft, weakref.WeakKeyDictionary()).setdefault(target, {})
-            self.learned = copy.deepcopy(carried[key]) if key in carried else self.fresh(draft.config.block_size)
-            carried[key] = self.learned
+            learned = copy.deepcopy(carried[key]) if key in carried else self.fresh(draft.config.block_size)
+            carried[key] = learned
+        return learned
+
+    def price(self, clock: RoundClock) -> None:
+        """The costs of this call's rounds on its path (see the class): a reused instance may decode on another
+        path, target or batch size, so costs are read again (cheap once cached) for what they were not measured
+        for; a profile's costs, and costs set by hand, are kept. A greedy call goes on from what the last one on
+        the same path learned: whether drafting pays depends on the path."""
+        if not self._sampling:
+            self.learned = self._carried(clock.target, clock.draft, path=clock.key["path"])
+        if self.profile is not None or (self.costs is not None and self.costs is not self._fetched[1]):
+            return
+        measured_for = (cache_key(clock.target, clock.draft), json.dumps(clock.key, sort_keys=True, default=str))
+        if self.costs is None or measured_for != self._fetched[0]:
+            self.costs = path_costs(clock, progress=self.progress)
+            self._fetched = (measured_for, self.costs)
 
     def draft_this_round(self, num_rows: int) -> bool:
         if self.learned.skip > 0:
@@ -135,8 +154,9 @@ class AutoScheduled(Policy):
 
     def plan(self, confidences: list[list[float]] | None, gamma: int, num_rows: int) -> list[int]:
         if self.costs is None:
-            raise RuntimeError("AutoScheduled.prepare(target, draft, batch_size) must run before the first round "
-                               "(generate() does it).")
+            raise RuntimeError("AutoScheduled plans against the costs of the call's own rounds, which generate() "
+                               "measures (AutoScheduled.price): decode through generate(), or give it profile= or "
+                               "costs.")
         self._planned = confidences
         lengths = self._plan(self._planned, num_rows)
         # A plan learns only at the positions it verifies: a probe (the first drafted round, and the first after each
@@ -150,20 +170,26 @@ class AutoScheduled(Policy):
         common = self._common_length(num_rows)
         if planned is None:  # no confidence head: the acceptance seen is all there is to plan with
             return [common] * num_rows
-        t_draft = self.costs.draft(num_rows)
+        R = self._rows(num_rows)
+        t_draft = self.costs.draft(R)
         lengths = prefix_schedule(self._recalibrated(planned),
-                                  lambda b: 1.0 / (t_draft + self.costs.verify(num_rows, b // num_rows)), padded=True)
+                                  lambda b: 1.0 / (t_draft + self.costs.verify(R, b // num_rows)), padded=True)
         return [max(n, common) for n in lengths]
+
+    def _rows(self, num_rows: int) -> int:
+        """The rows a round runs, priced: the call's batch (finished rows keep their place), or `num_rows` outside a
+        call."""
+        return self.batch_size or num_rows
 
     def _common_length(self, num_rows: int) -> int:
         """The length that maximises expected tokens per second when every row verifies it, by the acceptance rates
         seen in past rounds. Algorithm 1 alone cannot find it on a padded batch: its first admission pays the
         padding of every row for one row's token, so its early stop ends the search there. Reading only past
         rounds, never this block, it is lossless as it is."""
-        survival = self._survival()
-        t_draft, best, best_rate = self.costs.draft(num_rows), 0, 0.0
+        survival, R = self._survival(), self._rows(num_rows)
+        t_draft, best, best_rate = self.costs.draft(R), 0, 0.0
         for length in range(len(survival) + 1):
-            rate = (1 + sum(survival[:length])) / (t_draft + self.costs.verify(num_rows, 1 + length))
+            rate = (1 + sum(survival[:length])) / (t_draft + self.costs.verify(R, 1 + length))
             if rate > best_rate:
                 best, best_rate = length, rate
         return best
@@ -209,8 +235,9 @@ class AutoScheduled(Policy):
         if learned.probing:
             verified = [min(p, v) for p, v in zip(self._plan(self._planned, R), verified)]  # as the plan would have
             learned.probing = False
-        plain_rate = R / self.costs.verify(R, 1)
-        round_seconds = self.costs.draft(R) + self.costs.verify(R, 1 + max(verified))
+        rows = self._rows(R)
+        plain_rate = R / self.costs.plain(rows)
+        round_seconds = self.costs.draft(rows) + self.costs.verify(rows, 1 + max(verified))
         this_round = self._expected_tokens(verified) / round_seconds / plain_rate
         learned.gain = (1 - self.smoothing) * learned.gain + self.smoothing * this_round
         if learned.gain >= 1:
@@ -225,8 +252,9 @@ class AutoScheduled(Policy):
         """What a probe costs beyond a plain step, in plain steps: a draft pass and `verified` (at least one) more
         tokens per row, as many as the last drafted round verified (at batch 4 here the plan verifies 5-6 tokens
         per row, which costs more than the draft pass)."""
-        plain = self.costs.verify(num_rows, 1)
-        return (self.costs.draft(num_rows) + self.costs.verify(num_rows, 1 + max(verified, 1)) - plain) / plain
+        R = self._rows(num_rows)
+        plain = self.costs.plain(R)
+        return (self.costs.draft(R) + self.costs.verify(R, 1 + max(verified, 1)) - plain) / plain
 
     def _expected_tokens(self, verified: list[int]) -> float:
         """Tokens this round commits in expectation over its rows, given what each row verified: 1 + the sum of

@@ -1,5 +1,7 @@
 """Engine costs: the cost model a plan prices its rounds with, the `dspark profile` files it reads them from, and the
-on-disk cache of the costs measured on this machine for the default policy (`profile` measures them).
+on-disk cache of the costs measured on this machine: the default policy's, of a call's own rounds on the path it runs
+([`path_costs`], timed with the decoding loop's [`RoundClock`]), and SSD's of plain forwards ([`cached_costs`],
+measured by `profile`).
 
 A profile is saved as JSON and loaded by [`Scheduled.from_profile`] or [`EngineCosts.from_profile`]. Real curves are
 jagged (kernel tiles, thread splits): a loaded profile interpolates between measured points without smoothing them
@@ -17,10 +19,13 @@ import threading
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Protocol, Sequence, runtime_checkable
+
+import torch
 
 from ..files import cache_dir, write_atomic
-from .profile import AUTO_REPEATS, auto_context, cache_key, draft_key, profile_keys, profile_sps, target_key
+from .profile import AUTO_REPEATS, auto_context, cache_key, draft_key, interleaved_seconds, profile_keys, \
+    profile_sps, target_key
 
 
 # -- `dspark profile` files -------------------------------------------------------------------------------------------
@@ -159,15 +164,23 @@ AUTO_MAX_ROWS = 64
 
 @dataclass
 class EngineCosts:
-    """Seconds of the target's verification forward by rows R and tokens per row n, and of one draft pass by R.
-    Linear in R between measured rows and in tokens between measured widths, proportional beyond the largest (and flat
-    below the smallest)."""
+    """Seconds of the target's verification forward by rows R and tokens per row n, of one draft pass by R, and of a
+    round that drafts nothing by R (its forward projects nothing into the draft's context; default: verifying one
+    token). Linear in R between measured rows and in tokens between measured widths, proportional beyond the largest
+    (and flat below the smallest)."""
 
     verify_seconds: dict[int, dict[int, float]]
     draft_seconds: dict[int, float]
+    plain_seconds: dict[int, float] | None = None
 
     def __post_init__(self):
         self.verify_seconds = {R: _monotone(row) for R, row in self.verify_seconds.items()}
+
+    def plain(self, rows: int) -> float:
+        """Seconds of a round that drafts nothing: plain generate()'s step, as the decoding loop runs it."""
+        if self.plain_seconds is None:
+            return self.verify(rows, 1)
+        return _interpolate(self.plain_seconds, lambda r, v, x: v * x / r)(rows)
 
     def verify(self, rows: int, tokens: int) -> float:
         def at(row):  # between measured widths interpolated; beyond the longest, proportional to the tokens
@@ -188,6 +201,57 @@ class EngineCosts:
         grid = measured_grid(profile["grid"], "grid")
         return cls({R: {n: 1.0 / sps for n, sps in row.items()} for R, row in grid.items()},
                    measured_table(profile["draft_seconds"], "draft_seconds"))
+
+
+# -- the costs of a call's own rounds, measured on the path it runs ----------------------------------------------------
+# part of what path costs are kept under: costs measured otherwise are measured again
+PATH_METHOD = f"the call's own steps on its own state, fastest of {AUTO_REPEATS}, interleaved"
+
+
+@runtime_checkable
+class RoundClock(Protocol):
+    """A call's own rounds, ready to be timed on the path it runs (eager, or compiled and how) at its batch size:
+    the decoding loop provides one (`dspark_hf.generation.pricing`), the default policy measures with it
+    ([`path_costs`])."""
+
+    target: object
+    draft: object
+    rows: int  # the rows every round runs, finished ones included
+    key: dict  # the path and what else its costs depend on, beside the target's, the machine's and the draft's keys
+
+    def runs(self) -> dict:
+        """What to time, each a callable: ("verify", w) a drafting round's verification w tokens wide (its forward,
+        processing and acceptance), "plain" a round that drafts nothing, "draft" the draft's block."""
+
+    def verify_table(self, seconds: dict[int, float]) -> dict[int, float]:
+        """Seconds by width measured -> seconds by tokens verified per row, 1 to block_size + 1."""
+
+
+def path_costs(clock: RoundClock, progress: bool = True) -> EngineCosts:
+    """The costs of a call's own rounds on its path, at its batch size: read from the profile cache, or timed now
+    with `clock` (a few seconds, shown as a bar) and added to it."""
+    target, draft = clock.target, clock.draft
+    path = profile_cache_dir() / (cache_key(target, draft)[0] + ".json")
+    entry = json.dumps({"draft": draft_key(draft), "method": PATH_METHOD, **clock.key}, sort_keys=True, default=str)
+    stored = _read_cache(path, target_key(target))
+    if entry not in stored["rounds"]:
+        from tqdm.auto import tqdm  # imported when measuring, not with the package
+
+        runs = {name: (fn, None) for name, fn in clock.runs().items()}
+        bar = tqdm(total=1 + AUTO_REPEATS, desc="profiling this machine (once)", disable=not progress)
+        # a sampled call's rounds draw random numbers: timed on a fork of the generator, so that a seed gives the
+        # caller the same sample whether or not its call measured
+        with torch.random.fork_rng(devices=[target.device] if target.device.type == "cuda" else []):
+            seconds = interleaved_seconds(runs, target.device, 1, AUTO_REPEATS, min, on_repeat=lambda: bar.update(1))
+        bar.close()
+        widths = {name[1]: v for name, v in seconds.items() if isinstance(name, tuple)}
+        measured = {"verify": {str(n): v for n, v in clock.verify_table(widths).items()}, "plain": seconds["plain"],
+                    "draft": seconds["draft"]}
+        _merge_into(path, target_key(target), {}, None, {}, rounds={entry: measured})
+        stored = _read_cache(path, target_key(target), warn=False)
+    measured, R = stored["rounds"][entry], clock.rows
+    return EngineCosts({R: measured_table(measured["verify"], "verify")}, {R: measured["draft"]},
+                       {R: measured["plain"]})
 
 
 def profile_cache_dir() -> Path:
@@ -245,7 +309,7 @@ def _read_cache(path: Path, key: dict, warn: bool = True) -> dict:
     cannot be read is named in a warning, and what it lacks is measured again and written over it."""
     if path in _UNSAVED:
         return _UNSAVED[path]
-    fresh = {"key": key, "verify": {}, "drafts": {}}
+    fresh = {"key": key, "verify": {}, "drafts": {}, "rounds": {}}
     if not path.exists():
         return fresh
     try:
@@ -255,6 +319,10 @@ def _read_cache(path: Path, key: dict, warn: bool = True) -> dict:
             raise ValueError(f"drafts must be a table, got {type(stored['drafts']).__name__}")
         for draft, row in stored["drafts"].items():
             measured_table(row, f"drafts[{draft}]")
+        stored.setdefault("rounds", {})
+        for entry, measured in stored["rounds"].items():
+            measured_table(measured["verify"], f"rounds[{entry}]")
+            measured_table({1: measured["plain"], 2: measured["draft"]}, f"rounds[{entry}]")
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError) as error:
         if warn:
             warnings.warn(f"{path}: the default policy's cost cache cannot be read ({type(error).__name__}: "
@@ -263,14 +331,17 @@ def _read_cache(path: Path, key: dict, warn: bool = True) -> dict:
     return stored
 
 
-def _merge_into(path: Path, key: dict, verify: dict, drafted_as: str, drafts: dict) -> None:
+def _merge_into(path: Path, key: dict, verify: dict, drafted_as: str | None, drafts: dict,
+                rounds: dict | None = None) -> None:
     """Add what was measured to the cache file: re-read first (another thread or process may have added to it) and
     replaced atomically, under a lock. Where the file cannot be written (a read-only home), say so once and keep
     the costs for the rest of this process."""
     with _CACHE_LOCK, _file_lock(path):
         current = _read_cache(path, key, warn=False)
         current["verify"].update({str(R): {str(n): v for n, v in row.items()} for R, row in verify.items()})
-        current["drafts"].setdefault(drafted_as, {}).update({str(R): v for R, v in drafts.items()})
+        if drafts:
+            current["drafts"].setdefault(drafted_as, {}).update({str(R): v for R, v in drafts.items()})
+        current["rounds"].update(rounds or {})
         try:
             write_atomic(path, json.dumps(current, indent=1, default=str))
         except OSError as error:

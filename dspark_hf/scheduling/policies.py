@@ -68,6 +68,11 @@ class Policy:
     def prepare(self, target, draft, batch_size: int, sampling: bool = False) -> None:
         """Called once per generate() call before the first round."""
 
+    def price(self, clock) -> None:
+        """Called once per generate() call after `prepare`, before the first plan, with the call's own rounds ready
+        to be timed on the path it runs (a `costs.RoundClock`): a policy that plans against what rounds cost
+        measures them here (`costs.path_costs` keeps them for later calls)."""
+
     def draft_this_round(self, num_rows: int) -> bool:
         return True
 
@@ -138,6 +143,12 @@ def plan_lengths(policy: VerificationPolicy, confidences: list[list[float]] | No
         return checked_lengths(policy.plan(confidences, gamma, num_rows), gamma, num_rows, policy)
     c = None if confidences is None else _host(confidences, torch.float32).view(num_rows, gamma)
     return checked_lengths(policy(c, gamma, num_rows), gamma, num_rows, policy)
+
+
+def price_rounds(policy: VerificationPolicy, clock) -> None:
+    """Hand `policy` the call's own rounds to time (a [`Policy`] may price them; other policies do not ask)."""
+    if isinstance(policy, Policy):
+        policy.price(clock)
 
 
 def keeps_drafted(policy: VerificationPolicy, num_rows: int) -> bool:

@@ -50,7 +50,7 @@ class ProfileOptions:
     output: str = option("profile.json", "profile JSON to write (the scheduler and --profile read it)")
 
 
-def _interleaved_seconds(runs: dict, device, warmup: int, repeats: int, statistic=statistics.median,
+def interleaved_seconds(runs: dict, device, warmup: int, repeats: int, statistic=statistics.median,
                          on_repeat=lambda: None) -> dict:
     """Seconds of each of `runs` (key -> (fn, after or None)), all measured in every repeat in a rotating order: a
     machine whose speed drifts during the measurement (other work starting, clocks changing) slows every run alike,
@@ -104,7 +104,7 @@ def profile_sps(target, rows: int | Sequence[int] = 1, max_tokens_per_row: int =
                                        torch.ones_like(positions, dtype=torch.bool))
             anchor, anchor_pos, draft_block = prompt[:, -1], torch.full((R,), context, device=device), drafter(draft)
             runs["draft"] = (lambda: draft_block(anchor, anchor_pos, ctx), None)
-        seconds = _interleaved_seconds(runs, device, warmup, repeats, statistic, on_repeat=lambda: bar.update(1))
+        seconds = interleaved_seconds(runs, device, warmup, repeats, statistic, on_repeat=lambda: bar.update(1))
         if steps:
             grid[R] = {n: 1.0 / seconds[n] for n in measured_widths(steps)}
         if draft is not None:

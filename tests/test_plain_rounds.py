@@ -1,0 +1,141 @@
+"""A round after which nothing is drafted is plain generate()'s step: the target over one token per row, reading no
+more cache slots than plain generate()'s cache holds, no work of the draft's, one read of the device. The target's
+features of such rounds are kept, and projected into the draft's context the first time it drafts again, so that a
+block drafted after a pause is the block drafted without one.
+"""
+
+import pytest
+import torch
+
+from conftest import cpu_compile_config, left_padded_prompts, tiny_draft, tiny_target
+from dspark_hf import Policy
+from dspark_hf.generation import decoding
+from dspark_hf.generation.cache import DecodingCache
+from test_host_reads import HostReads
+
+PATHS = ["eager", "compiled"]
+
+
+class Paused(Policy):
+    """Drafts the blocks whose index is in `drafted` (verifying `length` tokens of each), none of the others; with
+    `verify_instead`, drafts every block and verifies none of those others, which commits what a paused round commits
+    while the draft's context is projected every round."""
+
+    def __init__(self, drafted: set[int], length: int, verify_instead: bool = False):
+        self.drafted, self.length, self.verify_instead, self.block = drafted, length, verify_instead, -1
+
+    def draft_this_round(self, num_rows: int) -> bool:
+        self.block += 1  # asked once per block, before the block is planned
+        return self.verify_instead or self.block in self.drafted
+
+    def __call__(self, confidences, gamma: int, num_rows: int) -> torch.Tensor:
+        return torch.full((num_rows,), self.length if self.block in self.drafted else 0, dtype=torch.long)
+
+
+def path_options(path: str, prompt_length: int, max_new_tokens: int) -> dict:
+    if path == "eager":
+        return {}
+    return {"cache_implementation": "static", "compile_config": cpu_compile_config(),
+            "max_cache_len": prompt_length + max_new_tokens}
+
+
+def plain_cache(output):
+    """The cache plain generate() returned (`cache` from transformers 5.24, `past_key_values` before)."""
+    return output["cache"] if "cache" in output else output["past_key_values"]
+
+
+class Spy:
+    """What each `_round` runs: the target's query tokens and the cache slots its attention reads, how many of the
+    draft's modules run (eagerly: a compiled step's modules run inside its graph, unseen), whether the draft's
+    context changes, and how many times the host reads the device."""
+
+    def __init__(self, monkeypatch, draft):
+        self.rounds, self._current = [], None
+        round_, frame = decoding._round, DecodingCache.frame
+
+        def spied_round(s, candidates, state, plan):
+            self._current = {"queries": [], "width": [], "draft_modules": 0, "reads": 0}
+            context = [t.clone() for t in state.context_keys + state.context_values]
+            with HostReads() as reads:
+                try:
+                    return round_(s, candidates, state, plan)
+                finally:
+                    self._current["reads"] = reads.count
+                    self._current["context_written"] = not all(
+                        torch.equal(a, b) for a, b in zip(context, state.context_keys + state.context_values))
+                    self.rounds.append(self._current)
+                    self._current = None
+
+        def spied_frame(cache, index, queries, width):
+            if self._current is not None:
+                self._current["queries"].append(queries)
+                self._current["width"].append(width)
+            return frame(cache, index, queries, width)
+
+        def counted(*_):
+            if self._current is not None:
+                self._current["draft_modules"] += 1
+
+        monkeypatch.setattr(decoding, "_round", spied_round)
+        monkeypatch.setattr(DecodingCache, "frame", spied_frame)
+        for module in draft.modules():
+            monkeypatch.setattr(module, "_forward_pre_hooks", module._forward_pre_hooks.copy())
+            module.register_forward_pre_hook(counted)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("batch", [1, 3])
+def test_a_round_that_drafts_nothing_runs_plain_generate_s_step_and_nothing_of_the_draft(path, batch, monkeypatch):
+    target = tiny_target("llama")
+    draft = tiny_draft(target)
+    ids, mask = left_padded_prompts(batch)
+    P, new = ids.shape[1], 16
+    options = path_options(path, P, new)
+    reference = target.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=new,
+                                return_dict_in_generate=True, **options)
+    spy = Spy(monkeypatch, draft)
+    out = target.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=new,
+                          assistant_model=draft, verification_policy=Paused(drafted=set(), length=0), **options)
+    assert torch.equal(out, reference.sequences)
+    assert len(spy.rounds) == new - 1  # the prefill's token, then one token a round
+    for i, seen in enumerate(spy.rounds):
+        assert seen["draft_modules"] == 0 and not seen["context_written"], (i, seen)
+        assert seen["queries"] == [1], (i, seen)
+        # plain generate()'s step reads its cache: eagerly the tokens so far (the prompt's slots, the new token's,
+        # the tokens before it), compiled the static cache's whole length
+        plain_width = P + i + 1 if path == "eager" else plain_cache(reference).layers[0].get_mask_sizes(1)[0]
+        assert seen["width"] == [plain_width], (i, seen)
+        assert seen["reads"] <= 1, (i, seen)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_block_drafted_after_a_pause_is_the_block_drafted_without_one(path):
+    """Rows that accept different amounts (their ends apart), then a pause of several rounds, then blocks again: the
+    drafts after the pause read the context the paused rounds left to project, as drafts do after rounds that
+    projected their own."""
+    target = tiny_target("llama", vocab=6)  # a random draft then accepts often enough for the rows to part
+    draft = tiny_draft(target)
+    ids, mask = left_padded_prompts(3, vocab=6)
+    new = 24
+    options = path_options(path, ids.shape[1], new)
+    drafted = {0, 1, 2, 8, 9, 10, 11}  # blocks 3-7 paused
+
+    def decode(policy):
+        return target.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=new,
+                               assistant_model=draft, verification_policy=policy, return_dict_in_generate=True,
+                               **options)
+
+    paused = decode(Paused(drafted, length=2))
+    projected = decode(Paused(drafted, length=2, verify_instead=True))
+    assert torch.equal(paused.sequences, projected.sequences)
+    compared = 0
+    for rows_paused, rows_projected in zip(paused.rounds, projected.rounds):
+        assert len(rows_paused) == len(rows_projected)
+        for i, (a, b) in enumerate(zip(rows_paused, rows_projected)):
+            assert a.committed == b.committed, i
+            if a.drafted and i >= 8:  # drafted after the pause
+                assert a.drafted == b.drafted, i
+                assert a.draft_probs == pytest.approx(b.draft_probs, abs=1e-5), i
+                compared += 1
+    assert compared >= 3
+    assert any(len({r.accepted for r in rows[:3]}) > 1 for rows in zip(*paused.rounds)), "rows accepted apart"
