@@ -721,12 +721,25 @@ def test_dspark_generate_times_neither_call_with_one_time_work(tiny_models, tmp_
     import dspark_hf.scheduling.costs as costs
 
     monkeypatch.setenv("DSPARK_HF_PROFILE_CACHE", str(tmp_path))  # nothing measured yet
-    events, clock, measure = [], dspark_hf.devices.clock, costs.profile_sps
+    events, clock, measure = [], dspark_hf.devices.clock, costs.interleaved_seconds
     monkeypatch.setattr(dspark_hf.devices, "clock", lambda *a, **k: events.append("clock") or clock(*a, **k))
-    monkeypatch.setattr(costs, "profile_sps", lambda *a, **k: events.append("measure") or measure(*a, **k))
+    monkeypatch.setattr(costs, "interleaved_seconds", lambda *a, **k: events.append("measure") or measure(*a, **k))
     assert main(["generate", "--target", str(tiny_models / "target"), "--draft", str(tiny_models / "draft"),
                  "--prompt", "w4 w5 w6", "--max-new-tokens", "8"]) == 0
     assert "measure" in events and "measure" not in events[events.index("clock"):], events
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_dspark_generate_says_what_it_compares_and_prints_tau_and_the_ratio(tiny_models, capsys, compiled):
+    """Eager DSpark against eager plain generate(), or with --compile both with a static cache and torch.compile."""
+    import re
+
+    assert main(["generate", "--target", str(tiny_models / "target"), "--draft", str(tiny_models / "draft"),
+                 "--prompt", "w4 w5 w6", "--max-new-tokens", "8", *(["--compile"] if compiled else [])]) == 0
+    out = capsys.readouterr().out
+    both = "both with a static cache + torch.compile" if compiled else "both eager (--compile: both compiled)"
+    assert f"time, {both}: DSpark" in out and "identical to plain generate(): yes" in out
+    assert re.search(r"tau \(bonus included\): \d\.\d\d", out) and re.search(r"-> \d+\.\d\dx plain's speed", out)
 
 
 def test_the_threshold_sweep_plot_labels_both_axes_and_its_legend_names_the_line(tmp_path, monkeypatch):
