@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Never slower than plain generate() (issue 57), measured on this CPU: what a round that drafts nothing costs against
+# plain generate()'s step, on the code before the change (a git worktree of 28bc7f5) and after it (round, before);
+# where its extra time went before (breakdown); and the default policy against both baselines with `dspark bench
+# speed` (greedy, float32, 96 new tokens, paired, 5 repeats) at batch 1 and 8, on the packaged suites and on the
+# chat-heavy MT-Bench set (b1, b1chat, b8, b8chat), and the oracle's ceiling (oracle). Results in results/.
+# Run from the repository root: bash experiments/the-floor-cpu/measure.sh [round before breakdown b1 ...]
+set -euo pipefail
+HERE=experiments/the-floor-cpu
+OUT=$HERE/results
+BEFORE=${BEFORE:-/tmp/dspark-before}  # a worktree of the code before the change
+mkdir -p "$OUT"
+before() {
+  [ -d "$BEFORE" ] || git worktree add --detach "$BEFORE" 28bc7f5
+  PYTHONPATH="$BEFORE:$PWD/$HERE" python "$@"
+}
+SUITES="--suite humaneval --suite mtbench --suite gsm"
+SPEED="--max-new-tokens 96 --repeats 5 --policy auto"
+
+# shellcheck disable=SC2086  # the flags are lists
+for step in "${@:-round before breakdown b1 b1chat b8 b8chat oracle}"; do
+  for s in $step; do
+    case $s in
+      round) python $HERE/one_token_round.py --output $OUT/one_token_round.json ;;
+      before) before $HERE/one_token_round.py --output $OUT/one_token_round_before.json ;;
+      breakdown) before $HERE/breakdown.py --output $OUT/breakdown_before.json
+                 python $HERE/breakdown.py --output $OUT/breakdown.json ;;
+      b1) python -m dspark_hf bench speed $SUITES --limit 3 --batch-size 1 $SPEED --output $OUT/bench_speed_b1.json ;;
+      b1chat) python -m dspark_hf bench speed --suite mtbench --limit 8 --batch-size 1 $SPEED \
+                --output $OUT/bench_speed_b1_chat.json ;;
+      b8) python -m dspark_hf bench speed $SUITES --limit 8 --batch-size 8 $SPEED --output $OUT/bench_speed_b8.json ;;
+      b8chat) python -m dspark_hf bench speed --suite mtbench --limit 24 --batch-size 8 $SPEED \
+                --output $OUT/bench_speed_b8_chat.json ;;
+      oracle) python -m dspark_hf bench oracle --batch-sizes 1 8 --max-new-tokens 96 --repeats 3 \
+                --output $OUT/bench_oracle.json ;;
+      *) echo "unknown step $s: choose from round, before, breakdown, b1, b1chat, b8, b8chat, oracle" >&2; exit 2 ;;
+    esac
+  done
+done
