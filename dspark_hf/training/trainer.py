@@ -91,7 +91,12 @@ def train(config: TrainConfig, target=None, progress: bool = True, started: floa
     _say_the_batches(run)
 
     step, generator = _take_steps(run, first_step, generator_state, progress)
-    return _finish(run, first_step, step, generator)
+    draft = _finish(run, first_step, step, generator)
+    # Leave the process group before the interpreter exits: gloo's worker threads outliving it abort the process
+    # (SIGABRT, "terminate called without an active exception") after a run that went well.
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+    return draft
 
 
 # -- setting a run up ------------------------------------------------------------------------------------------------
