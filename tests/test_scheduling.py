@@ -349,9 +349,10 @@ def costs(draft=0.01, verify=lambda n: 0.05 + 0.005 * n, rows=(1, 2, 4)):
 
 
 def auto(engine, gamma=7, **kw):
+    """AutoScheduled over `engine`; at break-even (margin=1) unless told, as the tests of its mechanics read."""
     from dspark_hf import AutoScheduled
 
-    policy = AutoScheduled(**kw)
+    policy = AutoScheduled(**{"margin": 1.0, **kw})
     policy.costs = engine
     policy.learned = policy.fresh(gamma)
     return policy
@@ -525,6 +526,23 @@ def test_drafting_is_judged_against_what_a_round_that_drafts_nothing_costs_on_th
 
     assert all(drafts(None))  # against verifying one token: 1.4 tokens in 0.068 s, 1.11x one in 0.054 s
     assert sum(drafts({1: 0.045})) <= 3  # against the plain round it costs: 0.93x one in 0.045 s
+
+
+def test_drafting_must_beat_one_token_rounds_by_the_margin():
+    """A draft that the costs say gains 1.06x drafts at break-even (margin=1) and pauses under the default margin
+    (1.1x): its rounds, timed apart, do not show what a decode that mixes drafted and plain rounds pays for them."""
+    from dspark_hf import AutoScheduled
+
+    def drafts(margin):
+        policy = auto(costs(draft=0.004, verify=lambda n: 0.054 if n == 1 else 0.068), margin=margin)
+        luck = iter([1, 0, 1, 0, 0] * 20)  # the first drafted token accepted in 2 rounds of 5, never the second
+        return play(policy, torch.tensor([[0.4] + [0.05] * 6]), lambda ls: torch.minimum(ls, torch.tensor(next(luck))),
+                    60)
+
+    assert AutoScheduled().margin == 1.1
+    assert all(drafts(1.0))  # 1.4 tokens in 0.072 s against one in 0.054 s, 1.06x by the estimate
+    drafted = drafts(1.1)  # under the default margin, 1.06 / 1.1: the estimate sinks below 1 from its start at 1
+    assert all(drafted[:5]) and not any(drafted[20:])
 
 
 def test_one_unlucky_round_does_not_stop_a_draft_that_pays():
@@ -868,6 +886,7 @@ def test_a_policy_class_instead_of_an_instance_is_refused():
     (lambda: AsyncScheduled(lambda b: 1.0, lag=0), "AsyncScheduled: lag must be a whole number >= 1"),
     (lambda: Scheduled(lambda b: 1.0, probe_every=0), "Scheduled: probe_every must be a whole number >= 1"),
     (lambda: __import__("dspark_hf").AutoScheduled(probe_budget=0), r"probe_budget must be a number in \(0, inf\]"),
+    (lambda: __import__("dspark_hf").AutoScheduled(margin=0.9), r"margin must be a number in \[1, inf\]"),
     (lambda: __import__("dspark_hf").AutoScheduled(smoothing=5), r"smoothing must be a number in \(0, 1\]"),
     (lambda: __import__("dspark_hf").AutoScheduled(max_pause=-3), "max_pause must be a whole number >= 1"),
 ])

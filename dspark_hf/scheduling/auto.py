@@ -53,11 +53,14 @@ class AutoScheduled(Policy):
       confidence head is planned with the acceptance rates seen so far.
     - Between rounds: a running estimate of what drafting gains, each drafted round's expected committed tokens
       (given its block: 1 + the recalibrated prefix survival over the positions verified) per second of its
-      measured cost over plain decoding's R / t_plain, smoothed over rounds (`smoothing`: the weight of the
+      measured cost over `margin` times plain decoding's R / t_plain, smoothed over rounds (`smoothing`: the weight of the
       newest round). The expectation, not the count, and a slow average: a draft that pays accepts nothing in many
       of its rounds and is expected to in many more (the confidences of one block vary far more than a draft's
-      worth does), and a quicker, noisier estimate paused it where it paid. It starts at 1 (break
-      even: no evidence either way), so a lucky first block alone does not keep a weak draft drafting. While it is
+      worth does), and a quicker, noisier estimate paused it where it paid. The margin (1.1 by default) is what
+      the costs cannot see: they time each forward apart, and in a decode that mixes drafted and one-token rounds
+      both cost more than that (at batch 8 on a 2-core CPU, compiled, drafted rounds 2-13% and the one-token rounds
+      between them 5-10%), so a draft the costs put at 1.07x lost 5% (experiments/the-floor-cpu). It starts at 1
+      (break even: no evidence either way), so a lucky first block alone does not keep a weak draft drafting. While it is
       below 1, drafting pauses and probes again after `probe_every` rounds, and each probe that leaves the estimate
       below 1 doubles the pause (up to `max_pause`): one unlucky round does not stop drafting, one lucky probe does
       not restart it. No pause is shorter than what keeps the probes' extra cost (a draft pass and as many verified
@@ -82,12 +85,13 @@ class AutoScheduled(Policy):
     """
 
     def __init__(self, profile: str | Path | None = None, smoothing: float = 0.1, probe_every: int = 4,
-                 max_pause: int = 64, probe_budget: float = 0.005, progress: bool = True):
+                 max_pause: int = 64, probe_budget: float = 0.005, margin: float = 1.1, progress: bool = True):
         self.profile = profile
         self.smoothing = real("AutoScheduled", "smoothing", smoothing, 0.0, 1.0, low_open=True)
         self.probe_every = whole("AutoScheduled", "probe_every", probe_every, 1)
         self.max_pause = whole("AutoScheduled", "max_pause", max_pause, 1)
         self.probe_budget = real("AutoScheduled", "probe_budget", probe_budget, 0.0, math.inf, low_open=True)
+        self.margin = real("AutoScheduled", "margin", margin, 1.0, math.inf)
         self.progress = progress
         self.costs: EngineCosts | None = None
         self._fetched = (None, None)  # (the path and models `price` measured the costs for, those costs)
@@ -118,7 +122,7 @@ class AutoScheduled(Policy):
         """What the last greedy call with this draft, target, batch size, settings and path handed on (a copy: this
         call's, which it hands on in turn), or a fresh start."""
         key = (self.batch_size, None if self.profile is None else str(self.profile), self.smoothing,
-               self.probe_every, self.max_pause, self.probe_budget, path)  # set up otherwise, it learned otherwise
+               self.probe_every, self.max_pause, self.probe_budget, self.margin, path)  # set up otherwise, it learned otherwise
         with _CARRIED_LOCK:
             carried = _CARRIED.setdefault(draft, weakref.WeakKeyDictionary()).setdefault(target, {})
             learned = copy.deepcopy(carried[key]) if key in carried else self.fresh(draft.config.block_size)
@@ -236,7 +240,7 @@ class AutoScheduled(Policy):
             verified = [min(p, v) for p, v in zip(self._plan(self._planned, R), verified)]  # as the plan would have
             learned.probing = False
         rows = self._rows(R)
-        plain_rate = R / self.costs.plain(rows)
+        plain_rate = self.margin * R / self.costs.plain(rows)  # the rate drafting must beat
         round_seconds = self.costs.draft(rows) + self.costs.verify(rows, 1 + max(verified))
         this_round = self._expected_tokens(verified) / round_seconds / plain_rate
         learned.gain = (1 - self.smoothing) * learned.gain + self.smoothing * this_round
