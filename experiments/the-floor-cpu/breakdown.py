@@ -41,8 +41,6 @@ def parts(stats: pstats.Stats, forwards: int) -> dict:
         "  attention (SDPA)": seconds(stats, "sdpa_attention.py", "sdpa_attention_forward"),
         "  masks built per row (DecodingState._masks)": seconds(stats, "generation/state.py", "_masks"),
         "  the draft's context projected (encode_context)": seconds(stats, "modeling_dspark.py", "encode_context"),
-        "  other state writes (write_rows outside the cache)": seconds(stats, "generation/cache.py", "write_rows")
-        - seconds(stats, "generation/cache.py", "update"),
     }
 
 

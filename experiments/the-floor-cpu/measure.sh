@@ -3,7 +3,8 @@
 # plain generate()'s step, on the code before the change (a git worktree of 28bc7f5) and after it (round, before);
 # where its extra time went before (breakdown); and the default policy against both baselines with `dspark bench
 # speed` (greedy, float32, 96 new tokens, paired, 5 repeats) at batch 1 and 8, on the packaged suites and on the
-# chat-heavy MT-Bench set (b1, b1chat, b8, b8chat), and the oracle's ceiling (oracle). Results in results/.
+# chat-heavy MT-Bench set (b1, b1chat, b8, b8chat), and the oracle's ceiling (oracle); what drafted and one-token
+# rounds cost inside a batch-8 compiled decode, at break-even and at the default margin (mixed). Results in results/.
 # Run from the repository root: bash experiments/the-floor-cpu/measure.sh [round before breakdown b1 ...]
 set -euo pipefail
 HERE=experiments/the-floor-cpu
@@ -18,7 +19,7 @@ SUITES="--suite humaneval --suite mtbench --suite gsm"
 SPEED="--max-new-tokens 96 --repeats 5 --policy auto"
 
 # shellcheck disable=SC2086  # the flags are lists
-for step in "${@:-round before breakdown b1 b1chat b8 b8chat oracle}"; do
+for step in "${@:-round before breakdown b1 b1chat b8 b8chat oracle mixed}"; do
   for s in $step; do
     case $s in
       round) python $HERE/one_token_round.py --output $OUT/one_token_round.json ;;
@@ -33,7 +34,11 @@ for step in "${@:-round before breakdown b1 b1chat b8 b8chat oracle}"; do
                 --output $OUT/bench_speed_b8_chat.json ;;
       oracle) python -m dspark_hf bench oracle --batch-sizes 1 8 --max-new-tokens 96 --repeats 3 \
                 --output $OUT/bench_oracle.json ;;
-      *) echo "unknown step $s: choose from round, before, breakdown, b1, b1chat, b8, b8chat, oracle" >&2; exit 2 ;;
+      mixed) for m in 1.0 1.1; do
+               python $HERE/mixed_rounds.py --margin $m --output $OUT/mixed_rounds_margin$m.json
+             done ;;
+      *) echo "unknown step $s: choose from round, before, breakdown, b1, b1chat, b8, b8chat, oracle, mixed" >&2
+         exit 2 ;;
     esac
   done
 done
