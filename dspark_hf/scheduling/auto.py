@@ -56,10 +56,10 @@ class AutoScheduled(Policy):
       measured cost over `margin` times plain decoding's R / t_plain, smoothed over rounds (`smoothing`: the weight of the
       newest round). The expectation, not the count, and a slow average: a draft that pays accepts nothing in many
       of its rounds and is expected to in many more (the confidences of one block vary far more than a draft's
-      worth does), and a quicker, noisier estimate paused it where it paid. The margin (1.1 by default) is what
-      the costs cannot see: they time each forward apart, and in a decode that mixes drafted and one-token rounds
-      both cost more than that (at batch 8 on a 2-core CPU, compiled, drafted rounds 2-13% and the one-token rounds
-      between them 5-10%), so a draft the costs put at 1.07x lost 5% (experiments/the-floor-cpu). It starts at 1
+      worth does), and a quicker, noisier estimate paused it where it paid. The margin (1.1 by default) covers what
+      the costs, timed apart, do not see: on a 2-core CPU at batch 8, compiled, a draft they put at 1.10x lost 5-10%
+      in `dspark bench speed` (which runs eager calls between the compiled ones), though it gained 10% with the
+      compiled calls alone (experiments/the-floor-cpu, section 4; margin=1.0 drafts at break-even). It starts at 1
       (break even: no evidence either way), so a lucky first block alone does not keep a weak draft drafting. While it is
       below 1, drafting pauses and probes again after `probe_every` rounds, and each probe that leaves the estimate
       below 1 doubles the pause (up to `max_pause`): one unlucky round does not stop drafting, one lucky probe does
