@@ -51,23 +51,23 @@ class AutoScheduled(Policy):
       recalibrated online: at each position, by the ratio of tokens accepted to confidence spent in the rounds so
       far (a draft better or worse than its confidence head says is planned for as it is); a draft without a
       confidence head is planned with the acceptance rates seen so far.
-    - Between rounds: a running estimate of what drafting gains, each drafted round's expected committed tokens
-      (given its block: 1 + the recalibrated prefix survival over the positions verified) per second of its
-      measured cost over `margin` times plain decoding's R / t_plain, smoothed over rounds (`smoothing`: the
-      weight of the newest round). The expectation, not the count, and a slow average: a draft that pays accepts
-      nothing in many of its rounds and is expected to in many more (the confidences of one block vary far more than a draft's
-      worth does), and a quicker, noisier estimate paused it where it paid. The margin (1.1 by default) covers what
-      the costs, timed apart, do not see: on a 2-core CPU at batch 8, compiled, a draft they put at 1.10x lost 5-10%
-      in `dspark bench speed` (which runs eager calls between the compiled ones), though it gained 10% with the
-      compiled calls alone (experiments/the-floor-cpu, section 4; margin=1.0 drafts at break-even). It starts at
-      1 (break even: no evidence either way), so a lucky first block alone does not keep a weak draft drafting.
-      While it is below 1, drafting pauses and probes again after `probe_every` rounds, and each probe that leaves
-      the estimate below 1 doubles the pause (up to `max_pause`): one unlucky round does not stop drafting, one lucky probe does
-      not restart it. No pause is shorter than what keeps the probes' extra cost (a draft pass and as many verified
-      tokens as the last drafted round verified, from the costs) within `probe_budget` of the time spent decoding
-      plainly, `max_pause` notwithstanding: with a weak draft the probes cost about that much at most (0.5% by
-      default: a round that drafts nothing costs what plain generate()'s step costs, so the probes are all a paused
-      policy adds), and a short request (tens of tokens) pays for its first probe only.
+    - Between rounds: a running estimate of what drafting gains, each drafted round's expected committed tokens (given
+      its block: 1 + the recalibrated prefix survival over the positions verified) per second of its measured cost over
+      `margin` times plain decoding's R / t_plain, smoothed over rounds (`smoothing`: the weight of the newest round).
+      The expectation, not the count, and a slow average: a draft that pays accepts nothing in many of its rounds and is
+      expected to in many more (the confidences of one block vary far more than a draft's worth does), and a quicker,
+      noisier estimate paused it where it paid. The margin (1.1 by default) covers what the costs, timed apart, do not
+      see: on a 2-core CPU at batch 8, compiled, a draft they put at 1.10x lost 5-10% in `dspark bench speed` (which
+      runs eager calls between the compiled ones), though it gained 10% with the compiled calls alone
+      (experiments/the-floor-cpu, section 4; margin=1.0 drafts at break-even). It starts at 1 (break even: no evidence
+      either way), so a lucky first block alone does not keep a weak draft drafting. While it is below 1, drafting
+      pauses and probes again after `probe_every` rounds, and each probe that leaves the estimate below 1 doubles the
+      pause (up to `max_pause`): one unlucky round does not stop drafting, one lucky probe does not restart it. No pause
+      is shorter than what keeps the probes' extra cost (a draft pass and as many verified tokens as the last drafted
+      round verified, from the costs) within `probe_budget` of the time spent decoding plainly, `max_pause`
+      notwithstanding: with a weak draft the probes cost about that much at most (0.5% by default: a round that drafts
+      nothing costs what plain generate()'s step costs, so the probes are all a paused policy adds), and a short request
+      (tens of tokens) pays for its first probe only.
     - Rows verify at least a common length, the one that maximises tokens per second by the acceptance rates
       of past rounds (Algorithm 1's early stop cannot find it on a padded batch); probes (the first drafted round,
       and the first after a pause) verify at least one token, so that a draft better than its confidence head says
