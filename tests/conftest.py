@@ -52,6 +52,19 @@ def tiny_draft(target, seed: int = 1, **overrides) -> DSparkDraftModel:
     return DSparkDraftModel.from_target(target, **fields).eval()
 
 
+def tiny_tokenizer():
+    """A word-level tokenizer of the tiny vocabulary: "w3" ... "w95", with <pad> 0, <unk> 1, <eos> 2 and a chat
+    template that joins the messages."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<unk>": 1, "<eos>": 2, **{f"w{i}": i for i in range(3, VOCAB)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>", eos_token="<eos>",
+                                   chat_template="{% for m in messages %}{{ m['content'] }} {% endfor %}w3")
+
+
 def left_padded_prompts(batch: int, vocab: int = VOCAB, length: int = 9, seed: int = 0):
     """Random prompts of different lengths, left-padded; row i has i % length pads."""
     g = torch.Generator().manual_seed(seed)

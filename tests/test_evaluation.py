@@ -6,9 +6,8 @@ import shutil
 
 import pytest
 import torch
-from transformers import PreTrainedTokenizerFast
 
-from conftest import VOCAB, cli_error, cut_in_half, tiny_draft, tiny_target
+from conftest import VOCAB, cli_error, cut_in_half, tiny_draft, tiny_target, tiny_tokenizer
 from dspark_hf import DSparkDraftModel
 from dspark_hf.cli import main
 from dspark_hf.evaluation.evaluate import threshold_sweep
@@ -61,16 +60,6 @@ def test_threshold_sweep_cuts_at_the_first_low_confidence():
     assert full["tokens_per_step"] == (5 + 1) / 2 and full["acceptance_rate"] == 4 / 8
     # at 0.5 the first round verifies 2 (both accepted), the second verifies nothing
     assert cut["tokens_per_step"] == (3 + 1) / 2 and cut["acceptance_rate"] == 1.0
-
-
-def tiny_tokenizer():
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    vocab = {"<pad>": 0, "<unk>": 1, "<eos>": 2, **{f"w{i}": i for i in range(3, VOCAB)}}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>", eos_token="<eos>",
-                                   chat_template="{% for m in messages %}{{ m['content'] }} {% endfor %}w3")
 
 
 @pytest.fixture(scope="module")

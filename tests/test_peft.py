@@ -320,7 +320,7 @@ def test_a_peft_wrapped_target_is_lossless_with_a_draft(corruption):
 
 def test_a_peft_adapter_folder_given_as_the_target_loads_as_transformers_loads_it(tmp_path, target):
     from dspark_hf.loading import load_target
-    from test_evaluation import tiny_tokenizer
+    from conftest import tiny_tokenizer
 
     target.save_pretrained(tmp_path / "base")
     adapter = get_peft_model(copy.deepcopy(target), LoraConfig(r=2, target_modules=["q_proj", "v_proj"]))

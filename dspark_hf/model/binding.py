@@ -127,7 +127,18 @@ def fields_from_target(target: PreTrainedModel, num_hidden_layers: int) -> dict[
         target_num_hidden_layers=t.num_hidden_layers,
         target_fingerprint=target_fingerprint(target),
         final_logit_softcapping=getattr(t, "final_logit_softcapping", None),
+        **special_tokens(target),
     )
+
+
+SPECIAL_TOKENS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def special_tokens(target: PreTrainedModel) -> dict[str, Any]:
+    """The target's BOS, EOS and pad ids, as its text config holds them: what transformers' pipeline compares
+    between a model and its assistant (`load_assistant_model`), so a draft carries its target's."""
+    t = target.config.get_text_config()
+    return {name: getattr(t, name, None) for name in SPECIAL_TOKENS}
 
 
 def check_target(c: DSparkConfig, target: PreTrainedModel) -> None:

@@ -112,6 +112,17 @@ class DSparkConfig(PreTrainedConfig):
         metadata={"help": "Projections of sampled rows of the target's embedding and LM head, recorded when the draft "
                   "is built; binding to a target whose projections do not match warns (see `target_fingerprint`)."},
     )
+    bos_token_id: int | None = field(
+        default=None,
+        metadata={"help": "The target's BOS id, taken from it when the draft is built or bound: transformers' "
+                  "pipeline(assistant_model=draft) compares a draft's special tokens with its target's."},
+    )
+    eos_token_id: int | list[int] | None = field(
+        default=None, metadata={"help": "The target's EOS id(s), taken from it (see bos_token_id)."}
+    )
+    pad_token_id: int | None = field(
+        default=None, metadata={"help": "The target's pad id, taken from it (see bos_token_id)."}
+    )
     final_logit_softcapping: float | None = field(
         default=None,
         metadata={"help": "The target's final-logit soft cap (Gemma), applied to the draft's base logits "

@@ -35,7 +35,8 @@ from transformers import PreTrainedModel
 from transformers.activations import ACT2FN
 from transformers.utils import ModelOutput
 
-from .binding import BlockSizeWarning, TargetBinding, check_target, fields_from_target, refuse_card_data, sharing
+from .binding import BlockSizeWarning, TargetBinding, check_target, fields_from_target, refuse_card_data, sharing, \
+    special_tokens
 from .configuration_dspark import DSparkConfig
 
 
@@ -282,9 +283,13 @@ class DSparkDraftModel(DSparkPreTrainedModel):
         check_target(self.config, target)
 
     def bind_target(self, target: PreTrainedModel) -> "DSparkDraftModel":
-        """Borrow the target's frozen input embedding and LM head (not registered as submodules, never saved)."""
+        """Borrow the target's frozen input embedding and LM head (not registered as submodules, never saved), and
+        take its special token ids where the config has none (drafts saved before the config carried them)."""
         self.check_target(target)
         self.binding = TargetBinding.of(target)
+        for name, value in special_tokens(target).items():
+            if getattr(self.config, name) is None:
+                setattr(self.config, name, value)
         return self
 
     def is_bound_to(self, target: PreTrainedModel) -> bool:
