@@ -4,8 +4,6 @@
 ``target.generate(**inputs, assistant_model=draft)`` run DSpark decoding when ``draft`` is a DSpark draft.
 """
 
-from transformers import AutoConfig, AutoModel
-
 from .generation import (DSparkCandidateGenerator, DSparkGenerateOutput, DSparkRound, HalfPrecisionGreedyWarning,
                          SSDConfig, dspark_generate)
 from .generation.streamers import DSparkRoundStreamer, DSparkStep, RoundStreamer
@@ -15,14 +13,12 @@ from .defaults import default_draft, default_target, fast_draft_dtype
 from .loading import load_draft, load_models, load_target
 from .model.sampling import BlockProposer, DraftBlock
 from .model import DSparkConfig, DSparkContext, DSparkDraftModel
+from .model.auto import register as _register_auto_classes
 from .version import __version__
 from .scheduling import (AsyncScheduled, AutoScheduled, FixedLength, FullBlock, Policy, Scheduled, ThresholdPolicy,
                          VerificationPolicy, prefix_schedule)
 
-AutoConfig.register("dspark", DSparkConfig, exist_ok=True)
-AutoModel.register(DSparkConfig, DSparkDraftModel, exist_ok=True)
-DSparkConfig.register_for_auto_class()
-DSparkDraftModel.register_for_auto_class("AutoModel")
+_register_auto_classes()
 _install_generate_hook()
 
 __all__ = [

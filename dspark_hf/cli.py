@@ -42,6 +42,8 @@ def _read_text(path: str | None, flag: str) -> str | None:
     says there is no such file."""
     if not path:
         return None
+    if Path(path).is_dir():
+        raise ValueError(f"{flag} {path} is a folder: give a file.")
     if not Path(path).is_file():
         raise ValueError(f"{flag} {path}: no such file.")
     return Path(path).read_text()

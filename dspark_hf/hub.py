@@ -274,10 +274,10 @@ def export_draft(draft: str | Path, output: str | Path, base_model: str | None,
 
     _check_name(str(draft), "the draft")
     check_output_folder(output, "export", ours=("draft", "deepspec", "speculators"))
+    model = _whole_draft(draft, "dspark export", dtype)  # first: a folder that holds no draft is what to say
     if not base_model:
         raise ValueError("--base-model is needed for the model card: the target's Hub id, e.g. "
                          "HuggingFaceTB/SmolLM2-135M-Instruct.")
-    model = _whole_draft(draft, "dspark export", dtype)
     model.config.target_name_or_path = base_model  # not the path the target was trained from on some machine
     output = Path(output)
     shipped = output.resolve() == defaults.SHIPPED_DRAFT_DIR.resolve()  # the card of the draft the package ships

@@ -68,6 +68,7 @@ def load_target_model(name_or_path: str, dtype: torch.dtype = torch.float32):
     from safetensors import SafetensorError
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from .model.auto import DraftIsNotACausalLMError
     from .model.modeling_dspark import damaged_weights_error
 
     _check_name(name_or_path, "the target")
@@ -75,13 +76,13 @@ def load_target_model(name_or_path: str, dtype: torch.dtype = torch.float32):
         return AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype)
     except SafetensorError as error:
         raise damaged_weights_error(name_or_path, error) from error
+    except DraftIsNotACausalLMError as error:
+        raise ValueError(f"the target {name_or_path} is a DSpark draft: pass it as the draft (--draft), and the "
+                         "model it drafts for as the target.") from error
     except ValueError as error:  # transformers' message lists every causal-LM config class: thousands of characters
         if not str(error).startswith("Unrecognized configuration class"):
             raise
         kind = AutoConfig.from_pretrained(name_or_path).model_type
-        if kind == "dspark":
-            raise ValueError(f"the target {name_or_path} is a DSpark draft: pass it as the draft (--draft), and the "
-                             "model it drafts for as the target.") from error
         raise ValueError(f"the target {name_or_path} is a {kind} model, which AutoModelForCausalLM cannot load: "
                          "give a decoder-only causal LM.") from error
 

@@ -71,11 +71,11 @@ def dspark_generate(
     plain generate() would compile its step (`steps.Steps`). Returns what `generate()` returns; with
     ``return_dict_in_generate=True`` a [`DSparkGenerateOutput`].
     """
-    input_ids = input_ids.long()  # plain generate() returns int64 ids for any integer prompt
     if model_kwargs.get("attention_mask") is not None:  # a float mask too: positions are sums of it
         model_kwargs["attention_mask"] = model_kwargs["attention_mask"].bool().long()
     check_request(model, draft_model, generation_config, input_ids, model_kwargs, logits_processor, synced_gpus,
                   token_streamer, ssd)
+    input_ids = input_ids.long()  # plain generate() returns int64 ids for any integer prompt
     if not draft_model.is_bound_to(model):
         draft_model.bind_target(model)
     steps = Steps.for_call(model, draft_model, generation_config, ssd)

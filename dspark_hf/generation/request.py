@@ -130,6 +130,7 @@ class HalfPrecisionGreedyWarning(UserWarning):
 def _check_models(model, draft) -> None:
     if not isinstance(draft, DSparkDraftModel):
         raise WrongTypeError(f"dspark_generate needs draft_model=<DSparkDraftModel>, got {type(draft).__name__}.")
+    draft.check_config()  # a field assigned after loading (block_size, say) is checked as from_pretrained checks it
     if model.config.is_encoder_decoder:
         raise ValueError("DSpark decoding supports decoder-only targets.")
     placed = sorted({str(d) for d in (getattr(model, "hf_device_map", None) or {}).values()})
@@ -178,6 +179,10 @@ def _check_model_kwargs(model_kwargs: dict) -> None:
 
 
 def _check_prompt(model, input_ids: torch.Tensor, mask: torch.Tensor | None, positions: torch.Tensor | None) -> None:
+    if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
+        # plain generate() refuses them in the embedding lookup; cast to integers they would decode other tokens
+        raise ValueError(f"input_ids are {str(input_ids.dtype).replace('torch.', '')}, but token ids are integers: "
+                         "pass the ids the tokenizer returned (torch.long), not a cast or computed tensor.")
     if mask is not None and mask.shape != input_ids.shape:
         raise ValueError(f"attention_mask has shape {tuple(mask.shape)} but input_ids {tuple(input_ids.shape)}: pass "
                          "the mask the tokenizer returned with these ids (one entry per token).")

@@ -318,6 +318,14 @@ class DSparkDraftModel(DSparkPreTrainedModel):
                 and not Path(given).expanduser().exists():
             raise OSError(f"{given}: no such folder: give the folder a draft was saved to (save_pretrained), or a "
                           "Hub id.")
+        folder = Path(given, kwargs.get("subfolder") or "").expanduser() if isinstance(given, (str, os.PathLike)) \
+            else None
+        if folder is not None and folder.is_dir() and not (folder / "config.json").exists() \
+                and kwargs.get("config") is None:
+            # transformers would build a default DSparkConfig and fail on its missing target fields
+            raise OSError(f"{given} holds no config.json, so it is not a saved DSpark draft: give the folder "
+                          "save_pretrained wrote (config.json and model.safetensors), or build a new draft with "
+                          "DSparkDraftModel.from_target(target).")
         try:
             model, info = super().from_pretrained(pretrained_model_name_or_path, *args, output_loading_info=True,
                                                   **kwargs)
@@ -358,7 +366,7 @@ class DSparkDraftModel(DSparkPreTrainedModel):
         (a `dspark_hf.cards.CardData` or dict: base_model, repo_id, eval_results, calibration, recipe, ...) feeds
         it. Without dspark_hf installed (remote code), no card is written. A config changed after the draft was
         built is checked first: from_pretrained would refuse it."""
-        self._check_config()
+        self.check_config()
         hub = sharing()
         if hub is None:
             refuse_card_data(card_data)
@@ -369,7 +377,7 @@ class DSparkDraftModel(DSparkPreTrainedModel):
     def push_to_hub(self, repo_id: str, *, model_card: bool = True, card_data=None, **kwargs):
         """transformers' `push_to_hub` (same arguments), with the card of [`save_pretrained`] as README.md
         (`dspark_hf.hub.push_to_hub`; ``model_card=False`` leaves the Hub's README.md alone)."""
-        self._check_config()
+        self.check_config()
         hub = sharing()
         if hub is None:
             refuse_card_data(card_data)
@@ -400,8 +408,11 @@ class DSparkDraftModel(DSparkPreTrainedModel):
                                  "target.generate(**inputs, assistant_model=draft) after import dspark_hf.")
         return super().__getattr__(name)
 
-    def _check_config(self) -> None:
-        # fields set after construction (calibration sets confidence_temperatures) were never validated
+    def check_config(self) -> None:
+        """Raise a ValueError naming the field and the fix where the config was changed since the draft was built
+        into one from_pretrained would refuse: fields set after construction (``draft.config.block_size = 4``,
+        confidence_temperatures set by calibration) were never validated. generate() calls it as it starts, and
+        save_pretrained and push_to_hub before they write."""
         try:
             self.config.validate_dspark()
         except ValueError as error:

@@ -38,6 +38,11 @@ def read_jsonl(path) -> Iterator[tuple[int, object]]:
     """(line number, decoded object) for each non-empty line of a JSONL file, gzipped if its name ends in .gz;
     DataFileError naming the line otherwise."""
     path = Path(path)
+    if path.is_dir():
+        inside = sorted(p.name for p in path.iterdir() if p.name.endswith((".jsonl", ".jsonl.gz")))
+        raise DataFileError(f"{path} is a folder: give one JSONL file in it"
+                            + (f" ({', '.join(inside[:5])}{', ...' if len(inside) > 5 else ''})." if inside else
+                               "; it holds no .jsonl file (`dspark prepare-data --output FILE.jsonl` writes one)."))
     if not path.is_file():
         raise DataFileError(f"{path}: no such file.")
     try:
