@@ -86,6 +86,28 @@ def cut_in_half(path) -> None:
 
 FAMILIES = ["llama", "qwen3", "gemma3"]
 
+# The slow tests (compiling inductor kernels, launching processes, driving Chromium, running the real SmolLM2 or an
+# engine's code) run with RUN_SLOW=1, as transformers' own slow tests do: CI runs them after the fast suite.
+RUN_SLOW = os.environ.get("RUN_SLOW", "").lower() in ("1", "true", "yes")
+
+
+def pytest_configure(config):
+    """Under pytest-xdist (pyproject's addopts: one worker per core), each worker's torch keeps to its share of the
+    cores: the tiny models' tests are bound by Python, and threads beyond the cores only contend."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
+    if workers > 1:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+
+
+def pytest_collection_modifyitems(config, items):
+    """Without RUN_SLOW=1, skip the tests marked slow (those needing the real SmolLM2 target are slow too)."""
+    if RUN_SLOW:
+        return
+    skip = pytest.mark.skip(reason="slow: run with RUN_SLOW=1 (CI does)")
+    for item in items:
+        if "slow" in item.keywords or "smollm2" in item.keywords:
+            item.add_marker(skip)
+
 
 @pytest.fixture(autouse=True, scope="session")
 def profile_cache(tmp_path_factory):

@@ -20,6 +20,7 @@ def fast(target, draft, ids, mask, **kw):
                            return_dict_in_generate=True, **kw)
 
 
+@pytest.mark.slow  # inductor compiles every verification width and the draft's block for each family: 45-80 s each
 @pytest.mark.parametrize("family", FAMILIES)
 def test_compiled_steps_decode_as_plain_generate_and_later_calls_reuse_them(family):
     target = tiny_target(family)

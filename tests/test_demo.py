@@ -270,6 +270,7 @@ def card(page, name: str) -> float:
     return float(page.locator(".ds-card", has_text=name).locator("b").inner_text())
 
 
+@pytest.mark.slow  # headless Chromium
 def test_the_page_streams_colours_and_stats_in_a_browser(tiny_demo, browser, tmp_path):
     page = browser.new_page(viewport={"width": 1400, "height": 1000})
     page.goto(tiny_demo[1])
@@ -287,6 +288,7 @@ def test_the_page_streams_colours_and_stats_in_a_browser(tiny_demo, browser, tmp
     page.close()
 
 
+@pytest.mark.slow  # headless Chromium
 def test_the_stop_button_and_an_empty_prompt_in_a_browser(tiny_demo, browser):
     page = browser.new_page()
     page.goto(tiny_demo[1])

@@ -74,6 +74,7 @@ DRAFTS = {
 }
 
 
+@pytest.mark.slow  # speculators' own modules, in a process of their own
 @pytest.mark.parametrize("shape", list(DRAFTS))
 def test_speculators_own_modules_load_the_export_and_compute_our_logits_and_confidences(saved_target, tmp_path,
                                                                                       shape):
@@ -128,6 +129,7 @@ def vllm_files() -> Path:
                          "the Python files of the vllm 0.33.0 wheel")
 
 
+@pytest.mark.slow  # vLLM's own files
 @pytest.mark.parametrize("vocab", ["full", "reduced"])
 def test_vllm_s_own_speculators_reader_builds_the_draft_we_exported(saved_target, tmp_path, vocab):
     """vLLM 0.33.0's SpeculatorsConfig (the code vLLM loads a speculators checkpoint with) run on our export: the

@@ -117,7 +117,8 @@ def test_acceptance_plots_compare_drafts_side_by_side(tmp_path):
     assert all(p.stat().st_size > 1000 for p in paths)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+# float32 times the compiled arms too, which compile first (80 s)
+@pytest.mark.parametrize("dtype", [pytest.param("float32", marks=pytest.mark.slow), "bfloat16"])
 def test_dspark_bench_speed_reports_every_method(tiny_models, tmp_path, dtype, capsys):
     """In float32, every arm: plain generate() and DSpark, each eager and with a static cache and torch.compile (the
     fair baseline, compiled before timing), and prompt lookup eager and static; in bfloat16, the eager ones."""
@@ -178,7 +179,7 @@ def test_bench_speed_runs_a_single_token_draft_beside_dspark(tiny_models, tmp_pa
         "--also-draft", "dspark=x", "--prompts", str(tiny_models / "prompts.jsonl"), "--limit", "1"])
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", [pytest.param("float32", marks=pytest.mark.slow), "bfloat16"])  # compiles: 100 s
 def test_dspark_bench_oracle_checks_identity_in_float32_and_counts_it_in_bfloat16(tiny_models, tmp_path, dtype, capsys):
     """In float32 also the compiled arms: DSpark's compiled steps against plain generate() compiled alike."""
     out = tmp_path / "oracle.json"
@@ -718,7 +719,7 @@ def test_dspark_generate_times_neither_call_with_one_time_work(tiny_models, tmp_
     assert "measure" in events and "measure" not in events[events.index("clock"):], events
 
 
-@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)])  # --compile: 11 s
 def test_dspark_generate_says_what_it_compares_and_prints_tau_and_the_ratio(tiny_models, capsys, compiled):
     """Eager DSpark against eager plain generate(), or with --compile both with a static cache and torch.compile."""
     import re
@@ -873,7 +874,7 @@ def test_result_files_record_when_what_code_command_models_and_prompts_made_them
     out = tmp_path / "bench.json"
     argv = ["bench", "speed", "--target", str(tiny_models / "target"), "--draft", str(tiny_models / "draft"),
             "--prompts", str(tiny_models / "prompts.jsonl"), "--limit", "2", "--max-new-tokens", "4", "--repeats",
-            "1", "--output", str(out)]
+            "1", "--no-compile", "--output", str(out)]  # the record is the same with the compiled arms (80 s to build)
     assert main(argv) == 0
     report = json.loads(out.read_text())
     machine = report["machine"]
@@ -991,7 +992,7 @@ def test_configurations_a_bench_or_eval_cannot_measure_are_said_and_recorded(tin
     prompts = ["--prompts", str(tiny_models / "prompts.jsonl"), "--limit", "1"]
     out = tmp_path / "out.json"
     assert main(["bench", "speed", *models, *prompts, "--batch-size", "2", "--max-new-tokens", "4", "--repeats", "1",
-                 "--output", str(out)]) == 0
+                 "--no-compile", "--output", str(out)]) == 0  # the compiled arms (80 s to build) skip nothing more
     assert "prompt lookup decoding refuses batch size > 1" in json.loads(out.read_text())["skipped"]["prompt_lookup"]
     assert "note: prompt_lookup not measured: transformers' prompt lookup" in capsys.readouterr().out
 

@@ -16,6 +16,8 @@ import torch
 from conftest import tiny_target
 from test_training import tiny_dataset
 
+pytestmark = pytest.mark.slow  # every test launches processes of its own (torchrun, gloo)
+
 RANK = Path(__file__).parent / "multiprocess" / "train_rank.py"
 seen_stdout: list[str] = []  # what each run printed, newest last
 

@@ -621,6 +621,7 @@ def test_the_default_policy_measures_costs_once_and_later_processes_reuse_them(t
     assert cached.stat().st_mtime_ns == written
 
 
+@pytest.mark.slow  # its compiled call compiles the tiny target's steps
 def test_a_reused_default_policy_prices_each_call_on_that_call_s_path_target_and_batch_size(tmp_path, monkeypatch):
     """Costs are those of the call's own rounds: measured once per path (eager, or compiled), target, draft and batch
     size, read again only for a call on another, and never in place of costs set by hand."""
