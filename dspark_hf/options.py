@@ -41,8 +41,9 @@ def flag_keywords(f: Field, show_defaults: bool = False) -> dict:
     keywords = {"dest": f.name, "help": f.metadata.get("help", "").replace("%", "%%")}
     if default is MISSING:
         keywords["required"] = True
-    elif kind == "bool":
-        return {**keywords, "action": "store_true"}
+    elif kind == "bool":  # a switch: --name, or for a setting on by default --name / --no-name
+        return {**keywords, "action": "store_true"} if not default else \
+            {**keywords, "action": argparse.BooleanOptionalAction, "default": True}
     else:
         keywords["default"] = default
         if show_defaults and default is not None:

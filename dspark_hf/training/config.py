@@ -16,7 +16,8 @@ LORA_HEADS = {"none": (), "confidence": ("confidence",), "all": ("w1", "w2", "rn
 # what a resumed invocation may change: how long the run goes, where and in what precision it computes, and how often
 # it saves (every other field defines the run: changing one on resuming is refused, see `train`)
 RESUMABLE_CHANGES = frozenset({"output_dir", "epochs", "max_steps", "time_budget", "stop_after", "save_every",
-                               "device", "mixed_precision", "target_dtype", "gpu_memory_fraction", "feature_cache"})
+                               "log_every", "device", "mixed_precision", "target_dtype", "gpu_memory_fraction",
+                               "feature_cache"})
 
 
 @dataclass
@@ -32,6 +33,10 @@ class TrainConfig:
     gradient_accumulation_steps: int = field(default=1, metadata={"help": "Batches whose gradients add up before "
                                              "each optimizer step: a step learns from batch_size x this x processes "
                                              "sequences (the global batch)."})
+    group_by_length: bool = field(default=True, metadata={"help": "Batch answers of similar length together: "
+                                  "each stretch of 64 steps' examples is sorted by length and cut into batches, which "
+                                  "are shuffled, so that the target's forward and the draft's context compute little "
+                                  "padding (the run reports the padded share); --no-group-by-length: shuffled only."})
     anchors_per_sequence: int = field(default=48, metadata={"help": "Random blocks per sequence (reference: 512).",
                                                             "flag": "--anchors"})
     feature_lag: int = field(default=0, metadata={"help": "Train on lagged contexts, as SSD's pre-speculated blocks "
@@ -83,6 +88,9 @@ class TrainConfig:
                                               "may take (e.g. 0.45 each for two trainings on one GPU); "
                                               "auto_find_batch_size then fits the batch inside it."})
     save_every: int = field(default=200, metadata={"help": "Checkpoint every this many steps (resumable)."})
+    log_every: int = field(default=10, metadata={"help": "Steps between reads of the losses from the device (the "
+                           "progress bar's figures and the check that the loss is finite; also before every "
+                           "checkpoint): the steps between them never wait for the device."})
     seed: int = field(default=0, metadata={"help": "Seeds initialisation, shuffling and anchors."})
     draft: dict = field(default_factory=dict, metadata={"help": "DSparkDraftModel.from_target overrides of a fresh "
                         "draft's shape (default: DSparkConfig's), e.g. {'num_hidden_layers': 3, 'head_type': 'rnn'}; "
@@ -114,7 +122,7 @@ class TrainConfig:
     def __post_init__(self):
         # checked before train() touches output_dir, so a refused command leaves an existing run as it was
         for name in ("batch_size", "gradient_accumulation_steps", "anchors_per_sequence", "max_length", "save_every",
-                     "lora_rank") + \
+                     "log_every", "lora_rank") + \
                 (("max_steps",) if self.max_steps is not None else ()):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)}: give a positive whole number.")

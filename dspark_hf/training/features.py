@@ -16,17 +16,18 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from .. import internals
 from ..files import write_atomic
 from ..model.configuration_dspark import unreadable_layers
 
 
 def pad_batch(sequences: list[list[int]], pad_id: int = 0):
-    """Right-pad token lists: ids (B, L), attention mask (B, L), lengths (B,), on the CPU (one copy to a device)."""
+    """Right-pad token lists: ids (B, L), attention mask (B, L), lengths (B,), on the CPU (one copy to a device),
+    built from the lists alone (no tensor is read back)."""
+    longest = max(len(s) for s in sequences)
+    ids = torch.tensor([list(s) + [pad_id] * (longest - len(s)) for s in sequences], dtype=torch.long, device="cpu")
     lengths = torch.tensor([len(s) for s in sequences], device="cpu")
-    ids = torch.full((len(sequences), int(lengths.max())), pad_id, dtype=torch.long, device="cpu")
-    for i, s in enumerate(sequences):
-        ids[i, : len(s)] = torch.tensor(s, device="cpu")
-    mask = (torch.arange(ids.shape[1], device="cpu") < lengths[:, None]).long()
+    mask = (torch.arange(longest, device="cpu") < lengths[:, None]).long()
     return ids, mask, lengths
 
 
@@ -34,6 +35,22 @@ def in_own_dtype(target):
     """A context in which `target` computes in its own dtype, whatever autocast the draft trains under: the teacher is
     the target as inference runs it (a float32 target stays float32 under bf16 mixed precision)."""
     return torch.autocast(target.device.type, enabled=False)
+
+
+def causal_padding_mask(target, lengths: list[int], device):
+    """The attention mask of right-padded sequences of `lengths` for `target`'s forward: None when no row is padded
+    (the model's causal mask is the right one), else the prepared causal mask over each row's real keys
+    (`internals.prepared_masks`), built from the host's lengths. Given the 2D mask, transformers reads its values to
+    decide whether it may skip it: a wait for the device in every training step."""
+    L = max(lengths)
+    if min(lengths) == L:
+        return None
+    keys = torch.arange(L, device="cpu")
+    causal = keys[None, None, :] <= keys[None, :, None]  # (1, L, L): query, key
+    allowed = causal & (keys[None, :] < torch.tensor(lengths, device="cpu")[:, None])[:, None, :]  # (B, L, L)
+    window = internals.sliding_window(target)
+    windowed = None if window is None else allowed & (keys[None, None, :] > keys[None, :, None] - window)
+    return internals.prepared_masks(target, allowed.to(device), None if windowed is None else windowed.to(device))
 
 
 class OnlineFeatures:
@@ -45,10 +62,11 @@ class OnlineFeatures:
 
     @torch.no_grad()
     def __call__(self, examples) -> tuple[torch.Tensor, torch.Tensor]:
-        ids, mask, _ = pad_batch([e.input_ids for e in examples])
+        ids, _, _ = pad_batch([e.input_ids for e in examples])
         device = self.target.device
+        mask = causal_padding_mask(self.target, [len(e.input_ids) for e in examples], device)
         with in_own_dtype(self.target):
-            hidden = self.target.base_model(input_ids=ids.to(device), attention_mask=mask.to(device),
+            hidden = self.target.base_model(input_ids=ids.to(device), attention_mask=mask,
                                             output_hidden_states=self.request).hidden_states
         features = torch.cat([hidden[i] for i in self.request[:-1]], dim=-1)
         return features, hidden[self.request[-1]]

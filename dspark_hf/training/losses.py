@@ -29,11 +29,11 @@ def position_weights(gamma: int, decay: float, device=None) -> torch.Tensor:
     return torch.exp(-torch.arange(gamma, device=device, dtype=torch.float) / decay)
 
 
-def sample_anchors(answer_start: torch.Tensor, lengths: torch.Tensor, num: int, generator=None):
+def sample_anchors(answer_start, lengths, num: int, generator=None):
     """Up to `num` distinct anchors per row, uniformly among positions a where a and a + 1 are answer tokens
-    (answer_start <= a <= length - 2). Returns anchors (B, num) and valid (B, num) on the CPU (`generator` is a
-    CPU generator); invalid slots hold 0."""
-    B = lengths.shape[0]
+    (answer_start <= a <= length - 2; both (B,), host lists or CPU tensors). Returns anchors (B, num) and valid
+    (B, num) on the CPU (`generator` is a CPU generator); invalid slots hold 0."""
+    B = len(lengths)
     anchors = torch.zeros(B, num, dtype=torch.long, device="cpu")
     valid = torch.zeros(B, num, dtype=torch.bool, device="cpu")
     for b in range(B):

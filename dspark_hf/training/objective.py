@@ -30,19 +30,27 @@ def gather_blocks(x: torch.Tensor, anchors: torch.Tensor, gamma: int) -> torch.T
 
 
 @torch.no_grad()
-def target_distribution_at(target, last: torch.Tensor, anchors: torch.Tensor, gamma: int, draft_vocab=None):
+def target_distribution_at(target, last: torch.Tensor, anchors: torch.Tensor, gamma: int, draft_vocab=None,
+                           first: list[int] | None = None):
     """The target's distribution at positions anchor + k over the draft vocabulary, p_t (B, A, gamma, K), its
     mass outside that vocabulary (B, A, gamma), and its argmax in draft ids, -1 outside (B, A, gamma). last (B, L, d):
-    the target's last hidden state. Overlapping blocks share positions, so each distinct position goes through the
-    LM head and the softmax once."""
+    the target's last hidden state. Overlapping blocks share positions, so the LM head and the softmax run once per
+    position of a window every row's blocks fall in: from first[b] (a host list: the row's first anchor position
+    can be no earlier, e.g. its answer's start; default 0) for as many positions as the longest row needs. Its shape
+    is known on the host: no device read, no shape that depends on the data."""
     B, L = last.shape[:2]
     idx = block_positions(anchors, gamma, L)
-    flat = idx + L * torch.arange(B, device=anchors.device)[:, None, None]
-    rows, where = flat.flatten().unique(return_inverse=True)
+    first = [0] * B if first is None else first
+    width = L - min(first)
+    start = torch.tensor(first, device="cpu").to(last.device, non_blocking=True)
+    window = (start[:, None] + torch.arange(width, device=last.device)).clamp_max(L - 1)  # (B, W)
+    hidden = last.gather(1, window[..., None].expand(-1, -1, last.shape[-1]))
     with in_own_dtype(target):
-        p_t, outside, top = target_distribution_on(draft_vocab, target_logits(target, last.flatten(0, 1)[rows].to(
-            target.dtype)))
-    return p_t[where].view(*idx.shape, -1), outside[where].view(idx.shape), top[where].view(idx.shape)
+        p_t, outside, top = target_distribution_on(draft_vocab, target_logits(target, hidden.to(target.dtype)))
+    at = (idx - start[:, None, None]).clamp(0, width - 1).view(B, -1)  # each block position in its row's window
+    flat = at + width * torch.arange(B, device=last.device)[:, None]
+    return (p_t.flatten(0, 1)[flat].view(*idx.shape, -1), outside.flatten()[flat].view(idx.shape),
+            top.flatten()[flat].view(idx.shape))
 
 
 def lagged_tokens(ids: torch.Tensor, anchors: torch.Tensor, max_lag: int, generator, exact: bool = False,
@@ -76,8 +84,9 @@ def train_step(draft, target, examples, features, anchors_per_sequence, weights,
     device = draft.device
     feats, last = feats.to(device, non_blocking=True), last.to(device, non_blocking=True)
     ids, context_valid, lengths = pad_batch([e.input_ids for e in examples])  # on the CPU, moved once below
-    anchors, valid = sample_anchors(torch.tensor([e.answer_start for e in examples], device="cpu"), lengths,
-                                    anchors_per_sequence, generator)
+    answer_start = [e.answer_start for e in examples]
+    anchors, valid = sample_anchors(answer_start, [len(e.input_ids) for e in examples], anchors_per_sequence,
+                                    generator)
     ids, anchors, valid, context_valid, lengths = (t.to(device, non_blocking=True) for t in (
         ids, anchors, valid, context_valid.bool(), lengths))
     positions = torch.arange(ids.shape[1], device=device).expand(len(examples), -1)
@@ -90,7 +99,7 @@ def train_step(draft, target, examples, features, anchors_per_sequence, weights,
     out = forward(ids.gather(1, anchors), anchors, block_tokens=labels, context_features=feats,
                   context_positions=positions, context_valid=context_valid, known=known)
     vocab = draft.draft_vocab if draft.config.draft_vocab_size is not None else None
-    p_t, outside, top = target_distribution_at(target, last, anchors, gamma, vocab)
+    p_t, outside, top = target_distribution_at(target, last, anchors, gamma, vocab, first=answer_start)
     to_draft = draft.target_to_draft if vocab is not None else None
     return losses_against(out.logits.flatten(0, 1), p_t.flatten(0, 1), outside.flatten(0, 1), labels.flatten(0, 1),
                           block_valid.flatten(0, 1),

@@ -17,7 +17,7 @@ import os
 import random
 import time
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +35,8 @@ from .features import CachedFeatures, OnlineFeatures
 from .heldout import evaluate_heldout
 from .losses import LossWeights
 from .objective import train_step
+from .steplog import StepLog
+from .throughput import Shapes, StepFlops, Throughput, peak_flops
 
 
 
@@ -220,7 +222,9 @@ def _optimizer(draft, config: TrainConfig, device: torch.device) -> torch.optim.
     """AdamW over the weights the draft trains (with LoRA: the adapters, and the heads trained in full)."""
     params = [p for p in draft.parameters() if p.requires_grad]
     return torch.optim.AdamW(params, lr=config.learning_rate, weight_decay=config.weight_decay,
-                             fused=device.type == "cuda" or None)
+                             # fused, on a GPU or a CPU: one kernel a step, its step count kept on the device (the
+                             # unfused loop reads it on the host, once per weight)
+                             fused=device.type in ("cuda", "cpu") or None)
 
 
 @dataclass
@@ -240,6 +244,11 @@ class _Run:
     optimizer: torch.optim.Optimizer
     features: Any
     weights: LossWeights
+    throughput: Throughput = field(default_factory=Throughput)
+
+    @functools.cached_property
+    def flops(self) -> StepFlops:
+        return StepFlops(self.target, unwrap_draft(self.accelerator.unwrap_model(self.draft)))
 
     @property
     def out_dir(self) -> Path:
@@ -305,7 +314,7 @@ def _take_steps(run: _Run, step: int, generator_state: dict | None, progress: bo
     timer.start_loop(heldout_batches=len(run.heldout_batches), reports=2 if run.baseline else 1)
     writer = CheckpointWriter()
     bar = _progress_bar(run, step, progress)
-    running, stopped = None, False
+    log, stopped, first = StepLog(config.log_every), False, step
     while not stopped:
         epoch, offset = divmod(step, run.steps_per_epoch)
         shard = _epoch_shard(run, epoch)
@@ -322,16 +331,22 @@ def _take_steps(run: _Run, step: int, generator_state: dict | None, progress: bo
             if stop:
                 stopped = True
                 break
-            losses, valid = _step(run, core, batch, step, generator, span)
+            # the host reads the device only at the steps that end with a read of the log (the first of this call,
+            # every log_every-th, and each one a checkpoint follows): the others queue their work and go on
+            saving = (step + 1) % config.save_every == 0
+            reading = log.due(step + 1 - first) or saving
+            losses, valid = _step(run, core, batch, step, generator, span, measure=reading)
+            log.add(losses, valid)
             step += 1
-            timer.step_done(run.device)
+            timer.step_done(run.device, synced=reading)
             run.monitor.sample()
-            running = _running(running, losses, valid)
             bar.update(1 if run.total_steps is not None else min(round(timer.loop_spent), bar.total) - bar.n)
-            bar.set_postfix_str(f"step={step} {_postfix(running)}")
-            if step % config.save_every == 0:
+            if reading:
+                bar.set_postfix_str(f"step={step} {StepLog.postfix(log.read(step))}")
+            if saving:
                 with timer.saving():
                     _checkpoint(run, model, step, generator, writer)
+    log.read(step)  # the last steps' losses: checked before the draft they made is reported on or saved
     bar.close()
     with timer.saving():
         writer.wait()
@@ -366,14 +381,34 @@ def _progress_bar(run: _Run, step: int, progress: bool):
 
 
 def _epoch_shard(run: _Run, epoch: int) -> list[int]:
-    """This process's share of the epoch's shuffled order of the training examples."""
+    """This process's share of the epoch's shuffled order of the training examples (with config.group_by_length, each
+    step's examples of similar length: `grouped_by_length`)."""
     config, accelerator = run.config, run.accelerator
     order = list(range(len(run.train_set)))
     random.Random(config.seed + epoch).shuffle(order)
     # every rank takes steps_per_epoch steps (one that ran out of examples would wait for ever while the others
     # wait for it in the gradient all-reduce): the order wraps around until each rank's last step holds one
     order += [order[i % len(order)] for i in range(run.repeated_per_epoch)]
+    if config.group_by_length:
+        order = grouped_by_length(order, [len(e.input_ids) for e in run.train_set], run.global_batch,
+                                  random.Random(config.seed + epoch))
+    # a step's global batch is `global_batch` consecutive examples of the order: each rank takes every n-th of them
     return order[accelerator.process_index:: accelerator.num_processes]
+
+
+def grouped_by_length(order: list[int], lengths: list[int], batch: int, rng: random.Random,
+                      stretch: int = 64) -> list[int]:
+    """`order` (indices into `lengths`) rearranged so that each `batch` consecutive indices have similar lengths: each
+    stretch of `stretch` batches is sorted by length and cut into batches, whose order `rng` shuffles. Every index
+    stays in its stretch, so the epoch's shuffle still spreads them; a last batch shorter than `batch` stays last."""
+    grouped = []
+    for start in range(0, len(order), batch * stretch):
+        part = sorted(order[start: start + batch * stretch], key=lambda i: lengths[i])
+        batches = [part[i: i + batch] for i in range(0, len(part), batch)]
+        short = batches.pop() if len(batches[-1]) < batch else None
+        rng.shuffle(batches)
+        grouped += [i for b in batches + ([short] if short else []) for i in b]
+    return grouped
 
 
 def _lr_span(run: _Run, step: int) -> tuple[float, float]:
@@ -395,11 +430,13 @@ def _decided_by_rank_0(run: _Run, *values: float) -> list[float]:
     return broadcast(shared, from_process=0).tolist()
 
 
-def _step(run: _Run, core, batch: list, step: int, generator: torch.Generator, span: list[float]):
+def _step(run: _Run, core, batch: list, step: int, generator: torch.Generator, span: list[float],
+          measure: bool = False):
     """One optimizer step on `batch`, this process's share of the step (config.gradient_accumulation_steps batches of
     config.batch_size at most), at the learning rate of its `span` of the run (`_lr_span`); returns the losses of its
-    last batch and the mask of the block positions they count. `core`: the DSparkDraftModel inside the prepared
-    draft."""
+    last batch and the mask of the block positions they count, unread. `core`: the DSparkDraftModel inside the
+    prepared draft. measure: time its first batch's forward (which waits for the device; what sizes the held-out
+    report)."""
     config, timer, accelerator = run.config, run.timer, run.accelerator
     for group in run.optimizer.param_groups:
         group["lr"] = config.learning_rate * lr_factor(*span, config.warmup_ratio)
@@ -412,19 +449,26 @@ def _step(run: _Run, core, batch: list, step: int, generator: torch.Generator, s
                 losses, valid = train_step(core, run.target, part, run.features, config.anchors_per_sequence,
                                            run.weights, generator, forward=run.draft, feature_lag=config.feature_lag,
                                            lag_weights=config.feature_lag_weights)
-            if k == 0:
+            if k == 0 and measure:
                 timer.forward_done(run.device)  # one batch's forward: what sizes the held-out report
-            total = float(losses["total"].detach())  # no extra wait: the forward was synchronised above
-            if not math.isfinite(total):  # a step on it would make every weight NaN, and the run go on silently
-                raise ValueError(f"step {step + 1}: the training loss is {total}, so training stops before that step: "
-                                 "lower --lr, train with --mixed-precision bf16 or no instead of fp16, or without "
-                                 "--feature-cache.")
+            run.throughput.add(part, run.flops(_shapes(part, core.config, config)), max(len(e.input_ids) for e in part))
             # each batch weighs its share of the step's sequences: the step learns as from one batch of all of them
             accelerator.backward(losses["total"] * (len(part) / len(batch)))
     accelerator.clip_grad_norm_(run.draft.parameters(), 1.0)
     run.optimizer.step()
     run.optimizer.zero_grad(set_to_none=True)
+    run.throughput.steps += 1
     return losses, valid
+
+
+def _shapes(part: list, c, config: TrainConfig) -> Shapes:
+    """What one batch of the run computes on (`throughput.step_flops`): its padded length, the draft's block rows
+    (each block: the anchor and the mask rows, a DFlash-layout draft one more, plus the feature lag's token rows)
+    and the teacher's window (from the earliest answer on)."""
+    length = max(len(e.input_ids) for e in part)
+    rows = c.block_size + (0 if c.anchor_predicts else 1) + config.feature_lag
+    return Shapes(len(part), length, config.anchors_per_sequence * rows,
+                  length - min(e.answer_start for e in part))
 
 
 # -- the end of an invocation ----------------------------------------------------------------------------------------
@@ -468,6 +512,7 @@ def _report_and_save(run: _Run, model, weights: dict, first_step: int, step: int
     """The held-out report (beside the draft the run started from, if any), the final save of `model` with its whole
     `weights`, and heldout.json with the report and where the run's time went."""
     config, timer = run.config, run.timer
+    throughput = _throughput(run)
     with timer.reporting():
         measured = [ex for batch in run.heldout_batches[: timer.report_batches()] for ex in batch]
         report = evaluate_heldout(unwrap_draft(model), run.target, measured, run.features, config.anchors_per_sequence,
@@ -484,12 +529,26 @@ def _report_and_save(run: _Run, model, weights: dict, first_step: int, step: int
                           "gradient_accumulation_steps": config.gradient_accumulation_steps,
                           "processes": run.accelerator.num_processes, "global_batch": run.global_batch,
                           "train_examples": len(run.train_set),
-                          "time": timer.summary(step - first_step), "gpu": run.monitor.report()}
+                          "time": timer.summary(step - first_step), "gpu": run.monitor.report(),
+                          "throughput": throughput}
     # last, and whole: heldout.json tells a finished run (the GPU campaign reads it so) from one killed while saving
     write_atomic(run.out_dir / "heldout.json", json.dumps(report, indent=2))
     print(timer.line(step))
+    if throughput is not None:
+        print(Throughput.line(throughput))
     if run.monitor.line():
         print(run.monitor.line())
+
+
+def _throughput(run: _Run) -> dict | None:
+    """This invocation's steps as answers/s, tokens/s and MFU (None when it took none): the counts over its seconds
+    of steps, against the device's peak in the dtype the draft trains in (mixed precision's, else float32)."""
+    if run.throughput.steps == 0:
+        return None
+    seconds = run.timer.loop_spent - run.timer.loop_spent_before
+    precision = run.accelerator.mixed_precision
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
+    return run.throughput.report(seconds, *peak_flops(run.device, dtype))
 
 
 def _baseline_report(init_from: str, target, measured: list, features, config: TrainConfig, weights) -> dict:
@@ -507,6 +566,10 @@ def _baseline_report(init_from: str, target, measured: list, features, config: T
 CONFIG_FILE = "train_config.json"
 
 
+# what a run saved before a field existed did, where it is not the field's default
+_RUNS_BEFORE_THE_FIELD = {"group_by_length": False}
+
+
 def _refuse_a_changed_run(config: TrainConfig, out_dir: Path) -> None:
     """A run resumed with settings that define it (the draft, the data and its split, the objective, the optimizer)
     other than those it was started with would continue the old draft under a train_config.json that describes
@@ -521,8 +584,9 @@ def _refuse_a_changed_run(config: TrainConfig, out_dir: Path) -> None:
     for f in fields(TrainConfig):
         if f.name in RESUMABLE_CHANGES:
             continue
-        default = f.default_factory() if f.default_factory is not MISSING else f.default
-        # a field newer than the run: the run had its default
+        default = _RUNS_BEFORE_THE_FIELD.get(f.name, f.default_factory() if f.default_factory is not MISSING
+                                             else f.default)
+        # a field newer than the run: the run had its default, or what runs did before the field
         before = saved.get(f.name) if f.name in saved or default is MISSING else json.loads(json.dumps(default))
         same_path = (f.name in ("dataset", "init_from") and isinstance(before, str) and isinstance(now[f.name], str)
                      and Path(before).resolve() == Path(now[f.name]).resolve())
@@ -618,6 +682,7 @@ class RunClock:
         self.entry = time.perf_counter() if started is None else started
         self.spent_before = 0.0  # wall time of earlier invocations
         self.loop_spent = 0.0  # training-loop time, all invocations
+        self.loop_spent_before = 0.0  # of the invocations before this one
         self.step_seconds = 0.0  # of the last step
         self.forward_seconds = 0.0  # of the last step's forward pass (features, draft, losses)
         self.heldout_batches = 0
@@ -628,7 +693,7 @@ class RunClock:
 
     def restore(self, state: dict) -> None:
         self.spent_before = state.get("spent", 0.0)
-        self.loop_spent = state.get("loop_spent", 0.0)
+        self.loop_spent = self.loop_spent_before = state.get("loop_spent", 0.0)
         # a call resumed after the last step sizes the held-out report by the steps it did not take itself
         self.forward_seconds = state.get("forward_seconds", 0.0)
 
@@ -718,8 +783,10 @@ class RunClock:
     def forward_done(self, device) -> None:
         self.forward_seconds = clock(device) - self.last
 
-    def step_done(self, device) -> float:
-        now = clock(device)
+    def step_done(self, device, synced: bool = True) -> float:
+        """A step ended: its seconds added to the loop's. synced: once the device has done its work (a wait); else
+        as the host queued it, which on a GPU may run a step or two ahead (the sum evens out at the next wait)."""
+        now = clock(device) if synced else time.perf_counter()
         self.step_seconds = now - self.last
         self.loop_spent += self.step_seconds
         self.last = now
@@ -769,21 +836,4 @@ def _target_dtype(choice: str, device: torch.device) -> torch.dtype:
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return getattr(torch, choice)
 
-
-
-def _running(running, losses, valid, beta=0.95):
-    """Exponential moving averages of the loss terms and of the analytic acceptance per position."""
-    current = {k: float(v.detach()) for k, v in losses.items() if k not in ("acceptance", "agreement")}
-    acc = (losses["acceptance"] * valid).sum(0) / valid.sum(0).clamp_min(1)
-    current["acc"] = acc.tolist()
-    if running is None:
-        return current
-    return {k: ([beta * a + (1 - beta) * b for a, b in zip(running[k], v)] if isinstance(v, list)
-                else beta * running[k] + (1 - beta) * v) for k, v in current.items()}
-
-
-
-def _postfix(running) -> str:
-    terms = " ".join(f"{k}={running[k]:.3f}" for k in ("total", "ce", "l1", "kl", "confidence") if k in running)
-    return f"{terms} acc/pos=[{' '.join(f'{a:.2f}' for a in running['acc'])}]"
 
