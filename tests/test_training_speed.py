@@ -112,11 +112,23 @@ def test_a_step_s_flops_are_counted_from_its_shapes():
 
     draft = tiny_draft(target, draft_vocab=list(range(40)))
     flops = StepFlops(target, draft)
-    one, two = flops(Shapes(1, 10, 12, 8)), flops(Shapes(2, 10, 12, 8))
-    assert all(two[k] == 2 * one[k] for k in one)  # per sequence
+    one, two = flops(Shapes(1, 10, 12, 8)), flops(Shapes(2, 10, 12, 16))
+    assert all(two[k] == 2 * one[k] for k in one)  # per sequence (the teacher's positions: all rows together)
     decoder = sum(m.weight.numel() for m in target.get_decoder().modules() if isinstance(m, torch.nn.Linear))
     config = target.config
     assert one["target_forward"] == 2 * decoder * 10 + 2 * config.num_hidden_layers * config.hidden_size * 100
     assert one["teacher"] == 2 * config.hidden_size * config.vocab_size * 8
     longer = flops(Shapes(1, 10, 24, 8))["draft"] - one["draft"]
     assert longer > 2 * 2 * config.hidden_size * 40 * 12  # more block rows: more of every draft matmul
+
+
+def test_a_cpu_that_multiplies_bfloat16_far_faster_is_told_the_flags_that_use_it(monkeypatch):
+    from dspark_hf.training import throughput
+
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(throughput, "measured_cpu_peak", lambda dtype=torch.float32: 5e11)
+    assert "--mixed-precision bf16 --target-dtype bfloat16" in throughput.bfloat16_hint(cpu, torch.float32, 1e11)
+    assert "5.0x as fast" in throughput.bfloat16_hint(cpu, torch.float32, 1e11)
+    assert throughput.bfloat16_hint(cpu, torch.float32, 3e11) is None  # under twice: float32 it stays
+    assert throughput.bfloat16_hint(cpu, torch.bfloat16, 1e11) is None  # already in bfloat16
+    assert throughput.bfloat16_hint(torch.device("cuda"), torch.float32, 1e11) is None

@@ -31,26 +31,27 @@ def gather_blocks(x: torch.Tensor, anchors: torch.Tensor, gamma: int) -> torch.T
 
 @torch.no_grad()
 def target_distribution_at(target, last: torch.Tensor, anchors: torch.Tensor, gamma: int, draft_vocab=None,
-                           first: list[int] | None = None):
+                           spans: list[tuple[int, int]] | None = None):
     """The target's distribution at positions anchor + k over the draft vocabulary, p_t (B, A, gamma, K), its
     mass outside that vocabulary (B, A, gamma), and its argmax in draft ids, -1 outside (B, A, gamma). last (B, L, d):
     the target's last hidden state. Overlapping blocks share positions, so the LM head and the softmax run once per
-    position of a window every row's blocks fall in: from first[b] (a host list: the row's first anchor position
-    can be no earlier, e.g. its answer's start; default 0) for as many positions as the longest row needs. Its shape
-    is known on the host: no device read, no shape that depends on the data."""
+    position of each row's span, spans[b] = (first, end) (a host list: where the row's blocks can fall, e.g. its
+    answer; default the whole row), and a block position outside it takes the span's nearest end (mask those). The
+    positions are known on the host: no device read, no shape that depends on the device's values."""
     B, L = last.shape[:2]
     idx = block_positions(anchors, gamma, L)
-    first = [0] * B if first is None else first
-    width = L - min(first)
-    start = torch.tensor(first, device="cpu").to(last.device, non_blocking=True)
-    window = (start[:, None] + torch.arange(width, device=last.device)).clamp_max(L - 1)  # (B, W)
-    hidden = last.gather(1, window[..., None].expand(-1, -1, last.shape[-1]))
+    spans = [(0, L)] * B if spans is None else [(min(f, e - 1), e) for f, e in spans]  # none empty
+    first, end = (torch.tensor(v, device="cpu") for v in zip(*spans))
+    offset = (end - first).cumsum(0) - (end - first)  # where each row's span starts among the positions computed
+    rows = torch.cat([b * L + torch.arange(f, e, device="cpu") for b, (f, e) in enumerate(spans)])
+    first, end, offset, rows = (t.to(last.device, non_blocking=True) for t in (first, end, offset, rows))
     with in_own_dtype(target):
-        p_t, outside, top = target_distribution_on(draft_vocab, target_logits(target, hidden.to(target.dtype)))
-    at = (idx - start[:, None, None]).clamp(0, width - 1).view(B, -1)  # each block position in its row's window
-    flat = at + width * torch.arange(B, device=last.device)[:, None]
-    return (p_t.flatten(0, 1)[flat].view(*idx.shape, -1), outside.flatten()[flat].view(idx.shape),
-            top.flatten()[flat].view(idx.shape))
+        p_t, outside, top = target_distribution_on(draft_vocab, target_logits(target, last.flatten(0, 1)[rows].to(
+            target.dtype)))
+    shape = (-1, 1, 1)
+    where = offset.view(shape) + torch.minimum(torch.maximum(idx, first.view(shape)), end.view(shape) - 1) \
+        - first.view(shape)
+    return p_t[where], outside[where], top[where]
 
 
 def lagged_tokens(ids: torch.Tensor, anchors: torch.Tensor, max_lag: int, generator, exact: bool = False,
@@ -99,7 +100,8 @@ def train_step(draft, target, examples, features, anchors_per_sequence, weights,
     out = forward(ids.gather(1, anchors), anchors, block_tokens=labels, context_features=feats,
                   context_positions=positions, context_valid=context_valid, known=known)
     vocab = draft.draft_vocab if draft.config.draft_vocab_size is not None else None
-    p_t, outside, top = target_distribution_at(target, last, anchors, gamma, vocab, first=answer_start)
+    p_t, outside, top = target_distribution_at(target, last, anchors, gamma, vocab,
+                                               spans=[(e.answer_start, len(e.input_ids)) for e in examples])
     to_draft = draft.target_to_draft if vocab is not None else None
     return losses_against(out.logits.flatten(0, 1), p_t.flatten(0, 1), outside.flatten(0, 1), labels.flatten(0, 1),
                           block_valid.flatten(0, 1),

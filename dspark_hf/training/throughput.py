@@ -4,7 +4,7 @@ shapes, [`peak_flops`] is what the device can do, and [`Throughput`] adds up a r
 FLOPs are counted as the matmuls a step computes, padding included (the device computes it), 2 per multiply-add:
 - the target's forward: 2 x its decoder's weights x the batch's padded tokens, plus causal attention (2 x layers x
   hidden x L^2 per sequence: scores and values over half the square);
-- the teacher: the target's LM head over the window of positions the blocks cover (2 x hidden x vocabulary each);
+- the teacher: the target's LM head over the answers' positions, where the blocks fall (2 x hidden x vocabulary each);
 - the draft, forward and backward (3 x forward): its decoder layers over the block rows (2 x their weights each),
   their attention over context and block, the context projection and every layer's keys and values over the
   padded context, and its LM head over the block rows (forward and the input gradient only: it is frozen).
@@ -30,8 +30,8 @@ def _linear_weights(module: torch.nn.Module) -> int:
 
 @dataclass(frozen=True)
 class Shapes:
-    """What a step's FLOPs depend on: per sequence its padded length L, the draft's block rows (anchors x rows per
-    block), and the teacher's window of positions."""
+    """What a batch's FLOPs depend on: its sequences, their padded length L, the draft's block rows per sequence
+    (anchors x rows per block), and the positions the teacher computes (its answers' tokens, all rows together)."""
 
     batch: int
     length: int
@@ -56,7 +56,7 @@ class StepFlops:
     def __call__(self, shapes: Shapes) -> dict[str, float]:
         c, B, L, R = self.c, shapes.batch, shapes.length, shapes.block_rows
         target_forward = 2 * self.decoder * B * L + 2 * self.target_layers * self.hidden * L * L * B
-        teacher = 2 * self.hidden * self.vocab * shapes.teacher_positions * B
+        teacher = 2 * self.hidden * self.vocab * shapes.teacher_positions
         attention = 2 * 2 * c.num_hidden_layers * c.num_attention_heads * c.head_dim * R * (L + R)
         draft = 3 * (2 * self.draft_layers * R + attention + 2 * self.context * L) * B \
             + 2 * 2 * self.hidden * self.draft_vocab * R * B
@@ -91,6 +91,19 @@ def peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float | None, 
         peak = measured_cpu_peak(dtype)
         return peak, f"this CPU: a 1024 x 1024 {name} matmul, measured" if peak else "this CPU: not measured"
     return None, f"{device.type}: no peak known"
+
+
+def bfloat16_hint(device: torch.device, dtype: torch.dtype, float32_peak: float | None) -> str | None:
+    """For a run in float32 on a CPU whose bfloat16 matmuls measure at least twice as fast (AVX512-BF16, AMX), the
+    flags that train in bfloat16 there, as a GPU does; else None."""
+    if device.type != "cpu" or dtype != torch.float32 or not float32_peak:
+        return None
+    peak = measured_cpu_peak(torch.bfloat16)
+    if peak is None or peak < 2 * float32_peak:
+        return None
+    return (f"this CPU multiplies bfloat16 matrices {peak / float32_peak:.1f}x as fast as float32: "
+            "--mixed-precision bf16 --target-dtype bfloat16 trains in bfloat16, as on a GPU "
+            "(experiments/training-speed-cpu measures both)")
 
 
 @dataclass

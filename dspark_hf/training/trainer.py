@@ -36,7 +36,7 @@ from .heldout import evaluate_heldout
 from .losses import LossWeights
 from .objective import train_step
 from .steplog import StepLog
-from .throughput import Shapes, StepFlops, Throughput, peak_flops
+from .throughput import Shapes, StepFlops, Throughput, bfloat16_hint, peak_flops
 
 
 
@@ -462,13 +462,12 @@ def _step(run: _Run, core, batch: list, step: int, generator: torch.Generator, s
 
 
 def _shapes(part: list, c, config: TrainConfig) -> Shapes:
-    """What one batch of the run computes on (`throughput.step_flops`): its padded length, the draft's block rows
+    """What one batch of the run computes on (`throughput.StepFlops`): its padded length, the draft's block rows
     (each block: the anchor and the mask rows, a DFlash-layout draft one more, plus the feature lag's token rows)
-    and the teacher's window (from the earliest answer on)."""
-    length = max(len(e.input_ids) for e in part)
+    and the teacher's positions (every answer's tokens)."""
     rows = c.block_size + (0 if c.anchor_predicts else 1) + config.feature_lag
-    return Shapes(len(part), length, config.anchors_per_sequence * rows,
-                  length - min(e.answer_start for e in part))
+    return Shapes(len(part), max(len(e.input_ids) for e in part), config.anchors_per_sequence * rows,
+                  sum(len(e.input_ids) - e.answer_start for e in part))
 
 
 # -- the end of an invocation ----------------------------------------------------------------------------------------
@@ -536,6 +535,10 @@ def _report_and_save(run: _Run, model, weights: dict, first_step: int, step: int
     print(timer.line(step))
     if throughput is not None:
         print(Throughput.line(throughput))
+        hint = bfloat16_hint(run.device, _training_dtype(run), throughput["peak_tflops"] and
+                             throughput["peak_tflops"] * 1e12)
+        if hint:
+            print(hint)
     if run.monitor.line():
         print(run.monitor.line())
 
@@ -546,9 +549,12 @@ def _throughput(run: _Run) -> dict | None:
     if run.throughput.steps == 0:
         return None
     seconds = run.timer.loop_spent - run.timer.loop_spent_before
-    precision = run.accelerator.mixed_precision
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
-    return run.throughput.report(seconds, *peak_flops(run.device, dtype))
+    return run.throughput.report(seconds, *peak_flops(run.device, _training_dtype(run)))
+
+
+def _training_dtype(run: _Run) -> torch.dtype:
+    """The dtype the draft's matmuls run in: mixed precision's, else float32."""
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(run.accelerator.mixed_precision, torch.float32)
 
 
 def _baseline_report(init_from: str, target, measured: list, features, config: TrainConfig, weights) -> dict:
