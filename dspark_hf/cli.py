@@ -184,7 +184,7 @@ def cmd_prompts(args) -> int:
 def cmd_prepare_data(args) -> int:
     import itertools
 
-    from .training.data import GenerationSettings, answered_ids, manifest_path, prepare_data
+    from .training.data import GenerationSettings, answered_ids, manifest_path, prepare_data, read_manifest
     from .training.prompts import read_prompts, read_sharegpt
 
     _check_outputs(args)
@@ -201,6 +201,11 @@ def cmd_prepare_data(args) -> int:
                         time_budget=None if args.time_budget is None else 60 * args.time_budget, engine=engine,
                         answered=answered_ids(args.answered or []))
     print(f"dataset: {path}\nmanifest: {manifest_path(path)}")
+    made = read_manifest(path).get("this_call", {})
+    if made.get("answer_tokens_per_second") is not None:  # what sizes a campaign's or a user's next call
+        print(f"this call: {made['answer_tokens']} answer tokens in {made['generation_seconds']} s of decoding, "
+              f"{made['answer_tokens_per_second']} answer tokens/s ({made['answer_tokens_per_second_with_warmup']} "
+              "with the warm-up)")
     return 0
 
 

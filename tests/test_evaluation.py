@@ -665,6 +665,19 @@ def test_prompt_files_with_a_non_string_domain_or_that_are_not_text_are_refused_
         capsys, ["eval", *models, "--prompts", str(tmp_path / "plain.jsonl.gz")])
 
 
+def test_prepare_data_says_how_many_answer_tokens_a_second_it_made(tiny_models, tmp_path, capsys):
+    """The rate a user (or the GPU campaign) sizes the next call by; the manifest records it too."""
+    from dspark_hf import cli
+
+    output = tmp_path / "answers.jsonl"
+    assert cli.main(["prepare-data", "--target", str(tiny_models / "target"), "--prompts",
+                     str(tiny_models / "prompts.jsonl"), "--num-examples", "2", "--output", str(output),
+                     "--max-new-tokens", "4"]) == 0
+    made = json.loads(output.with_suffix(".manifest.json").read_text())["this_call"]
+    assert f"this call: {made['answer_tokens']} answer tokens in " in capsys.readouterr().out
+    assert made["answer_tokens"] > 0
+
+
 def test_a_draft_given_as_the_target_is_named_as_such(tiny_models, capsys):
     assert "is a DSpark draft: pass it as the draft (--draft)" in cli_error(
         capsys, ["eval", "--target", str(tiny_models / "draft"), "--suite", "gsm"])
