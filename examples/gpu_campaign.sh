@@ -40,7 +40,8 @@
 #   CAMPAIGN_LEASE_MINUTES  the planned device time the plan keeps within (default 13, of the lease's 15)
 #   CAMPAIGN_RUN_MINUTES    the long call's deadline (default: what the lease leaves after the other calls, at most 9)
 #   CAMPAIGN_BATCH          rows of a regeneration batch (default 512)
-#   CAMPAIGN_DATA_MINUTES   regeneration, loading included (default 1.5)
+#   CAMPAIGN_DATA_MINUTES   regeneration, loading included (default auto: sized from the smoke call's rates by
+#                           examples/campaign_plan.py; 1.5 where the smoke call measured none)
 #   CAMPAIGN_FINISH_MINUTES kept for calibrate, export and packing (default 1)
 #   CAMPAIGN_MEASURE_MINUTES kept for the GPU speed figures (default 2); training gets the rest
 #   CAMPAIGN_LIMIT_BYTES    what one call may carry, the tree included (default 64 MiB)
@@ -76,7 +77,7 @@ SMOKE_SECONDS=${CAMPAIGN_SMOKE_SECONDS:-120}
 LEASE_MINUTES=${CAMPAIGN_LEASE_MINUTES:-13}
 RUN_MINUTES=${CAMPAIGN_RUN_MINUTES:-}  # pack fills it in from the plan
 BATCH=${CAMPAIGN_BATCH:-512}  # rows a regeneration batch decodes at once (prepare-data's GPU default)
-DATA_MINUTES=${CAMPAIGN_DATA_MINUTES:-1.5}
+DATA_MINUTES=${CAMPAIGN_DATA_MINUTES:-auto}
 FINISH_MINUTES=${CAMPAIGN_FINISH_MINUTES:-1}
 MEASURE_MINUTES=${CAMPAIGN_MEASURE_MINUTES:-2}
 LIMIT_BYTES=${CAMPAIGN_LIMIT_BYTES:-$((64 * 1024 * 1024))}
@@ -381,12 +382,14 @@ again from call 1 of the plan" >&2; exit 3; }
   [ -e "${parts[0]}" ] || parts=()
   [ ${#parts[@]} -gt 0 ] && answered=(--answered "${parts[@]}")
   mkdir -p "$STATE/new"
+  local data_minutes=$DATA_MINUTES
+  [ "$data_minutes" = auto ] && data_minutes=$(plan_data_minutes "$end" ${parts[@]+"${parts[@]}"})
   # the seed: one per run (the number of parts before it), so its answers are new draws, not an earlier run's again
   step regenerate "$(deadline "$end")" "${DSPARK[@]}" prepare-data --target "$STATE/target" --dtype "$DTYPE" \
     --prompts "$STATE/prompts.jsonl.gz" --output "$STATE/new/answers.jsonl" --num-examples 0 \
     --samples-per-prompt "$SAMPLES" --max-new-tokens "$MAX_NEW_TOKENS" --engine "$engine" --seed ${#parts[@]} \
     --batch-size "$BATCH" \
-    --time-budget "$DATA_MINUTES" ${answered[@]+"${answered[@]}"} \
+    --time-budget "$data_minutes" ${answered[@]+"${answered[@]}"} \
     || log "regeneration stopped: training on what there is"
   { for part in ${parts[@]+"${parts[@]}"}; do gzip -dc "$part"; done
     [ -f "$STATE/new/answers.jsonl" ] && cat "$STATE/new/answers.jsonl"; } > "$STATE/train.jsonl"
@@ -396,6 +399,22 @@ $STATE/logs/run-train-dspark.log, in results.tar.gz)" >&2; exit 1; }
   finish "$end"
   measure "$end"
   log "run done in $SECONDS s of $end: $(ls "$OUT" | tr '\n' ' ')"
+}
+
+plan_data_minutes() {  # END PARTS...: regeneration's minutes from the smoke call's rates (examples/campaign_plan.py)
+  local end=$1 have=0
+  shift
+  [ $# -gt 0 ] && have=$(gzip -dc "$@" | wc -l)
+  local per  # answer tokens per answer, as the parts' manifests count them (else the longest answer)
+  per=$(python3 -c "import json, sys
+from pathlib import Path
+manifests = [Path(p.removesuffix('.gz')).with_suffix('.jsonl.manifest.json') for p in sys.argv[2:]]
+counts = [json.loads(m.read_text()) for m in manifests if m.is_file()]
+n = sum(c.get('examples', 0) for c in counts)
+print(sum(c.get('answer_tokens', 0) for c in counts) / n if n else sys.argv[1])" "$MAX_NEW_TOKENS" "$@")
+  python3 examples/campaign_plan.py --smoke "$STATE/smoke" --answers "$have" --tokens-per-answer "$per" \
+    --minutes "$(python3 -c "print(round(($end - $SECONDS) / 60 - $FINISH_MINUTES - $MEASURE_MINUTES, 2))")" \
+    2> >(tee "$STATE/logs/run-plan.log" >&2)
 }
 
 assemble() {  # the target from its parts, checked, converted once

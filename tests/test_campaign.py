@@ -106,7 +106,7 @@ def test_the_lease_plan_runs_on_the_cpu_as_the_device_would_see_it(tmp_path):
                 "CAMPAIGN_SAMPLES": "2", "CAMPAIGN_BATCH": "8", "CAMPAIGN_MAX_NEW_TOKENS": "24",
                 "CAMPAIGN_EVAL_TOKENS": "16",
                 "CAMPAIGN_HELDOUT": "0.25", "CAMPAIGN_RECIPE": TOY_RECIPE, "CAMPAIGN_SMOKE_SECONDS": "600",
-                "CAMPAIGN_RUN_MINUTES": "4", "CAMPAIGN_DATA_MINUTES": "0.3", "CAMPAIGN_FINISH_MINUTES": "0.5",
+                "CAMPAIGN_RUN_MINUTES": "4", "CAMPAIGN_FINISH_MINUTES": "0.5",
                 "CAMPAIGN_MEASURE_MINUTES": "2.6", "CAMPAIGN_BENCH_FLAGS": "--max-new-tokens 8 --repeats 1",
                 "CAMPAIGN_SSD_FLAGS": "--max-new-tokens 8 --cache-sizes 2 --saguaro-c 1 --batch-sizes 1 --repeats 1",
                 "CAMPAIGN_SMOKE_FLAGS": "--max-length 160"}
@@ -136,6 +136,9 @@ def test_the_lease_plan_runs_on_the_cpu_as_the_device_would_see_it(tmp_path):
             assert "smoke passed" in log and "regenerates with static" in log, log[-3000:]
         if command.endswith("run"):
             assert "time:" in log and "steps in" in log, log[-3000:]  # the trainer's own account of its budget
+            # regeneration's minutes sized from the rates the smoke call measured at the same shapes
+            assert re.search(r"plan: training [\d.e+-]+ answers/s, regeneration [\d.e+-]+ answer tokens/s", log), \
+                log[-3000:]
     back = outs[len(calls)]
     returned = sorted(p.name for p in back.iterdir())
     assert returned[:2] == ["answers.jsonl.gz.part-0", "draft.safetensors.part-0"], returned
@@ -197,3 +200,4 @@ def test_the_plan_keeps_to_the_lease_when_the_tree_leaves_room_for_fewer_parts(t
     (few, planned_few, run_few), (many, planned_many, run_many) = plans[6], plans[3]
     assert many > few and planned_few <= 13 and planned_many <= 13
     assert run_many < run_few <= 9, plans  # the long call gives up what the extra calls cost
+

@@ -112,3 +112,26 @@ def test_readme_results_table_is_what_the_result_files_give():
                                             "--write`"
     for path in re.findall(r"\]\((experiments/[^)]+\.json)\)", result.stdout):
         assert (ROOT / path).is_file(), path
+
+
+def test_the_long_call_splits_its_minutes_by_the_rates_the_smoke_call_measured(tmp_path):
+    """Training aims to see its data about twice: a fast trainer with few answers gets regeneration time, one that
+    cannot see the answers it has gets the least, and regeneration never takes more than half."""
+    sys.path.insert(0, str(ROOT / "examples"))
+    from campaign_plan import EPOCHS, LOADING, MAX_DATA_SHARE, MIN_DATA, Rates, main, regeneration_minutes, smoke_rates
+
+    slow_trainer, fast_trainer = Rates(20.0, 10_000.0), Rates(2000.0, 10_000.0)
+    assert regeneration_minutes(slow_trainer, 8.0, 9728, 140.0) == MIN_DATA  # 9,600 answers seen: enough already
+    assert regeneration_minutes(fast_trainer, 8.0, 9728, 140.0) == 8.0 * MAX_DATA_SHARE
+    middle = regeneration_minutes(Rates(100.0, 100_000.0), 8.0, 9728, 140.0)
+    assert MIN_DATA < middle < 8.0 * MAX_DATA_SHARE
+    # where the split lands, training sees its data about EPOCHS times
+    made = 100_000.0 * 60 * (middle - LOADING) / 140.0
+    assert (100.0 * 60 * (8.0 - middle)) / (9728 + made) == pytest.approx(EPOCHS, rel=0.03)  # D rounded to 0.01 min
+
+    smoke = tmp_path / "smoke"
+    (smoke / "draft").mkdir(parents=True)
+    assert main(["--smoke", str(smoke), "--minutes", "8", "--answers", "0", "--tokens-per-answer", "140"]) == 0
+    (smoke / "draft" / "heldout.json").write_text(json.dumps({"training": {"throughput": {"answers_per_second": 100}}}))
+    (smoke / "static.manifest.json").write_text(json.dumps({"this_call": {"answer_tokens_per_second": 1e5}}))
+    assert smoke_rates(smoke) == Rates(100, 1e5)
