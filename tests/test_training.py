@@ -110,6 +110,11 @@ def test_the_target_distribution_computed_once_per_position_is_the_one_of_each_b
     per_block = target_distribution_on(draft_vocab, target_logits(target, gather_blocks(last, anchors, 4)))
     for once, expected in zip(target_distribution_at(target, last, anchors, 4, draft_vocab), per_block):
         torch.testing.assert_close(once, expected)
+    # computed over each row's span only (its answer): the same at every block position inside the span
+    spans = [(0, 12), (2, 11)]
+    inside = torch.arange(4)[None, None] + anchors[..., None] < torch.tensor([12, 11])[:, None, None]
+    for once, expected in zip(target_distribution_at(target, last, anchors, 4, draft_vocab, spans), per_block):
+        torch.testing.assert_close(once[inside], expected[inside])
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])

@@ -48,9 +48,8 @@ def target_distribution_at(target, last: torch.Tensor, anchors: torch.Tensor, ga
     with in_own_dtype(target):
         p_t, outside, top = target_distribution_on(draft_vocab, target_logits(target, last.flatten(0, 1)[rows].to(
             target.dtype)))
-    shape = (-1, 1, 1)
-    where = offset.view(shape) + torch.minimum(torch.maximum(idx, first.view(shape)), end.view(shape) - 1) \
-        - first.view(shape)
+    first, end, offset = (t.view(-1, 1, 1) for t in (first, end, offset))
+    where = offset + idx.clamp(first, end - 1) - first  # each block position among the positions computed
     return p_t[where], outside[where], top[where]
 
 
