@@ -38,6 +38,16 @@ from ..model.modeling_dspark import DSparkContext, DSparkDraftModel
 from .cache import DecodingCache, grown, row_slots, write_rows
 
 
+def attention_masks(target, real: torch.Tensor, slots: torch.Tensor, window: int | None):
+    """What `target`'s attention reads for queries at `slots` (B, Q) over keys [0, W): the real ones (`real` (B, W))
+    at or before each query's slot, and in sliding-window layers the last `window` of them
+    (`internals.prepared_masks`)."""
+    keys = torch.arange(real.shape[1], device=slots.device)
+    allowed = real[:, None, :] & (keys <= slots[..., None])  # (B, Q, W)
+    windowed = None if window is None else allowed & (keys > slots[..., None] - window)
+    return internals.prepared_masks(target, allowed, windowed)
+
+
 @dataclass
 class DecodingState:
     """The device side of a decode of B rows in S slots (see the module's docstring).
@@ -123,10 +133,7 @@ class DecodingState:
         rest, its queries being the frame's last ones); else which slot each query (B, Q) may see, per row."""
         if self.shared:
             return self.real[:, :width].long()
-        keys = torch.arange(width, device=slots.device)
-        allowed = self.real[:, None, :width] & (keys <= slots[..., None])  # (B, Q, width)
-        windowed = None if self.window is None else allowed & (keys > slots[..., None] - self.window)
-        return internals.prepared_masks(target, allowed, windowed)
+        return attention_masks(target, self.real[:, :width], slots, self.window)
 
     def one_end(self) -> int | None:
         """The slot every row ends at, where they end at one as the host knows them (at batch 1, always), else

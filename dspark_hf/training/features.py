@@ -18,6 +18,7 @@ from safetensors.torch import load_file, save_file
 
 from .. import internals
 from ..files import write_atomic
+from ..generation.state import attention_masks
 from ..model.configuration_dspark import unreadable_layers
 
 
@@ -39,18 +40,15 @@ def in_own_dtype(target):
 
 def causal_padding_mask(target, lengths: list[int], device):
     """The attention mask of right-padded sequences of `lengths` for `target`'s forward: None when no row is padded
-    (the model's causal mask is the right one), else the prepared causal mask over each row's real keys
-    (`internals.prepared_masks`), built from the host's lengths. Given the 2D mask, transformers reads its values to
-    decide whether it may skip it: a wait for the device in every training step."""
+    (the model's causal mask is the right one), else each token reading the real ones up to it
+    (`generation.state.attention_masks`), built from the host's lengths. Given the 2D mask, transformers reads its
+    values to decide whether it may skip it: a wait for the device in every training step."""
     L = max(lengths)
     if min(lengths) == L:
         return None
-    keys = torch.arange(L, device="cpu")
-    causal = keys[None, None, :] <= keys[None, :, None]  # (1, L, L): query, key
-    allowed = causal & (keys[None, :] < torch.tensor(lengths, device="cpu")[:, None])[:, None, :]  # (B, L, L)
-    window = internals.sliding_window(target)
-    windowed = None if window is None else allowed & (keys[None, None, :] > keys[None, :, None] - window)
-    return internals.prepared_masks(target, allowed.to(device), None if windowed is None else windowed.to(device))
+    real = torch.arange(L, device="cpu") < torch.tensor(lengths, device="cpu")[:, None]  # (B, L)
+    slots = torch.arange(L, device=device).expand(len(lengths), -1)
+    return attention_masks(target, real.to(device, non_blocking=True), slots, internals.sliding_window(target))
 
 
 class OnlineFeatures:

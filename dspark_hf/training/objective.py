@@ -84,9 +84,8 @@ def train_step(draft, target, examples, features, anchors_per_sequence, weights,
     device = draft.device
     feats, last = feats.to(device, non_blocking=True), last.to(device, non_blocking=True)
     ids, context_valid, lengths = pad_batch([e.input_ids for e in examples])  # on the CPU, moved once below
-    answer_start = [e.answer_start for e in examples]
-    anchors, valid = sample_anchors(answer_start, [len(e.input_ids) for e in examples], anchors_per_sequence,
-                                    generator)
+    answer_start, length = [e.answer_start for e in examples], [len(e.input_ids) for e in examples]
+    anchors, valid = sample_anchors(answer_start, length, anchors_per_sequence, generator)
     ids, anchors, valid, context_valid, lengths = (t.to(device, non_blocking=True) for t in (
         ids, anchors, valid, context_valid.bool(), lengths))
     positions = torch.arange(ids.shape[1], device=device).expand(len(examples), -1)
@@ -99,8 +98,7 @@ def train_step(draft, target, examples, features, anchors_per_sequence, weights,
     out = forward(ids.gather(1, anchors), anchors, block_tokens=labels, context_features=feats,
                   context_positions=positions, context_valid=context_valid, known=known)
     vocab = draft.draft_vocab if draft.config.draft_vocab_size is not None else None
-    p_t, outside, top = target_distribution_at(target, last, anchors, gamma, vocab,
-                                               spans=[(e.answer_start, len(e.input_ids)) for e in examples])
+    p_t, outside, top = target_distribution_at(target, last, anchors, gamma, vocab, list(zip(answer_start, length)))
     to_draft = draft.target_to_draft if vocab is not None else None
     return losses_against(out.logits.flatten(0, 1), p_t.flatten(0, 1), outside.flatten(0, 1), labels.flatten(0, 1),
                           block_valid.flatten(0, 1),

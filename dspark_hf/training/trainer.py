@@ -511,7 +511,7 @@ def _report_and_save(run: _Run, model, weights: dict, first_step: int, step: int
     """The held-out report (beside the draft the run started from, if any), the final save of `model` with its whole
     `weights`, and heldout.json with the report and where the run's time went."""
     config, timer = run.config, run.timer
-    throughput = _throughput(run)
+    throughput, hint = _throughput(run)
     with timer.reporting():
         measured = [ex for batch in run.heldout_batches[: timer.report_batches()] for ex in batch]
         report = evaluate_heldout(unwrap_draft(model), run.target, measured, run.features, config.anchors_per_sequence,
@@ -533,23 +533,23 @@ def _report_and_save(run: _Run, model, weights: dict, first_step: int, step: int
     # last, and whole: heldout.json tells a finished run (the GPU campaign reads it so) from one killed while saving
     write_atomic(run.out_dir / "heldout.json", json.dumps(report, indent=2))
     print(timer.line(step))
-    if throughput is not None:
-        print(Throughput.line(throughput))
-        hint = bfloat16_hint(run.device, _training_dtype(run), throughput["peak_tflops"] and
-                             throughput["peak_tflops"] * 1e12)
-        if hint:
-            print(hint)
+    for line in (throughput and Throughput.line(throughput), hint):
+        if line:
+            print(line)
     if run.monitor.line():
         print(run.monitor.line())
 
 
-def _throughput(run: _Run) -> dict | None:
+def _throughput(run: _Run) -> tuple[dict | None, str | None]:
     """This invocation's steps as answers/s, tokens/s and MFU (None when it took none): the counts over its seconds
-    of steps, against the device's peak in the dtype the draft trains in (mixed precision's, else float32)."""
+    of steps, against the device's peak in the dtype the draft trains in (mixed precision's, else float32); and the
+    line that names the bfloat16 flags where that dtype is float32 on a CPU much faster in bfloat16 (else None)."""
     if run.throughput.steps == 0:
-        return None
+        return None, None
     seconds = run.timer.loop_spent - run.timer.loop_spent_before
-    return run.throughput.report(seconds, *peak_flops(run.device, _training_dtype(run)))
+    dtype = _training_dtype(run)
+    peak, source = peak_flops(run.device, dtype)
+    return run.throughput.report(seconds, peak, source), bfloat16_hint(run.device, dtype, peak)
 
 
 def _training_dtype(run: _Run) -> torch.dtype:
