@@ -42,23 +42,42 @@ def plain_cache(output):
     return output["cache"] if "cache" in output else output["past_key_values"]
 
 
+class AttentionMasks:
+    """Whether each eager SDPA call (one per layer and forward) is given a mask: a boolean one costs SDPA a conversion
+    in every layer."""
+
+    def __init__(self, monkeypatch):
+        self.given = []
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+
+        def spied(*args, attn_mask=None, **kwargs):
+            self.given.append(attn_mask is not None)
+            return sdpa(*args, attn_mask=attn_mask, **kwargs)
+
+        monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spied)
+
+
 class Spy:
-    """What each `_round` runs: the target's query tokens and the cache slots its attention reads, how many of the
-    draft's modules run (eagerly: a compiled step's modules run inside its graph, unseen), whether the draft's
-    context changes, and how many times the host reads the device."""
+    """What each `_round` runs: the target's query tokens and the cache slots its attention reads, whether its
+    writes are plain copies (a slice), whether its eager attention is given a mask, how many of the draft's modules
+    run (eagerly: a compiled step's modules run inside its graph, unseen), whether the draft's context changes, and
+    how many times the host reads the device."""
 
     def __init__(self, monkeypatch, draft):
         self.rounds, self._current = [], None
         round_, frame = decoding._round, DecodingCache.frame
+        masks = AttentionMasks(monkeypatch)
 
         def spied_round(s, candidates, state, plan):
-            self._current = {"queries": [], "width": [], "draft_modules": 0, "reads": 0}
+            self._current = {"queries": [], "width": [], "copies": [], "draft_modules": 0, "reads": 0}
+            masks.given.clear()
             context = [t.clone() for t in state.context_keys + state.context_values]
             with HostReads() as reads:
                 try:
                     return round_(s, candidates, state, plan)
                 finally:
                     self._current["reads"] = reads.count
+                    self._current["masked"] = sorted(set(masks.given))
                     self._current["context_written"] = not all(
                         torch.equal(a, b) for a, b in zip(context, state.context_keys + state.context_values))
                     self.rounds.append(self._current)
@@ -68,6 +87,7 @@ class Spy:
             if self._current is not None:
                 self._current["queries"].append(queries)
                 self._current["width"].append(width)
+                self._current["copies"].append(isinstance(index, slice))
             return frame(cache, index, queries, width)
 
         def counted(*_):
@@ -90,8 +110,10 @@ def test_a_round_that_drafts_nothing_runs_plain_generate_s_step_and_nothing_of_t
     ids, mask = left_padded_prompts(batch)
     P, new = ids.shape[1], 16
     options = path_options(path, P, new)
+    plain_masks = AttentionMasks(monkeypatch)
     reference = target.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=new,
                                 return_dict_in_generate=True, **options)
+    plain_masked = sorted(set(plain_masks.given[4:]))  # its steps after the prompt's (4 layers)
     spy = Spy(monkeypatch, draft)
     out = target.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=new,
                           assistant_model=draft, verification_policy=Paused(drafted=set(), length=0), **options)
@@ -105,6 +127,27 @@ def test_a_round_that_drafts_nothing_runs_plain_generate_s_step_and_nothing_of_t
         plain_width = P + i + 1 if path == "eager" else plain_cache(reference).layers[0].get_mask_sizes(1)[0]
         assert seen["width"] == [plain_width], (i, seen)
         assert seen["reads"] <= 1, (i, seen)
+        if path == "eager":  # the rows end at one slot (left padding): writes are copies; a mask where plain's has one
+            assert seen["copies"] == [True] and seen["masked"] == plain_masked == [batch > 1], (i, seen)
+
+
+def test_rows_that_have_finished_move_on_with_the_others_so_one_token_rounds_stay_plain_copies(monkeypatch):
+    """Eagerly, in rounds of one token, a row that has met its EOS keeps moving along with the others (as plain
+    generate()'s cache goes on taking its padding), so that the rows still end at one slot and write plain copies."""
+    target = tiny_target("llama")
+    draft = tiny_draft(target)
+    ids, mask = left_padded_prompts(3)
+    new = 16
+    free = target.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=new)[:, ids.shape[1]:]
+    eos = next(t for t in free[0, 2:].tolist() if t not in free[1:].flatten().tolist())  # row 0 alone ends early
+    reference = target.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=new,
+                                eos_token_id=eos)
+    spy = Spy(monkeypatch, draft)
+    out = target.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=new, eos_token_id=eos,
+                          assistant_model=draft, verification_policy=Paused(drafted=set(), length=0))
+    assert torch.equal(out, reference)
+    assert (out[0, ids.shape[1]:] == eos).nonzero()[0, 0] < new - 3, "row 0 finished with rounds to go"
+    assert len(spy.rounds) == new - 1 and all(seen["copies"] == [True] for seen in spy.rounds), spy.rounds
 
 
 @pytest.mark.parametrize("path", ["eager", pytest.param("compiled", marks=pytest.mark.slow)])

@@ -21,12 +21,15 @@ class _Slots(CacheLayerMixin):
     """One layer's keys and values (B, H_kv, S, head_dim), allocated at their first write (whatever heads and head
     size the layer has) and written by `DecodingCache.update`."""
 
-    is_compileable = True
     is_sliding = False  # sliding windows are the mask's business: every layer keeps every slot
 
-    def __init__(self, slots: int):
+    def __init__(self, slots: int, compiled: bool):
         super().__init__()
         self.slots, self.keys, self.values = slots, None, None
+        # transformers' masking reads it: a compileable cache gets a mask for one query too (a compiled graph cannot
+        # skip it); eagerly, a forward that needs no mask of ours then runs without any, as plain generate()'s step
+        # over its dynamic cache does (a boolean mask costs SDPA a conversion in every layer: 1% of a round on a CPU)
+        self.is_compileable = compiled
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         B, H = key_states.shape[:2]
@@ -79,11 +82,11 @@ def write_rows(buffer: torch.Tensor, index: Slots, values: torch.Tensor, dim: in
 class DecodingCache(Cache):
     """KV cache whose rows write at their own offsets. `frame(index, queries, width)` before each forward: each row
     writes its `queries` new entries at the slots `index` names ([`write_rows`]), and attention reads slots
-    [0, width)."""
+    [0, width). compiled: whether its forwards run compiled (transformers sees it as compileable then)."""
 
-    def __init__(self, slots: int):
+    def __init__(self, slots: int, compiled: bool = False):
         super().__init__(layers=[])
-        self.slots = slots
+        self.slots, self.compiled = slots, compiled
         self.index: Slots | None = None
         self.queries = 0
         self.width = 0
@@ -93,7 +96,7 @@ class DecodingCache(Cache):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         while len(self.layers) <= layer_idx:  # the first forward (the prompt's) meets every layer in turn
-            self.layers.append(_Slots(self.slots))
+            self.layers.append(_Slots(self.slots, self.compiled))
         layer = self.layers[layer_idx]
         if not layer.is_initialized:
             layer.lazy_initialization(key_states, value_states)

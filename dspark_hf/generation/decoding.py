@@ -210,7 +210,11 @@ def _round(s: Decoding, candidates: DSparkCandidateGenerator, state: DecodingSta
     # device
     outcome = Outcome(proposal, plan.verify_len, n, nxt, committed)
     out.commit(chunk, committed, stop_at)
-    state.keep(kept, nxt, Q)
+    # in a round of one token a row for rows that end at one slot, the rows that have finished move on with the others
+    # (as plain generate()'s cache goes on taking their padding), so that the rows still end at one slot and the next
+    # forward's writes stay plain copies
+    along = L == 0 and state.one_end() is not None
+    state.keep(n + 1 if along else kept, nxt, Q)
     candidates.update_candidate_strategy(None, scores, n, outcome=outcome, rows=plan.rows)
     upcoming = _propose(s, candidates, state, drafting, bound=state.host_end + Q)
 
@@ -218,7 +222,7 @@ def _round(s: Decoding, candidates: DSparkCandidateGenerator, state: DecodingSta
     read = _read(s, upcoming, HostRead().add("accepted", n).add("committed", committed).add("stop_at", stop_at)
                  .add("chunk", chunk[0] if out.streamer is not None else None))
     rows, live = plan.rows, set(plan.rows)
-    state.kept_on_host([a + 1 if b in live else 0 for b, a in enumerate(read["accepted"])], Q)
+    state.kept_on_host([a + 1 if b in live or along else 0 for b, a in enumerate(read["accepted"])], Q)
     out.committed_on_host(read["committed"], read["stop_at"])
     candidates.learn(plan.lengths, [read["accepted"][b] for b in rows], drafted=proposal.drafted)
     out.record(rows, outcome, plan.lengths, plan.one_token_left, read["stop_at"])

@@ -80,10 +80,12 @@ class DecodingState:
     warmed: set = field(default_factory=set)  # what compiled steps have run on this state (`Steps.warm`)
 
     @classmethod
-    def allocate(cls, target, draft: DSparkDraftModel, batch_size: int, slots: int, shared: bool) -> "DecodingState":
-        """Zeroed buffers for `batch_size` rows of `slots` slots, for `target` and `draft` on the target's device."""
+    def allocate(cls, target, draft: DSparkDraftModel, batch_size: int, slots: int, shared: bool,
+                 compiled: bool) -> "DecodingState":
+        """Zeroed buffers for `batch_size` rows of `slots` slots, for `target` and `draft` on the target's device, for
+        forwards that run compiled or not."""
         device, B = target.device, batch_size
-        cache = DecodingCache(slots)  # its layers take their shapes from the prompt's forward
+        cache = DecodingCache(slots, compiled)  # its layers take their shapes from the prompt's forward
         c, dtype = draft.config, draft.fc.weight.dtype
         context = [torch.zeros(B, c.num_key_value_heads, slots, c.head_dim, dtype=dtype, device=device)
                    for _ in range(2 * c.num_hidden_layers)]
@@ -166,7 +168,7 @@ class DecodingState:
     # -- after the forward -----------------------------------------------------------------------------------------
     def keep(self, kept: torch.Tensor, anchor: torch.Tensor, queries: int) -> None:
         """Each row keeps the first kept[b] of the `queries` entries the last forward wrote (0 for a row that has
-        finished: it stays where it is); `anchor` (B,) is its next token."""
+        finished: it stays where it is, unless it moves on with the others); `anchor` (B,) is its next token."""
         if self.shared:  # every row moves past every slot the forward took; the rest of them become holes
             kept_slots = torch.arange(queries, device=kept.device) < kept[:, None]
             write_rows(self.real, row_slots(self.end, queries, self.slots), kept_slots, 1)
@@ -245,7 +247,7 @@ class StatePool:
             shelf, key = self._shelf(target, draft), _key(target, draft, batch_size)
             if key in shelf and shelf[key].slots >= slots:
                 return shelf.pop(key)
-        return DecodingState.allocate(target, draft, batch_size, slots, shared=False)
+        return DecodingState.allocate(target, draft, batch_size, slots, shared=False, compiled=True)
 
     def give(self, target, draft, state: DecodingState) -> None:
         with self._lock:

@@ -98,7 +98,7 @@ class Steps:
         room to start with (it grows)."""
         if not self.compiled:
             slots = prompt_length + min(max(max_new, 1), _FIRST_ROOM) + self._widths[-1]
-            return DecodingState.allocate(self.target, self.draft, batch_size, slots, self.shared)
+            return DecodingState.allocate(self.target, self.draft, batch_size, slots, self.shared, compiled=False)
         slots = max(prompt_length + max(max_new, 1), self.max_cache_len or 0)
         try:
             return _POOL.take(self.target, self.draft, batch_size, slots)
