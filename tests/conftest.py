@@ -128,18 +128,38 @@ def cpu_compile_config():
     return config
 
 
+# the decoding state on the fast path of the tests (`fast_path`): slots for every greedy lossless test's prompt and
+# new tokens, in batches of up to 8 rows
+FAST_PATH_SLOTS, FAST_PATH_ROWS = 64, 8
+
+
 @pytest.fixture(autouse=True)
 def fast_path(monkeypatch):
     """With DSPARK_TEST_FAST_PATH=1, every DSpark call of the tests runs its compiled steps (as with
     cache_implementation="static" on a GPU), on inductor's CPU backend; plain generate(), the reference, stays eager.
-    CI runs the lossless tests so (`.ci/run`); targets whose rows cannot keep their own offsets decode eagerly."""
+    CI runs the lossless tests so (`.ci/run`); targets whose rows cannot keep their own offsets decode eagerly.
+
+    A call of up to FAST_PATH_ROWS rows decodes in a state of FAST_PATH_SLOTS slots, as with `max_cache_len=64` (the
+    state a later, shorter call reuses from the pool: its slots past the rows' ends are masked out), so that tests of
+    other lengths reuse the graphs the first one compiled, as a user's later calls do (the sampling tests' 40,000
+    rows keep states of their own size: attention over 6x their slots would cost more than compiling);
+    tests/test_compiled.py sizes the state exactly."""
     if os.environ.get("DSPARK_TEST_FAST_PATH") != "1":
         return
     from dspark_hf import internals
+    from dspark_hf.generation.steps import Steps
 
     config = cpu_compile_config()
     monkeypatch.setattr(internals, "compile_config", lambda model, generation_config: None if (
         generation_config.disable_compile or internals.row_masks_refused(model)) else config)
+    state = Steps.state
+
+    def state_of_the_common_size(steps, batch_size, prompt_length, max_new):
+        if steps.compiled and batch_size <= FAST_PATH_ROWS:
+            steps.max_cache_len = max(steps.max_cache_len or 0, FAST_PATH_SLOTS)
+        return state(steps, batch_size, prompt_length, max_new)
+
+    monkeypatch.setattr(Steps, "state", state_of_the_common_size)
 
 
 @pytest.fixture
