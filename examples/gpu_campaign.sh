@@ -46,6 +46,8 @@
 #   CAMPAIGN_MEASURE_MINUTES kept for the GPU speed figures (default 2); training gets the rest
 #   CAMPAIGN_LIMIT_BYTES    what one call may carry, the tree included (default 64 MiB)
 #   CAMPAIGN_SSD_FLAGS, CAMPAIGN_BENCH_FLAGS, CAMPAIGN_SMOKE_FLAGS   scales of the measurements (tests shrink them)
+#   CAMPAIGN_SMOKE_BENCH_FLAGS  added to the smoke call's two benches (the CPU dry run passes --no-compile: there
+#                           the compiled arms take minutes to compile, and tests/test_evaluation.py checks them)
 #   CAMPAIGN_PACK           where pack writes, inside the checkout (default .campaign, git-ignored)
 #   CAMPAIGN_STATE          the device's working folder (default /tmp/dspark-campaign)
 #   OUT                     what comes back (set by the device tool; default $CAMPAIGN_STATE/out)
@@ -240,6 +242,7 @@ write_settings() {  # what the device needs to know of this pack, as defaults th
       printf ': "${CAMPAIGN_%s:=%s}"\n' "$name" "$(printf %s "${!name}" | tr '\n' ' ' | sed 's/"/\\"/g')"
     done
     printf ': "${CAMPAIGN_SMOKE_FLAGS:=%s}"\n' "${CAMPAIGN_SMOKE_FLAGS:-}"
+    printf ': "${CAMPAIGN_SMOKE_BENCH_FLAGS:=%s}"\n' "${CAMPAIGN_SMOKE_BENCH_FLAGS:-}"
     printf ': "${CAMPAIGN_RUN_ID:=%s}"\n' "$(date -u +%Y-%m-%dT%H:%M:%SZ)-$$"  # what land knows a run by
   } > "$1"
 }
@@ -320,7 +323,7 @@ AutoTokenizer.from_pretrained(skeleton).save_pretrained(out)
 PY
   toy_prompts "$S/prompts.jsonl.gz" 24
   # shellcheck disable=SC2206  # a list of flags
-  local flags=(${CAMPAIGN_SMOKE_FLAGS:-})
+  local flags=(${CAMPAIGN_SMOKE_FLAGS:-}) bench_flags=(${CAMPAIGN_SMOKE_BENCH_FLAGS:-})
   local regenerate=(--target "$toy" --dtype "$DTYPE" --prompts "$S/prompts.jsonl.gz" --num-examples 0
     --samples-per-prompt 2 --time-budget 0.5)
   local check=
@@ -352,10 +355,10 @@ PY
   # shapes: the kernels wait in the inductor cache for the long call)
   step bench-speed "$(deadline "$end")" "${DSPARK[@]}" bench speed --target "$toy" --draft "$S/export" \
     --prompts "$S/prompts.jsonl.gz" --limit 8 --batch-size 8 --max-new-tokens 8 --repeats 1 --policy auto \
-    --policy 'full block' --output "$S/bench_speed.json" || stop $?
+    --policy 'full block' ${bench_flags[@]+"${bench_flags[@]}"} --output "$S/bench_speed.json" || stop $?
   step bench-oracle "$(deadline "$end")" "${DSPARK[@]}" bench oracle --target "$toy" --draft "$S/export" \
     --batch-sizes 1 8 --max-new-tokens 8 --repeats 1 --policy 'full block' --policy auto \
-    --output "$S/bench_oracle.json" || stop $?
+    ${bench_flags[@]+"${bench_flags[@]}"} --output "$S/bench_oracle.json" || stop $?
   if [ -n "$check" ]; then
     local rc=0
     wait "$check" || rc=$?
