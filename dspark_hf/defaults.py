@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from .devices import resolve_device
+from .devices import computes_bfloat16_natively, resolve_device
 from .files import cache_dir
 from .installs import missing_package
 
@@ -92,15 +92,7 @@ def fast_draft_dtype(target) -> torch.dtype:
     A draft's dtype never changes what generate() returns, only how fast: the target verifies every drafted token
     in its own dtype (greedy output stays token-identical to plain generate(), sampling stays exact).
     """
-    device = target.device
-    if device.type == "cuda":
-        native = torch.cuda.is_bf16_supported()
-    elif device.type == "cpu":  # private helpers, present in torch >= 2.1; absent means "do not assume"
-        native = any(getattr(torch.cpu, name, lambda: False)()
-                     for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
-    else:
-        native = False
-    return torch.bfloat16 if native else target.dtype
+    return torch.bfloat16 if computes_bfloat16_natively(target.device) else target.dtype
 
 
 def default_draft(target=None, dtype: torch.dtype | None = None, device: str | torch.device | None = None):

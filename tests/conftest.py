@@ -109,6 +109,18 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True)
+def training_in_float32_by_default():
+    """Training's "auto" precision takes bfloat16 on CPUs with bf16 matrix units (AVX512-BF16, AMX) and float32 on
+    others: in the tests it takes float32 on every CPU, so that a test computes the same on any machine (and a target
+    a test passes to train() keeps its dtype). The tests of "auto" itself set what the CPU has."""
+    from dspark_hf.training import trainer
+
+    with pytest.MonkeyPatch.context() as patch:  # its own: a test's monkeypatch.undo() leaves it in place
+        patch.setattr(trainer, "computes_bfloat16_natively", lambda device: False)
+        yield
+
+
 @pytest.fixture(autouse=True, scope="session")
 def profile_cache(tmp_path_factory):
     """The default policy's measured costs go to a folder of this test session, not the user's cache."""

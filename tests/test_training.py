@@ -649,9 +649,15 @@ def fresh_accelerate_state():
     AcceleratorState._reset_state(True)
 
 
-@pytest.mark.parametrize("mixed_precision, autocast", [("auto", None), ("no", None), ("bf16", torch.bfloat16)])
-def test_training_on_cpu_autocasts_only_when_asked(tmp_path, fresh_accelerate_state, monkeypatch, mixed_precision,
-                                                   autocast):
+@pytest.mark.parametrize("mixed_precision, native, autocast", [
+    ("auto", True, torch.bfloat16), ("auto", False, None), ("no", True, None), ("bf16", False, torch.bfloat16)])
+def test_training_on_cpu_autocasts_in_bf16_where_the_cpu_has_bf16_units_or_when_asked(
+        tmp_path, fresh_accelerate_state, monkeypatch, mixed_precision, native, autocast):
+    """By default a CPU trains as a GPU does where it has bfloat16 matrix units (AVX512-BF16, AMX): the draft under
+    bf16 autocast, the target in bfloat16; elsewhere in fp32."""
+    from dspark_hf.training import trainer
+
+    monkeypatch.setattr(trainer, "computes_bfloat16_natively", lambda device: native)
     seen, real_forward = [], DSparkDraftModel.forward
 
     def recording_forward(self, *args, **kwargs):  # what the draft's layers run under, whoever wraps forward
@@ -669,6 +675,7 @@ def test_training_on_cpu_autocasts_only_when_asked(tmp_path, fresh_accelerate_st
     steps = len(seen) - 1  # the last call is the held-out evaluation, in the draft's own dtype
     assert steps >= 2 and seen[:steps] == [autocast] * steps and seen[-1] is None
     assert {p.dtype for p in draft.parameters()} == {torch.float32}  # autocast keeps fp32 master weights
+    assert target.dtype == (torch.bfloat16 if native else torch.float32)  # target_dtype "auto"
 
 
 def test_unusable_mixed_precision_settings_are_refused(tmp_path):

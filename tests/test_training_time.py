@@ -40,6 +40,7 @@ def test_the_gpu_memory_fraction_is_set_on_the_current_gpu_when_accelerate_names
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *args, **kwargs: True)
     monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", set_fraction)
     monkeypatch.setattr(accelerate, "Accelerator", OneGpu)
     tf32 = torch.backends.cuda.matmul.allow_tf32  # a setting train() makes on a GPU (not an attribute to patch)

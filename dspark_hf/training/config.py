@@ -63,9 +63,9 @@ class TrainConfig:
     feature_cache: str | None = field(default=None, metadata={"help": "Directory for an on-disk cache of target "
                                                                         "features; None computes them online."})
     mixed_precision: str = field(default="auto", metadata={"choices": ("auto", "bf16", "fp16", "no"), "help":
-                                 "'auto': bf16 on GPU, fp32 on CPU; 'bf16' also "
-                                 "on a CPU with bf16 matrix units (AVX512-BF16, AMX: several times the fp32 "
-                                 "throughput); 'fp16': GPU only; 'no': fp32. Autocast of the draft: its "
+                                 "'auto': bf16 where the device has bf16 matrix units (a GPU that supports "
+                                 "it; a CPU with AVX512-BF16 or AMX, several times the fp32 throughput), else "
+                                 "fp32; 'bf16', 'fp16' (GPU only); 'no': fp32. Autocast of the draft: its "
                                  "weights and optimizer state stay fp32, and the target computes in its own dtype "
                                  "(target_dtype). accelerate keeps one setting per process."})
     time_budget: float | None = field(default=None, metadata={"help": "Minutes for the whole run (features, training, "
@@ -79,8 +79,9 @@ class TrainConfig:
                         "'cpu', 'cuda' or 'cuda:N'; under `accelerate launch` each process takes its own GPU."})
     target_dtype: str = field(default="auto", metadata={"choices": ("auto", "float32", "bfloat16"), "help":
                               "dtype of the frozen target that gives features and "
-                              "the target distribution: 'auto' (bfloat16 on a GPU, float32 on a CPU), 'float32' or "
-                              "'bfloat16'; a target passed to train() is converted too."})
+                              "the target distribution: 'auto' (bfloat16 where the device has bf16 matrix units, as for "
+                              "mixed_precision, else float32), "
+                              "'float32' or 'bfloat16'; a target passed to train() is converted too."})
     auto_find_batch_size: bool = field(default=False, metadata={"help": "Halve batch_size until one step on the "
                                        "longest sequences (every block with the longest feature_lag) fits in GPU "
                                        "memory (says which size it took)."})

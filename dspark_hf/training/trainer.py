@@ -1,8 +1,8 @@
 """Train a DSpark draft for a frozen target (paper sec. 3.3).
 
-Runs plainly on CPU (fp32, or bf16 autocast where the CPU has bf16 matrix units) or under ``accelerate launch`` on
-one or many GPUs (data parallel, bf16). The target, its embedding and its LM head stay frozen; only the draft's
-backbone, sequential head and confidence head learn.
+Runs plainly on CPU or under ``accelerate launch`` on one or many GPUs (data parallel); by default in bf16 where
+the device has bf16 matrix units (a GPU; a CPU with AVX512-BF16 or AMX), else in fp32. The target, its embedding
+and its LM head stay frozen; only the draft's backbone, sequential head and confidence head learn.
 With ``lora=True`` a trained draft is adapted to a domain instead: its weights stay frozen and peft LoRA adapters on
 the backbone's linear layers learn (plus, optionally, the heads in full); the run saves a peft adapter.
 """
@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from ..devices import GpuMonitor, clock, indexed, resolve_device
+from ..devices import GpuMonitor, clock, computes_bfloat16_natively, indexed, resolve_device
 from ..files import write_atomic
 from ..generation.request import unwrap_draft
 from .checkpoints import (STATE_FILE, CheckpointWriter, checkpoint_folders, latest_checkpoint, save_checkpoint,
@@ -829,8 +829,8 @@ def find_batch_size(draft, target, train_set, features, config: TrainConfig, wei
 def _mixed_precision(choice: str, device: torch.device) -> str:
     if choice not in ("auto", "bf16", "fp16", "no"):
         raise ValueError(f"mixed_precision={choice!r}: choose 'auto', 'bf16', 'fp16' or 'no'.")
-    if choice == "auto":
-        return "bf16" if device.type == "cuda" else "no"
+    if choice == "auto":  # as a GPU trains: in bfloat16 where the device has its matrix units
+        return "bf16" if computes_bfloat16_natively(device) else "no"
     if choice == "fp16" and device.type != "cuda":  # accelerate would silently train in fp32
         raise ValueError("mixed_precision='fp16' needs a GPU; on CPU use 'bf16' (CPUs with bf16 units) or 'no'.")
     return choice
@@ -839,7 +839,7 @@ def _mixed_precision(choice: str, device: torch.device) -> str:
 
 def _target_dtype(choice: str, device: torch.device) -> torch.dtype:
     if choice == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        return torch.bfloat16 if computes_bfloat16_natively(device) else torch.float32
     return getattr(torch, choice)
 
 
