@@ -210,9 +210,9 @@ def _round(s: Decoding, candidates: DSparkCandidateGenerator, state: DecodingSta
     # device
     outcome = Outcome(proposal, plan.verify_len, n, nxt, committed)
     out.commit(chunk, committed, stop_at)
-    # in a round of one token a row for rows that end at one slot, the rows that have finished move on with the others
-    # (as plain generate()'s cache goes on taking their padding), so that the rows still end at one slot and the next
-    # forward's writes stay plain copies
+    # in a one-token round where every row ends at one slot, finished rows move on with the others (as plain
+    # generate()'s cache goes on taking their padding): the rows keep ending at one slot, and the next forward's
+    # writes stay slice copies
     along = L == 0 and state.one_end() is not None
     state.keep(n + 1 if along else kept, nxt, Q)
     candidates.update_candidate_strategy(None, scores, n, outcome=outcome, rows=plan.rows)
