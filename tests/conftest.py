@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import logging
 import os
+from pathlib import Path
 
 import pytest
 import torch
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, Qwen3Config, \
     Qwen3ForCausalLM
 
-import dspark_hf  # noqa: F401  (registers the model type and the generate() routing)
+import dspark_hf  # registers the model type and the generate() routing
 from dspark_hf import DSparkDraftModel
 
 VOCAB = 96
@@ -50,6 +52,14 @@ def tiny_draft(target, seed: int = 1, **overrides) -> DSparkDraftModel:
     fields = dict(num_hidden_layers=2, markov_rank=8, block_size=4, initializer_range=0.2)
     fields.update(overrides)
     return DSparkDraftModel.from_target(target, **fields).eval()
+
+
+def calibrated_tiny_draft(target, seed: int = 1) -> DSparkDraftModel:
+    """A tiny draft calibrated as the shipped one is: its block size and STS temperatures."""
+    config = json.loads((Path(dspark_hf.__file__).parent / "assets" / "dspark-smollm2-135m-instruct" /
+                         "config.json").read_text())
+    temperatures = config["confidence_temperatures"]
+    return tiny_draft(target, seed, block_size=len(temperatures), confidence_temperatures=temperatures)
 
 
 def tiny_tokenizer():

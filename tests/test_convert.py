@@ -410,7 +410,7 @@ def test_what_deepspec_cannot_express_includes_a_scaled_embedding_and_not_calibr
     from dspark_hf.model.convert import deepspec_blockers
 
     calibrated = tiny_draft(target)  # exported with its raw confidences: engines drop the temperatures, and say so
-    calibrated.config.confidence_temperatures = [1.5] * calibrated.config.block_size
+    calibrated.set_confidence_temperatures([1.5] * calibrated.config.block_size)
     assert deepspec_blockers(calibrated, target) == []
     gemma = tiny_target("gemma3")  # embeddings scaled by sqrt(hidden size), where DeepSpec's are plain
     gemma.config.final_logit_softcapping = None

@@ -9,7 +9,7 @@ import warnings
 import pytest
 import torch
 
-from conftest import left_padded_prompts, tiny_draft, tiny_target
+from conftest import calibrated_tiny_draft, left_padded_prompts, tiny_target
 from dspark_hf import AutoScheduled, FullBlock
 from dspark_hf.evaluation import OracleDraft
 from dspark_hf.generation import decoding
@@ -24,7 +24,8 @@ def on_gpu(batch: int, max_new_tokens: int = 24):
     target = tiny_target("llama").cuda()
     ids, mask = (t.cuda() for t in left_padded_prompts(batch))
     reference = target.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new_tokens)
-    oracle = OracleDraft.from_draft(tiny_draft(target).cuda()).set_references(target, reference, mask)
+    # calibrated as the shipped draft is: its temperatures must not cost a copy to the GPU a round either
+    oracle = OracleDraft.from_draft(calibrated_tiny_draft(target).cuda()).set_references(target, reference, mask)
     return target, ids, mask, reference, oracle
 
 

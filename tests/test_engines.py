@@ -227,7 +227,7 @@ def test_dspark_export_says_which_engines_serve_it_and_what_they_drop(saved_targ
     from dspark_hf.cli import main
 
     draft = tiny_draft(saved_target)
-    draft.config.confidence_temperatures = [1.5] * draft.config.block_size
+    draft.set_confidence_temperatures([1.5] * draft.config.block_size)
     draft.save_pretrained(tmp_path / "draft")
     saved_target.save_pretrained(tmp_path / "target")
     assert main(["export", str(tmp_path / "draft"), "--format", "deepspec", "--target", str(tmp_path / "target"),

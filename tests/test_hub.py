@@ -60,7 +60,7 @@ def calibrate(draft: DSparkDraftModel) -> dict:
     verified = torch.full((300,), gamma)
     accepted = torch.randint(0, gamma + 1, (300,), generator=g)
     temps = sequential_temperature_scaling(logits, verified, accepted)
-    draft.config.confidence_temperatures = temps
+    draft.set_confidence_temperatures(temps)
     return {"before": calibration_report(logits, verified, accepted, [1.0] * gamma),
             "after": calibration_report(logits, verified, accepted, temps), "temperatures": temps,
             "prompts": 12, "rounds": 300, "max_new_tokens": 32, "temperature": 0.0}

@@ -201,11 +201,41 @@ def test_confidences_are_probabilities_and_sts_temperatures_apply():
     raw = sample_block(draft, ids[:, -1], positions[:, -1], context, do_sample=True).confidences
     assert raw.shape == (2, GAMMA) and bool(((raw > 0) & (raw < 1)).all())
 
-    draft.config.confidence_temperatures = [2.0] * GAMMA
+    draft.set_confidence_temperatures([2.0] * GAMMA)
     torch.manual_seed(0)
     cooled = sample_block(draft, ids[:, -1], positions[:, -1], context, do_sample=True).confidences
     logit = torch.logit(raw.double())
     torch.testing.assert_close(cooled.double(), torch.sigmoid(logit / 2), rtol=1e-4, atol=1e-5)
+
+
+def test_sts_temperatures_live_on_the_draft_s_device_exactly_through_one_setter(tmp_path):
+    """A round copies nothing to the device for the temperatures: they are a buffer beside the weights, set with the
+    config field by one setter, kept exact in a bfloat16 draft and after a save and load (where they are config.json's
+    field only); an assignment to the field alone is refused where the draft would be used or saved."""
+    temps = [1.25, 0.7, 1.9, 3.3]
+    draft = tiny_draft(tiny_target("llama"))
+    logits = torch.linspace(-3, 3, 8).view(2, GAMMA)
+    torch.testing.assert_close(draft.calibrated(logits), torch.sigmoid(logits), rtol=0, atol=0)
+
+    draft.set_confidence_temperatures(temps)
+    expected = torch.sigmoid(logits / torch.tensor(temps))
+    assert draft.config.confidence_temperatures == temps
+    torch.testing.assert_close(draft.calibrated(logits), expected, rtol=0, atol=0)
+    torch.testing.assert_close(draft.to(torch.bfloat16).calibrated(logits), expected, rtol=0, atol=0)
+    draft.save_pretrained(tmp_path / "draft")
+    assert "sts_temperatures" not in safe_open(tmp_path / "draft" / "model.safetensors", "pt").keys()
+    loaded = DSparkDraftModel.from_pretrained(tmp_path / "draft")
+    torch.testing.assert_close(loaded.calibrated(logits), expected, rtol=0, atol=0)
+
+    with pytest.raises(ValueError, match="block_size is 4 but confidence_temperatures has 2"):
+        loaded.set_confidence_temperatures([1.0, 2.0])
+    assert loaded.config.confidence_temperatures == temps  # a refused value changes nothing
+    loaded.config.confidence_temperatures = [2.0] * GAMMA
+    for use in (loaded.check_config, lambda: loaded.save_pretrained(tmp_path / "again")):
+        with pytest.raises(ValueError, match=r"confidence_temperatures was assigned, so the draft still calibrates "
+                                             r"with \[1.25, 0.7, 1.9, 3.3\]: set them with "
+                                             r"draft.set_confidence_temperatures"):
+            use()
 
 
 def test_draft_vocabulary_subset_only_proposes_its_tokens():
@@ -305,7 +335,7 @@ def test_a_block_size_edited_in_a_calibrated_draft_s_config_is_refused_naming_bl
     import json
 
     draft = tiny_draft(tiny_target("llama"))
-    draft.config.confidence_temperatures = [1.0] * draft.config.block_size
+    draft.set_confidence_temperatures([1.0] * draft.config.block_size)
     draft.save_pretrained(tmp_path / "draft")
     config = json.loads((tmp_path / "draft" / "config.json").read_text())
     (tmp_path / "draft" / "config.json").write_text(json.dumps({**config, "block_size": 100}))

@@ -231,6 +231,7 @@ class DSparkDraftModel(DSparkPreTrainedModel):
         self.w2 = nn.Linear(r, vocab, bias=False) if uses_prev_token else None
         self.rnn_proj = nn.Linear(2 * r + d, 3 * r) if config.head_type == "rnn" else None
         self.confidence = nn.Linear(d + (r if uses_prev_token else 0), 1) if config.confidence_head else None
+        self.set_confidence_temperatures(config.confidence_temperatures)
         self.post_init()
 
     # -- target binding ------------------------------------------------------------------------------------------
@@ -358,6 +359,8 @@ class DSparkDraftModel(DSparkPreTrainedModel):
             raise ValueError(f"{name} does not match its config: its {key} is {tuple(stored)}, the config makes it "
                              f"{tuple(expected)}{more}, which ignore_mismatched_sizes would start random. Load it with "
                              "the config it was saved with.")
+        # from the meta device transformers materialises non-persistent buffers uninitialised: set them again
+        model.set_confidence_temperatures(model.config.confidence_temperatures)
         return (model, info) if output_loading_info else model
 
     def save_pretrained(self, save_directory, *args, model_card: bool = True, card_data=None, **kwargs):
@@ -410,14 +413,20 @@ class DSparkDraftModel(DSparkPreTrainedModel):
 
     def check_config(self) -> None:
         """Raise a ValueError naming the field and the fix where the config was changed since the draft was built
-        into one from_pretrained would refuse: fields set after construction (``draft.config.block_size = 4``,
-        confidence_temperatures set by calibration) were never validated. generate() calls it as it starts, and
-        save_pretrained and push_to_hub before they write."""
+        into one from_pretrained would refuse (fields set after construction, ``draft.config.block_size = 4``, were
+        never validated), or where its confidence_temperatures were assigned rather than set (the draft would
+        calibrate with the old ones). generate() calls it as it starts, and save_pretrained and push_to_hub before
+        they write."""
         try:
             self.config.validate_dspark()
         except ValueError as error:
             raise ValueError(f"The draft's config was changed into one from_pretrained would refuse: {error}") \
                 from error
+        temps = self.config.confidence_temperatures
+        if (None if temps is None else tuple(temps)) != self._temperatures_set:
+            raise ValueError("draft.config.confidence_temperatures was assigned, so the draft still calibrates with "
+                             f"{None if self._temperatures_set is None else list(self._temperatures_set)}: set them "
+                             "with draft.set_confidence_temperatures(temperatures).")
 
     # -- pieces of the forward pass ----------------------------------------------------------------------------
     @property
@@ -516,11 +525,30 @@ class DSparkDraftModel(DSparkPreTrainedModel):
         feats = h if prev_emb is None else torch.cat([h, prev_emb.to(h.dtype)], dim=-1)
         return self.confidence(feats).squeeze(-1)
 
+    def set_confidence_temperatures(self, temperatures: list[float] | None) -> None:
+        """Calibrate the confidences with these STS temperatures (gamma,) from now on, or with none (raw ones): in
+        the config (config.json, which the engines read too) and in a buffer on the draft's device, so that a round
+        copies nothing to the device for them. The one way to change them (an assignment to the config field leaves
+        the buffer behind; generate() and save_pretrained refuse such a draft, naming this setter)."""
+        previous = self.config.confidence_temperatures
+        self.config.confidence_temperatures = None if temperatures is None else [float(t) for t in temperatures]
+        try:
+            self.config.validate_dspark()
+        except ValueError:
+            self.config.confidence_temperatures = previous
+            raise
+        self._temperatures_set = None if temperatures is None else tuple(self.config.confidence_temperatures)
+        bits = None
+        if temperatures is not None:  # float32 bits as int32: `model.to(torch.bfloat16)` casts float buffers only
+            device = self.fc.weight.device if self.fc.weight.device.type != "meta" else "cpu"
+            bits = torch.tensor(self._temperatures_set, dtype=torch.float32, device=device).view(torch.int32)
+        self.register_buffer("sts_temperatures", bits, persistent=False)
+
     def calibrated(self, confidence_logits: torch.Tensor) -> torch.Tensor:
         """c_k = sigmoid(logit_k / T_k) with the STS temperatures (sec. 3.2.1); gamma is the last dim."""
-        temps = self.config.confidence_temperatures
-        if temps is not None:
-            confidence_logits = confidence_logits / confidence_logits.new_tensor(temps[: confidence_logits.shape[-1]])
+        if self.sts_temperatures is not None:
+            temps = self.sts_temperatures.view(torch.float32)[: confidence_logits.shape[-1]]
+            confidence_logits = confidence_logits / temps.to(confidence_logits.dtype)
         return torch.sigmoid(confidence_logits)
 
     def to_target_vocab(self, logits: torch.Tensor) -> torch.Tensor:

@@ -80,7 +80,8 @@ def calibrate(draft, target, tokenizer, dataset: str | Path, fraction: float, li
     texts = [tokenizer.decode(e.input_ids[: e.answer_start]) for e in first_answers.values()][:limit]
     sampling = {"do_sample": True, "temperature": temperature} if temperature > 0 else {"do_sample": False}
     logits, verified, accepted = [], [], []
-    raw, draft.config.confidence_temperatures = draft.config.confidence_temperatures, None  # STS fits raw ones
+    raw = draft.config.confidence_temperatures
+    draft.set_confidence_temperatures(None)  # STS fits raw ones
     try:
         for i in tqdm(range(0, len(texts), batch_size), desc="held-out rollouts", disable=not progress):
             inputs = tokenizer(texts[i: i + batch_size], return_tensors="pt", padding=True,
@@ -92,7 +93,7 @@ def calibrate(draft, target, tokenizer, dataset: str | Path, fraction: float, li
                 verified.append(r.verified)
                 accepted.append(r.accepted)
     finally:
-        draft.config.confidence_temperatures = raw
+        draft.set_confidence_temperatures(raw)
     if not logits:
         raise ValueError(f"no held-out rollout drafted a block in {max_new_tokens} new tokens: raise "
                          "--max-new-tokens.")
@@ -102,5 +103,5 @@ def calibrate(draft, target, tokenizer, dataset: str | Path, fraction: float, li
               "after": calibration_report(logits, verified, accepted, temps), "temperatures": temps,
               "prompts": len(texts), "rounds": len(accepted), "max_new_tokens": max_new_tokens,
               "temperature": temperature}
-    draft.config.confidence_temperatures = temps
+    draft.set_confidence_temperatures(temps)
     return Calibration(logits, verified, accepted, temps, report)
