@@ -171,8 +171,8 @@ def _prefill(s: Decoding, candidates: DSparkCandidateGenerator, state: DecodingS
         state.anchor = token
     rows = list(range(B))
     proposal = _propose(s, candidates, state, candidates.drafts(rows, [s.out.limit - 1] * B), bound=state.host_end)
-    read = _read(s, proposal, HostRead().add("stop_at", stop_at).add("token", token[:1]))
-    s.out.committed_on_host([1] * B, read["stop_at"])
+    read = _read(s, proposal, s.out.ask(HostRead().add("token", token[:1])))
+    s.out.mirror(read)
     s.out.stream(read["token"])
     return _plan(s, candidates, proposal, read)
 
@@ -218,12 +218,13 @@ def _round(s: Decoding, candidates: DSparkCandidateGenerator, state: DecodingSta
     candidates.update_candidate_strategy(None, scores, n, outcome=outcome, rows=plan.rows)
     upcoming = _propose(s, candidates, state, drafting, bound=state.host_end + Q)
 
-    # what the host learns of the round, in one read
-    read = _read(s, upcoming, HostRead().add("accepted", n).add("committed", committed).add("stop_at", stop_at)
-                 .add("chunk", chunk[0] if out.streamer is not None else None))
-    rows, live = plan.rows, set(plan.rows)
-    state.kept_on_host([a + 1 if b in live or along else 0 for b, a in enumerate(read["accepted"])], Q)
-    out.committed_on_host(read["committed"], read["stop_at"])
+    # what the host learns of the round, in one read: with the state's and the output's own copies (`mirror`)
+    read = _read(s, upcoming, state.ask(out.ask(HostRead().add("accepted", n).add("committed", committed)
+                                                .add("stop_at", stop_at)
+                                                .add("chunk", chunk[0] if out.streamer is not None else None))))
+    rows = plan.rows
+    state.mirror(read)
+    out.mirror(read)
     candidates.learn(plan.lengths, [read["accepted"][b] for b in rows], drafted=proposal.drafted)
     out.record(rows, outcome, plan.lengths, plan.one_token_left, read["stop_at"])
     if read["chunk"] is not None and 0 in rows:

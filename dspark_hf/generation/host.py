@@ -5,11 +5,17 @@ the work queued before it: the device idles while Python catches up, once per re
 the host (how many tokens each row accepted and committed, where a row stopped, the next block's confidences,
 whether the draft stayed finite), so [`HostRead`] packs them into one tensor, moves it once and hands them back as
 Python numbers. Values go the other way with [`to_device`], which never waits.
+
+The state the host decides on (each row's end in the decoding state, its output length, where it stopped) lives
+on the device, and the host keeps a copy of it: a [`Mirrored`] state object adds its device values to the round's
+read (`ask`) and takes its copy from what the read found (`mirror`), so that the copy is the device's, never a
+second formula beside it.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Protocol
 
 import torch
 
@@ -39,6 +45,16 @@ class HostRead:
             cast = bool if t.dtype == torch.bool else float if t.is_floating_point() else int
             out[name] = _shaped([cast(v) for v in values], list(t.shape))
         return out
+
+
+class Mirrored(Protocol):
+    """Device state the host keeps a copy of, learnt only from the round's one read."""
+
+    def ask(self, read: "HostRead") -> "HostRead":
+        """Add the device values the copy mirrors to `read` (and return it)."""
+
+    def mirror(self, values: dict) -> None:
+        """Take the host's copy from the values `read()` found."""
 
 
 def _shaped(values: list, shape: list[int]):

@@ -36,6 +36,7 @@ import torch
 from .. import internals
 from ..model.modeling_dspark import DSparkContext, DSparkDraftModel
 from .cache import DecodingCache, grown, row_slots, write_rows
+from .host import HostRead
 
 
 def attention_masks(target, real: torch.Tensor, slots: torch.Tensor, window: int | None):
@@ -56,7 +57,7 @@ class DecodingState:
     positions (B, S), real (B, S) bool; end (B,): slots a row has filled; count (B,): tokens it has committed, its
     prompt's included (the anchor's position); anchor (B,): its last committed token, not yet in any slot. shared:
     the rows share one end (see the module). window: the target's sliding window, or None. host_ends: the ends as
-    the host last learned them (after each round's read), so that eager forwards read no slot past the last one.
+    the host last read them (`mirror`), so that eager forwards read no slot past the last one.
     features (B, S, m * d_t): the target's features of every slot written, kept for the slots whose context a
     forward did not encode; stale_from: the first slot whose context may lack them in a row still decoding (host),
     None when every slot's is there. unpadded: no row has a slot without a token (its prompt had no padding, and
@@ -184,9 +185,14 @@ class DecodingState:
         """The last slot any row has filled, as the host knows it."""
         return max(self.host_ends)
 
-    def kept_on_host(self, kept: list[int], queries: int) -> None:
-        """The host's copy of the ends, after a round whose kept counts it has read."""
-        self.host_ends = [end + (queries if self.shared else k) for end, k in zip(self.host_ends, kept)]
+    # -- the host's copy (`host.Mirrored`) --------------------------------------------------------------------------
+    def ask(self, read: HostRead) -> HostRead:
+        """Add what the host keeps a copy of to the round's read: each row's end."""
+        return read.add("state.end", self.end)
+
+    def mirror(self, values: dict) -> None:
+        """The host's copy of the ends, as the round's read found them (`ask`)."""
+        self.host_ends = values["state.end"]
 
     def make_room(self, queries: int) -> None:
         """Grow the buffers, doubling, so that a forward of `queries` fits after the last end: an eager call sizes

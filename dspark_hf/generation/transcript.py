@@ -48,7 +48,7 @@ class Transcript:
 
     prompt (B, P) and prompt_mask (B, P): as generate() passed them. gen (B, W): each row's generated tokens,
     padded; n_gen (B,): how many; stopped_at (B,): output length at which a criterion first fired, 0 if none yet (all
-    on the device; n_host and stopped_host: the host's copies). longest: generated tokens of the longest row so far
+    on the device; n_host and stopped_host: the host's copies, read with each round's read: `mirror`). longest: generated tokens of the longest row so far
     (plain generate()'s sequence length, less P). max_new: the request's length limit in new tokens; stop_limit:
     where the output ends once every row has stopped and no EOS criterion pads finished rows (plain generate() then
     ends with the last one). records: the rounds' records, kept when the call returns them or streams them.
@@ -210,12 +210,15 @@ class Transcript:
             self.gen = torch.cat([self.gen, self.gen.new_full((self.gen.shape[0], wider - self.gen.shape[1]),
                                                               self.pad_id)], 1)
 
-    def committed_on_host(self, counts: list[int], stop_at: list[int]) -> None:
-        """The host's copy of what `commit` did, from the round's read."""
-        for b, (c, s) in enumerate(zip(counts, stop_at)):
-            if s and not self.stopped_host[b]:
-                self.stopped_host[b] = self.n_host[b] + s
-            self.n_host[b] += c
+    # -- the host's copy (`host.Mirrored`) --------------------------------------------------------------------------
+    def ask(self, read: HostRead) -> HostRead:
+        """Add what the host keeps a copy of to the round's read: each row's length and where it stopped."""
+        return read.add("out.n_gen", self.n_gen).add("out.stopped_at", self.stopped_at)
+
+    def mirror(self, values: dict) -> None:
+        """The host's copy of the rows' lengths and stops, as the round's read found them (`ask`), and what follows
+        from them on the host: where the output ends once every row has stopped, the length criteria's view."""
+        self.n_host, self.stopped_host = values["out.n_gen"], values["out.stopped_at"]
         if not self.pads_finished and self.stop_limit is None and all(self.stopped_host):
             self.stop_limit = max(self.stopped_host)
         after = max(self.n_host)
