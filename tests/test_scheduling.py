@@ -90,28 +90,27 @@ def test_retrospective_admission_biases_the_output_and_the_early_stop_does_not()
 
 
 def test_threshold_policy_cuts_at_the_first_low_confidence():
-    lengths = ThresholdPolicy(0.5)(torch.tensor([[0.9, 0.4, 0.9], [0.8, 0.7, 0.6], [0.2, 0.9, 0.9]]), 3, 3)
-    assert lengths.tolist() == [1, 3, 0]
+    assert ThresholdPolicy(0.5).plan([[0.9, 0.4, 0.9], [0.8, 0.7, 0.6], [0.2, 0.9, 0.9]], 3, 3) == [1, 3, 0]
 
 
 @pytest.mark.parametrize("padded", [True, False])
 def test_async_scheduler_uses_the_capacity_of_two_rounds_earlier(padded):
     policy = AsyncScheduled(lambda b: 8000 / (96 + b), padded=padded)
-    high, low = torch.full((4, 6), 0.95), torch.full((4, 6), 0.3)
-    first = policy(high, 6, 4)
-    policy(low, 6, 4)
-    third = policy(low, 6, 4)  # capacity from round 1 (high confidence): many tokens admitted
+    high, low = [[0.95] * 6] * 4, [[0.3] * 6] * 4
+    first = policy.plan(high, 6, 4)
+    policy.plan(low, 6, 4)
+    third = policy.plan(low, 6, 4)  # capacity from round 1 (high confidence): many tokens admitted
     searched = prefix_schedule(high, lambda b: 8000 / (96 + b), early_stop=False, padded=padded)
-    assert first.sum() == third.sum() == sum(searched) > sum(prefix_schedule(low, lambda b: 8000 / (96 + b)))
+    assert sum(first) == sum(third) == sum(searched) > sum(prefix_schedule(low, lambda b: 8000 / (96 + b)))
 
 
 def test_async_scheduler_prices_the_padded_batch_generate_verifies_by_default():
     """One confident row among 8: verifying its 4 tokens pads all 8 rows to 5, which this cost curve punishes."""
     sps = lambda b: 1.0 / (10 + b)  # noqa: E731
-    c = torch.tensor([[0.99] * 4] + [[0.05] * 4] * 7)
+    c = [[0.99] * 4] + [[0.05] * 4] * 7
     policy, packed = AsyncScheduled(sps), AsyncScheduled(sps, padded=False)
-    rounds = [(policy(c, 4, 8).tolist(), packed(c, 4, 8).tolist()) for _ in range(3)]  # round 3: top-K admission
-    assert all(lengths == Scheduled(sps)(c, 4, 8).tolist() == [0] * 8 for lengths, _ in rounds)
+    rounds = [(policy.plan(c, 4, 8), packed.plan(c, 4, 8)) for _ in range(3)]  # round 3: top-K admission
+    assert all(lengths == Scheduled(sps).plan(c, 4, 8) == [0] * 8 for lengths, _ in rounds)
     assert all(lengths == [4] + [0] * 7 for _, lengths in rounds)  # what a packed engine would verify
 
 
@@ -162,8 +161,8 @@ class Alternating(Policy):
         self.calls += 1
         return self.calls % 2 == 0
 
-    def __call__(self, confidences, gamma, num_rows):
-        return torch.ones(num_rows, dtype=torch.long)
+    def plan(self, confidences, gamma, num_rows):
+        return [1] * num_rows
 
 
 def test_a_policy_with_hooks_must_be_a_policy_so_that_they_are_called():
@@ -202,8 +201,8 @@ class DraftingEveryRound(Alternating):
         self.drafting = super().draft_this_round(num_rows)
         return True
 
-    def __call__(self, confidences, gamma, num_rows):
-        return torch.full((num_rows,), int(self.drafting), dtype=torch.long)
+    def plan(self, confidences, gamma, num_rows):
+        return [int(self.drafting)] * num_rows
 
 
 def contexts_seen_by_the_draft(target, policy):
@@ -253,11 +252,11 @@ def test_scheduler_switches_drafting_off_when_plain_decoding_is_faster():
     sps = lambda b: 100 / (10 + b)  # noqa: E731
     cheap, costly = Scheduled(sps, draft_seconds=lambda r: 0.001), Scheduled(sps, draft_seconds=lambda r: 1.0,
                                                                              probe_every=3)
-    conf = torch.full((2, 4), 0.9)
-    assert cheap(conf, 4, 2).sum() > 0 and cheap.draft_this_round(2)
-    costly(conf, 4, 2)  # 1 s of drafting per round: one plain step (0.12 s for 2 tokens) is far ahead
+    conf = [[0.9] * 4] * 2
+    assert sum(cheap.plan(conf, 4, 2)) > 0 and cheap.draft_this_round(2)
+    costly.plan(conf, 4, 2)  # 1 s of drafting per round: one plain step (0.12 s for 2 tokens) is far ahead
     assert [costly.draft_this_round(2) for _ in range(4)] == [False, False, False, True]
-    costly(conf, 4, 2)  # the probe confirms it: the next pause is twice as long
+    costly.plan(conf, 4, 2)  # the probe confirms it: the next pause is twice as long
     assert [costly.draft_this_round(2) for _ in range(7)] == [False] * 6 + [True]
 
 
@@ -266,14 +265,15 @@ def test_a_reused_scheduled_policy_starts_each_call_drafting_and_a_reused_async_
     draft = tiny_draft(target)
     sps = lambda b: 100 / (10 + b)  # noqa: E731
     costly = Scheduled(sps, draft_seconds=lambda r: 1.0)
-    costly(torch.full((2, 4), 0.9), 4, 2)  # drafting does not pay: paused for the next rounds of this call
+    costly.plan([[0.9] * 4] * 2, 4, 2)  # drafting does not pay: paused for the next rounds of this call
+    assert not Scheduled(sps, draft_seconds=lambda r: 1.0).pause.skip and costly.pause.skip
     costly.prepare(target, draft, 2)
     assert costly.draft_this_round(2)
     policy = AsyncScheduled(sps, lag=1)
-    high, low = torch.full((4, 6), 0.95), torch.full((4, 6), 0.3)
-    policy(high, 6, 4)  # this call's next round would admit high's capacity
+    high, low = [[0.95] * 6] * 4, [[0.3] * 6] * 4
+    policy.plan(high, 6, 4)  # this call's next round would admit high's capacity
     policy.prepare(target, draft, 4)
-    assert policy(low, 6, 4).tolist() == prefix_schedule(low, sps, padded=True)
+    assert policy.plan(low, 6, 4) == prefix_schedule(low, sps, padded=True)
 
 
 def test_the_draft_pass_counts_in_the_scheduled_rate():
@@ -299,7 +299,7 @@ def test_profile_measures_every_batch_size_and_loads_as_a_callable(tmp_path):
     assert sps(12) == pytest.approx(profile["sps"][6] * 6 / 12)
     assert draft_cost(4) == pytest.approx(profile["draft_seconds"][2] * 2)
     policy = Scheduled.from_profile(tmp_path / "p.json")
-    assert policy.draft_seconds is not None and policy(torch.full((2, 4), 0.5), 4, 2).shape == (2,)
+    assert policy.draft_seconds is not None and len(policy.plan([[0.5] * 4] * 2, 4, 2)) == 2
 
 
 def test_a_draft_with_a_very_long_block_is_profiled_at_a_bounded_set_of_widths_interpolated_between():
@@ -364,11 +364,11 @@ def play(policy, confidences, accepted_of, rounds):
     for _ in range(rounds):
         R = confidences.shape[0]
         if not policy.draft_this_round(R):
-            policy.observe(torch.zeros(R, dtype=torch.long), torch.zeros(R, dtype=torch.long), drafted=False)
+            policy.learn([0] * R, [0] * R, drafted=False)
             drafted.append(False)
             continue
-        lengths = policy(confidences, confidences.shape[1], R)
-        policy.observe(lengths, accepted_of(lengths), drafted=True)
+        lengths = policy.plan(confidences.tolist(), confidences.shape[1], R)
+        policy.learn(lengths, accepted_of(torch.tensor(lengths)).tolist(), drafted=True)
         drafted.append(True)
     return drafted
 
@@ -459,7 +459,7 @@ def test_greedy_requests_that_run_at_once_each_learn_in_their_own_copy_and_the_o
     first, second = request(engine, target, draft), request(engine, target, draft)
     assert first.learned is not second.learned and first.learned == second.learned
     play(first, torch.full((1, 4), 0.6), NEVER_ACCEPTED, 32)  # first pauses; second saw none of it
-    assert first.learned.skip > 0 and second.learned == request(engine, target, tiny_draft(target)).learned
+    assert first.learned.pause.skip > 0 and second.learned == request(engine, target, tiny_draft(target)).learned
     play(second, torch.full((1, 4), 0.6), NEVER_ACCEPTED, 16)
     after = request(engine, target, draft)
     assert after.learned == second.learned and after.learned is not second.learned
@@ -484,9 +484,9 @@ def test_a_probe_that_verifies_more_tokens_pauses_longer():
     pause = {}
     for verified in (1, 7):
         policy = auto(engine)
-        policy(torch.full((1, 7), 0.05), 7, 1)  # a head that promises nothing: the estimate falls below 1
-        policy.observe(torch.tensor([verified]), torch.tensor([0]), drafted=True)
-        pause[verified] = policy.learned.skip
+        policy.plan([[0.05] * 7], 7, 1)  # a head that promises nothing: the estimate falls below 1
+        policy.learn([verified], [0], drafted=True)
+        pause[verified] = policy.learned.pause.skip
     assert pause[7] > pause[1] > 0, pause
 
 
@@ -589,8 +589,8 @@ def test_without_a_confidence_head_the_default_policy_plans_with_the_acceptance_
     always, never = auto(costs()), auto(costs(draft=0.001))
     for policy, accept in ((always, lambda ls: ls.clone()), (never, lambda ls: torch.zeros_like(ls))):
         for _ in range(10):
-            lengths = policy(None, 7, 1)
-            policy.observe(lengths, accept(lengths), drafted=True)
+            lengths = policy.plan(None, 7, 1)
+            policy.learn(lengths, accept(torch.tensor(lengths)).tolist(), drafted=True)
     assert always._plan(None, 1) == [7] and never._plan(None, 1) == [0]
 
 
@@ -756,7 +756,7 @@ def test_a_profile_from_before_models_were_recorded_loads_and_is_checked_for_its
     path.write_text(json.dumps(old))
     qwen = tiny_target("qwen3")
     assert profile_warnings(path, qwen, tiny_draft(qwen)) == []
-    assert Scheduled.from_profile(path)(torch.full((1, 4), 0.5), 4, 1).shape == (1,)
+    assert len(Scheduled.from_profile(path).plan([[0.5] * 4], 4, 1)) == 1
 
 
 @pytest.mark.parametrize("make", [lambda p: Scheduled.from_profile(p), lambda p: AsyncScheduled.from_profile(p),
@@ -777,34 +777,40 @@ def test_a_probe_is_counted_in_the_gain_as_the_plan_would_have_done_not_at_what_
     engine = costs(draft=0.04, verify=lambda n: 0.05 + 0.03 * n)
     policy = auto(engine)
     policy.learned.seen[0][0] = 20  # position 1 verified 20 times, never accepted: the plan verifies nothing
-    lengths = policy(torch.full((1, 7), 0.05), 7, 1)
-    assert int(lengths) == 1, "the probe verifies one token all the same"
-    policy.observe(lengths, torch.ones(1, dtype=torch.long), drafted=True)  # and it is accepted
+    lengths = policy.plan([[0.05] * 7], 7, 1)
+    assert lengths == [1], "the probe verifies one token all the same"
+    policy.learn(lengths, [1], drafted=True)  # and it is accepted
     plan_would = engine.verify(1, 1) / (engine.draft(1) + engine.verify(1, 1))  # one token, nothing verified
     smoothing = policy.smoothing  # the estimate starts at break-even
     assert policy._plan(None, 1) == [0] and policy.gain == pytest.approx(1 - smoothing + smoothing * plan_would)
 
 
-def test_any_object_with_the_four_policy_methods_is_a_policy_without_subclassing():
+def test_any_object_with_the_six_policy_methods_is_a_policy_without_subclassing():
     from dspark_hf import VerificationPolicy
     from dspark_hf.scheduling import as_policy
 
     class Mine:  # drafts every other round, verifies two tokens
         def __init__(self):
-            self.rounds = 0
+            self.rounds, self.learnt = 0, []
 
         def prepare(self, target, draft, batch_size, sampling):
+            pass
+
+        def price(self, clock):
             pass
 
         def draft_this_round(self, num_rows):
             self.rounds += 1
             return self.rounds % 2 == 0
 
-        def __call__(self, confidences, gamma, num_rows):
-            return torch.full((num_rows,), 2)
+        def keep_drafted(self, num_rows):
+            return True
 
-        def observe(self, verified, accepted, drafted):
-            pass
+        def plan(self, confidences, gamma, num_rows):
+            return [2] * num_rows
+
+        def learn(self, verified, accepted, drafted):
+            self.learnt.append((verified, accepted, drafted))
 
     mine = Mine()
     assert isinstance(mine, VerificationPolicy) and as_policy(mine) is mine
@@ -813,6 +819,74 @@ def test_any_object_with_the_four_policy_methods_is_a_policy_without_subclassing
     out = target.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=10,
                           assistant_model=tiny_draft(target), verification_policy=mine, return_dict_in_generate=True)
     assert mine.rounds > 1 and [len(r.drafted) for r in out.rounds[0][:2]] == [0, 4]
+    assert all(isinstance(n, int) for verified, accepted, _ in mine.learnt for n in verified + accepted)
+
+
+class EarlierReleases(Policy):
+    """A policy written to the tensor interface docs/api.md described before design step 4: `__call__` on a
+    (num_rows, gamma) confidence tensor, `observe` on (num_rows,) tensors."""
+
+    def __init__(self):
+        self.observed = []
+
+    def __call__(self, confidences, gamma, num_rows):
+        assert confidences.shape == (num_rows, gamma) and confidences.dtype == torch.float32
+        return torch.full((num_rows,), 2)
+
+    def observe(self, verified, accepted, drafted):
+        self.observed.append((verified.dtype, tuple(verified.shape), accepted.dtype, drafted))
+
+
+class EarlierDuckTyped:
+    """The same, without subclassing: the four methods of the earlier protocol."""
+
+    def __init__(self):
+        self.rounds, self.observed = 0, []
+
+    def prepare(self, target, draft, batch_size, sampling):
+        self.rounds = 0
+
+    def draft_this_round(self, num_rows):
+        self.rounds += 1
+        return self.rounds % 2 == 0
+
+    def __call__(self, confidences, gamma, num_rows):
+        return torch.full((num_rows,), 2)
+
+    def observe(self, verified, accepted, drafted):
+        self.observed.append((verified.dtype, tuple(verified.shape), accepted.dtype, drafted))
+
+
+@pytest.mark.parametrize("make", [EarlierReleases, EarlierDuckTyped,
+                                  lambda: lambda confidences, gamma, num_rows: [2] * num_rows])
+def test_policies_of_the_earlier_tensor_interface_decode_through_the_adapter_as_before(make):
+    from test_generation_greedy import dspark, plain
+    from dspark_hf.scheduling import TensorPolicy, as_policy
+
+    policy = make()
+    adapted = as_policy(policy)
+    assert isinstance(adapted, TensorPolicy) and adapted.wrapped is policy
+    target = tiny_target("llama")
+    ids, mask = left_padded_prompts(2)
+    out = dspark(target, tiny_draft(target), ids, mask, max_new_tokens=10, verification_policy=policy)
+    assert torch.equal(out.sequences, plain(target, ids, mask, max_new_tokens=10))
+    drafted = [r for r in out.rounds[0] if r.drafted]
+    assert drafted and {r.verified for r in drafted} <= {1, 2}  # two, or one where one token was left
+    if isinstance(policy, EarlierDuckTyped):  # its own draft_this_round decides: every other round drafts
+        assert not out.rounds[0][0].drafted and out.rounds[0][1].drafted
+    if hasattr(policy, "observed"):  # it learns from tensors, as before
+        assert policy.observed and all(v == a == torch.long and shape == (2,) for v, shape, a, _ in policy.observed)
+
+
+def test_a_tensor_interface_subclass_of_the_adapter_is_a_policy_as_it_stands():
+    from dspark_hf.scheduling import TensorPolicy, as_policy
+
+    class Mine(TensorPolicy):
+        def __call__(self, confidences, gamma, num_rows):
+            return (confidences > 0.5).long().cumprod(1).sum(1)
+
+    mine = Mine()
+    assert as_policy(mine) is mine and mine.plan([[0.9, 0.6, 0.1], [0.2, 0.9, 0.9]], 3, 2).tolist() == [2, 0]
 
 
 def test_generate_hands_the_default_policy_s_learning_on_between_greedy_calls_only():
@@ -827,7 +901,7 @@ def test_generate_hands_the_default_policy_s_learning_on_between_greedy_calls_on
                         assistant_model=draft, verification_policy=policy)
     first, second, sampled = (p.learned for p in policies)
     # the second greedy call went on in the pause the first one ended in, in a copy of its own
-    assert second is not first and second.pause == first.pause and second.skip < first.skip
+    assert second is not first and second.pause.next == first.pause.next and second.pause.skip < first.pause.skip
     assert sampled is not first and sampled is not second
 
 
@@ -838,7 +912,7 @@ class Answers(Policy):
     def __init__(self, lengths):
         self.lengths = lengths
 
-    def __call__(self, confidences, gamma, num_rows):
+    def plan(self, confidences, gamma, num_rows):
         return self.lengths(num_rows)
 
 
@@ -916,7 +990,7 @@ def test_a_last_round_in_which_no_row_can_verify_a_token_drafts_nothing():
     ids, mask = left_padded_prompts(1)
     policy = Answers(lambda R: torch.full((R,), 4))
     seen = []
-    policy.observe = lambda verified, accepted, drafted: seen.append(drafted)
+    policy.learn = lambda verified, accepted, drafted: seen.append(drafted)
     out = dspark(target, tiny_draft(target), ids, mask, max_new_tokens=7, verification_policy=policy)
     assert torch.equal(out.sequences, plain(target, ids, mask, max_new_tokens=7))
     (rounds,) = out.rounds

@@ -25,7 +25,7 @@ from transformers.generation.candidate_generator import CandidateGenerator
 
 from ..model.modeling_dspark import DSparkContext, DSparkDraftModel
 from ..model.sampling import ProcessLogits, raise_if_not_finite
-from ..scheduling.policies import VerificationPolicy, keeps_drafted, learn_outcome, plan_lengths
+from ..scheduling.policies import VerificationPolicy, checked_lengths
 from .drafting import BlockSource, Outcome, Proposal, empty_block
 
 
@@ -95,13 +95,13 @@ class DSparkCandidateGenerator(CandidateGenerator):
         block that no row could verify anything of (one token left), or one the policy drops now that it has seen
         the round drafted beside it, becomes an empty one, verified by no row."""
         gamma, B = self.draft.config.block_size, proposal.block.tokens.shape[0]
-        if all(r <= 1 for r in remaining) or not proposal.drafted or not keeps_drafted(self.policy, len(rows)):
+        if all(r <= 1 for r in remaining) or not proposal.drafted or not self.policy.keep_drafted(len(rows)):
             return Proposal(empty_block(self.draft, proposal.block.tokens.new_zeros(B))), [0] * len(rows)
-        chosen = plan_lengths(self.policy, None if confidences is None else [confidences[b] for b in rows], gamma,
-                              len(rows))
+        chosen = checked_lengths(self.policy.plan(None if confidences is None else [confidences[b] for b in rows],
+                                                  gamma, len(rows)), gamma, len(rows), self.policy)
         reach = reach or [gamma] * B
         return proposal, [min(n, left - 1, reach[b]) for n, left, b in zip(chosen, remaining, rows)]
 
     def learn(self, verified: list[int], accepted: list[int], drafted: bool) -> None:
         """The policy's lesson of a round, from the host's copy of it: per row, tokens verified and accepted."""
-        learn_outcome(self.policy, verified, accepted, drafted)
+        self.policy.learn(verified, accepted, drafted)

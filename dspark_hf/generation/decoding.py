@@ -28,7 +28,7 @@ from ..devices import Stopwatch
 from ..model.modeling_dspark import DSparkDraftModel
 from ..model.sampling import raise_if_not_finite
 from ..scheduling.auto import AutoScheduled
-from ..scheduling.policies import FullBlock, VerificationPolicy, as_policy, price_rounds
+from ..scheduling.policies import FullBlock, VerificationPolicy, as_policy
 from . import verify
 from .candidates import DSparkCandidateGenerator
 from .drafting import Drafter, Outcome, Proposal
@@ -162,7 +162,7 @@ def _prefill(s: Decoding, candidates: DSparkCandidateGenerator, state: DecodingS
         logits = state.prefill(s.target, s.draft, prompt, mask)
         s.steps.prepared(state)
         s.steps.warm(state, s.do_sample, s.out.process)
-        price_rounds(s.policy, StepClock(s.steps, state, s.out, s.do_sample))
+        s.policy.price(StepClock(s.steps, state, s.out, s.do_sample))
         scores = s.out.process(prompt.new_zeros(B, 0), logits[:, -1])
         token = verify.next_token(scores, s.do_sample)
         ones = torch.ones_like(token)

@@ -11,12 +11,10 @@ import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
-from .policies import Policy, real, whole
+from .policies import Pause, Policy, real, whole
 from .costs import EngineCosts, RoundClock, check_profile, path_costs
 from .profile import cache_key
-from .scheduler import prefix_schedule
+from .scheduler import prefix_schedule, survival
 
 
 @dataclass
@@ -24,9 +22,8 @@ class Learned:
     """What the default policy has learned about a draft beside a target at one batch size."""
 
     seen: list[list[float]]  # per position: rounds examined, tokens accepted, confidence spent (3 lists of gamma)
-    pause: int  # rounds the next pause lasts, should the estimate stay below 1
+    pause: Pause  # while the estimate stays below 1
     gain: float = 1.0  # running estimate of drafting's speed over plain decoding's; starts at break-even
-    skip: int = 0  # rounds left in the current pause
     probing: bool = True  # is the next drafted round a probe: the first one, or the first after a pause
 
 
@@ -107,7 +104,7 @@ class AutoScheduled(Policy):
 
     def fresh(self, block_size: int) -> Learned:
         """What a policy knows before its first round: nothing."""
-        return Learned(seen=[[0.0] * block_size for _ in range(3)], pause=self.probe_every)
+        return Learned(seen=[[0.0] * block_size for _ in range(3)], pause=Pause(self.probe_every, self.max_pause))
 
     def prepare(self, target, draft, batch_size: int, sampling: bool = False) -> None:
         self.batch_size = batch_size
@@ -145,17 +142,10 @@ class AutoScheduled(Policy):
             self._fetched = (measured_for, self.costs)
 
     def draft_this_round(self, num_rows: int) -> bool:
-        if self.learned.skip > 0:
-            self.learned.skip -= 1
-            return False
-        return True
+        return self.learned.pause.draft_this_round()
 
     def keep_drafted(self, num_rows: int) -> bool:
-        return self.learned.skip == 0  # a pause the last round started drops the block drafted during that round
-
-    def __call__(self, confidences, gamma: int, num_rows: int) -> torch.Tensor:
-        planned = None if confidences is None else confidences.detach().to("cpu", torch.float64).tolist()
-        return torch.tensor(self.plan(planned, gamma, num_rows), dtype=torch.long, device="cpu")
+        return self.learned.pause.skip == 0  # a pause the last round started drops the block drafted during it
 
     def plan(self, confidences: list[list[float]] | None, gamma: int, num_rows: int) -> list[int]:
         if self.costs is None:
@@ -208,7 +198,7 @@ class AutoScheduled(Policy):
     def _survival(self) -> list[float]:
         """(gamma,) chance that every position up to each one is accepted, by the acceptance rates seen, for a draft
         without a confidence head: `_common_length` plans by it and the gain estimate prices the round by it."""
-        return _cumulative_product(self._rates(prior=0.5, weight=2.0, against=self.learned.seen[0]))
+        return survival([self._rates(prior=0.5, weight=2.0, against=self.learned.seen[0])])[0]
 
     def _rates(self, prior: float, weight: float, against: list[float]) -> list[float]:
         """Per position, tokens accepted over `against` (rounds examined, or confidence spent), shrunk towards the
@@ -219,9 +209,6 @@ class AutoScheduled(Policy):
             previous = (took + weight * previous) / (seen + weight)
             rates.append(previous)
         return rates
-
-    def observe(self, verified: torch.Tensor, accepted: torch.Tensor, drafted: bool) -> None:
-        self.learn(verified.tolist(), accepted.tolist(), drafted)
 
     def learn(self, verified: list[int], accepted: list[int], drafted: bool) -> None:
         if not drafted:
@@ -246,11 +233,9 @@ class AutoScheduled(Policy):
         this_round = self._expected_tokens(verified) / round_seconds / plain_rate
         learned.gain = (1 - self.smoothing) * learned.gain + self.smoothing * this_round
         if learned.gain >= 1:
-            learned.pause = self.probe_every
-        else:
-            floor = math.ceil(self._probe_overhead(R, longest) / self.probe_budget)
-            learned.skip = max(min(learned.pause, self.max_pause), floor)  # the budget outranks max_pause
-            learned.pause = min(2 * learned.skip, self.max_pause)  # the next pause, should the estimate stay below 1
+            learned.pause.pays()
+        else:  # no shorter than the probe budget allows
+            learned.pause.start(at_least=math.ceil(self._probe_overhead(R, longest) / self.probe_budget))
             learned.probing = True  # the next drafted round ends a pause
 
     def _probe_overhead(self, num_rows: int, verified: int) -> float:
@@ -269,15 +254,7 @@ class AutoScheduled(Policy):
         where it paid (the draft of 2026-11-26 drafted in about 1% of rounds, where verifying 2 tokens a round
         gained about 15% by the costs). The counts still recalibrate the confidences (`_rates`)."""
         if self._planned is None:
-            survival = [self._survival()] * len(verified)
+            rows = [self._survival()] * len(verified)
         else:
-            survival = [_cumulative_product(row) for row in self._recalibrated(self._planned)]
-        return float(len(verified) + sum(sum(s[:v]) for s, v in zip(survival, verified)))
-
-
-def _cumulative_product(values: list[float]) -> list[float]:
-    out, product = [], 1.0
-    for v in values:
-        product *= v
-        out.append(product)
-    return out
+            rows = survival(self._recalibrated(self._planned))
+        return float(len(verified) + sum(sum(a[:v]) for a, v in zip(rows, verified)))

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from .scheduler import survival
+
 GRID = torch.cat([torch.linspace(0.25, 1.0, 16), torch.linspace(1.1, 6.0, 50)])
 
 
@@ -54,7 +56,8 @@ def survival_targets(logits: torch.Tensor, verified: torch.Tensor, accepted: tor
 
 
 def cumulative(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
-    return torch.cumprod(torch.sigmoid(logits.double() / temperatures.double()), dim=1)
+    """The calibrated prefix survival (N, gamma) of confidence logits (N, gamma) at these temperatures (gamma,)."""
+    return survival(torch.sigmoid(logits.double() / temperatures.double()))
 
 
 def sequential_temperature_scaling(logits, verified, accepted, grid: torch.Tensor = GRID) -> list[float]:

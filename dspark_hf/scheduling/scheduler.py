@@ -25,6 +25,8 @@ depend on the drafted token x_{r,k} (Appendix A). c_{r,k+1} depends on x_{r,k} t
 
 from __future__ import annotations
 
+import itertools
+import operator
 from collections import deque
 from collections.abc import Mapping
 from typing import Callable, Sequence
@@ -32,7 +34,7 @@ from typing import Callable, Sequence
 import torch
 
 from ..errors import WrongTypeError
-from .policies import Policy, real, whole
+from .policies import Pause, Policy, real, whole
 from .costs import check_profile, load_draft_cost, load_profile, sps_curve
 
 SPS = Sequence[float] | Mapping[int, float] | Callable[[int], float]
@@ -57,27 +59,22 @@ def _sps_fn(sps: SPS) -> Callable[[int], float]:
     return lookup
 
 
-def survival(confidences) -> torch.Tensor:
-    """c (R, gamma) -> a (R, gamma), a_{r,j} = prod_{i<=j} c_{r,i}."""
-    c = _float64(confidences)
-    if c.dim() != 2:
-        raise ValueError(f"confidences must be (R, gamma), got shape {tuple(c.shape)}")
-    return torch.cumprod(c, dim=1)
+def survival(confidences):
+    """c (R, gamma) -> a (R, gamma), a_{r,j} = prod_{i<=j} c_{r,i}: nested lists from nested lists (as the decoding
+    loop plans, without a tensor), a float64 tensor from a tensor."""
+    if isinstance(confidences, torch.Tensor):
+        if confidences.dim() != 2:
+            raise ValueError(f"confidences must be (R, gamma), got shape {tuple(confidences.shape)}")
+        return torch.cumprod(confidences.to(torch.float64), dim=1)
+    if not all(isinstance(row, (list, tuple)) for row in confidences):
+        raise ValueError("confidences must be (R, gamma): R lists of gamma numbers.")
+    return [list(itertools.accumulate((float(c) for c in row), operator.mul)) for row in confidences]
 
 
 def _survival_rows(confidences) -> list[list[float]]:
-    """a (R, gamma) as Python lists: from nested lists without a tensor (as the decoding loop plans), else read
-    once from the tensor."""
-    if isinstance(confidences, torch.Tensor) or not all(isinstance(row, (list, tuple)) for row in confidences):
-        return survival(confidences).tolist()
-    rows = []
-    for row in confidences:
-        a, product = [], 1.0
-        for c in row:
-            product *= float(c)
-            a.append(product)
-        rows.append(a)
-    return rows
+    """a (R, gamma) as Python lists (read once from a tensor)."""
+    a = survival(confidences)
+    return a.tolist() if isinstance(a, torch.Tensor) else a
 
 
 def _candidates(a: list[list[float]]) -> list[tuple[float, int, int]]:
@@ -136,12 +133,9 @@ class ThresholdPolicy(Policy):
     def __init__(self, threshold: float):
         self.threshold = real("ThresholdPolicy", "threshold", threshold, 0.0, 1.0)  # a confidence is a probability
 
-    def __call__(self, confidences, gamma: int, num_rows: int) -> torch.Tensor:
-        c = _require(confidences, "ThresholdPolicy")
-        below = c < self.threshold
-        first = torch.where(below.any(1), below.float().argmax(1), torch.full_like(below[:, 0], gamma,
-                                                                                   dtype=torch.long))
-        return first.long()
+    def plan(self, confidences, gamma: int, num_rows: int) -> list[int]:
+        rows = _require(confidences, "ThresholdPolicy")
+        return [next((k for k, c in enumerate(row) if c < self.threshold), gamma) for row in rows]
 
 
 class Scheduled(Policy):
@@ -162,7 +156,7 @@ class Scheduled(Policy):
         self.sps, self.draft_seconds, self.padded = sps, draft_seconds, padded
         self.probe_every = whole("Scheduled", "probe_every", probe_every, 1)
         self.max_pause = whole("Scheduled", "max_pause", max_pause, 1)
-        self._skip, self._pause = 0, probe_every
+        self.pause = Pause(self.probe_every, self.max_pause)
         self.profile = None  # the `dspark profile` file the costs come from, checked against the models decoding
 
     @classmethod
@@ -176,7 +170,7 @@ class Scheduled(Policy):
     def prepare(self, target, draft, batch_size: int, sampling: bool = False) -> None:
         if self.profile is not None:
             check_profile(self.profile, target, draft)
-        self._skip, self._pause = 0, self.probe_every  # a pause learned in another call says nothing of this one
+        self.pause = Pause(self.probe_every, self.max_pause)  # a pause learned in another call says nothing of this one
 
     def round_sps(self, num_rows: int) -> Callable[[int], float]:
         """Speculative steps per second at B verified tokens for `num_rows` requests, draft pass included."""
@@ -186,24 +180,21 @@ class Scheduled(Policy):
         t_draft = self.draft_seconds(num_rows)
         return lambda b: 1.0 / (t_draft + 1.0 / sps(b))
 
-    def __call__(self, confidences, gamma: int, num_rows: int) -> torch.Tensor:
-        c = _require(confidences, "Scheduled").cpu()
+    def plan(self, confidences, gamma: int, num_rows: int) -> list[int]:
+        c = _require(confidences, "Scheduled")
         step = self.round_sps(num_rows)
         lengths = prefix_schedule(c, step, padded=self.padded)
         if self.draft_seconds is not None:
             a = survival(c)
-            tau = num_rows + sum(float(a[r, :n].sum()) for r, n in enumerate(lengths))
+            tau = num_rows + sum(sum(row[:n]) for row, n in zip(a, lengths))
             if tau * step(verified_tokens(lengths, self.padded)) < num_rows * _sps_fn(self.sps)(num_rows):
-                self._skip, self._pause = self._pause, min(2 * self._pause, self.max_pause)
+                self.pause.start()
             else:
-                self._pause = self.probe_every
-        return torch.tensor(lengths, dtype=torch.long, device="cpu")
+                self.pause.pays()
+        return lengths
 
     def draft_this_round(self, num_rows: int) -> bool:
-        if self._skip > 0:
-            self._skip -= 1
-            return False
-        return True
+        return self.pause.draft_this_round()
 
 
 class AsyncScheduled(Policy):
@@ -231,23 +222,18 @@ class AsyncScheduled(Policy):
             check_profile(self.profile, target, draft)
         self.capacities.clear()  # another call's rounds: not this call's rounds of `lag` rounds earlier
 
-    def __call__(self, confidences, gamma: int, num_rows: int) -> torch.Tensor:
-        c = _require(confidences, "AsyncScheduled").cpu()
+    def plan(self, confidences, gamma: int, num_rows: int) -> list[int]:
+        c = _require(confidences, "AsyncScheduled")
         if len(self.capacities) == self.lag:
             lengths = topk_schedule(c, self.capacities[0], padded=self.padded)
         else:
             lengths = prefix_schedule(c, self.sps, padded=self.padded)
         searched = prefix_schedule(c, self.sps, early_stop=False, padded=self.padded)
         self.capacities.append(max(searched, default=0) if self.padded else sum(searched))
-        return torch.tensor(lengths, dtype=torch.long, device="cpu")
+        return lengths
 
 
-def _require(confidences, name):
+def _require(confidences, name) -> list[list[float]]:
     if confidences is None:
         raise ValueError(f"{name} needs a draft with a confidence head (config.confidence_head=True).")
-    return _float64(confidences)
-
-
-def _float64(x) -> torch.Tensor:
-    """Nested lists or a tensor as a float64 tensor, on the tensor's device (lists: the CPU)."""
-    return (x if isinstance(x, torch.Tensor) else torch.tensor(x, device="cpu")).to(torch.float64)
+    return confidences.tolist() if isinstance(confidences, torch.Tensor) else confidences
