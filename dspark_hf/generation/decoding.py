@@ -10,7 +10,7 @@ The device is never waited for within a round but once: everything the host must
 accepted and committed, where it stopped, the next block's confidences and whether it is finite) comes back in one
 transfer at the round's end (`host.HostRead`), and the policy plans the next round from it. The next block is
 drafted before that read, so the policy's choice whether to draft a round is made before the previous round's
-outcome reaches it; once it has, the policy may still drop that block (`Policy.keep_drafted`). That choice is made
+outcome reaches it; once it has, the policy may still drop that block (`VerificationPolicy.keep_drafted`). That choice is made
 before the round's forward, so a round after which nothing is drafted runs plain generate()'s step: the target over
 one token per row, its features kept for later, no draft work. With ``cache_implementation="static"`` the two
 forwards are compiled (`steps.Steps`).
@@ -192,7 +192,7 @@ def _round(s: Decoding, candidates: DSparkCandidateGenerator, state: DecodingSta
     Q = s.steps.width(L + 1)
     inputs = torch.cat([state.anchor[:, None], x, x.new_zeros(x.shape[0], Q - L - 1)], 1)  # padded to a bucket
     context = _context(s, state, 0) if proposal.drafted else None  # for a source that works while verifying
-    with candidates.source.verifying(proposal, plan.verify_len, state.anchor, state.count, context), \
+    with candidates.verifying(proposal, plan.verify_len, state.anchor, state.count, context), \
             s.watch.phase("target"):
         logits = s.steps.verify(state, inputs, encode=drafting)
     if not drafting:
@@ -215,7 +215,7 @@ def _round(s: Decoding, candidates: DSparkCandidateGenerator, state: DecodingSta
     # writes stay slice copies
     along = L == 0 and state.one_end() is not None
     state.keep(n + 1 if along else kept, nxt, Q)
-    candidates.update_candidate_strategy(None, scores, n, outcome=outcome, rows=plan.rows)
+    candidates.observe(outcome, plan.rows)
     upcoming = _propose(s, candidates, state, drafting, bound=state.host_end + Q)
 
     # what the host learns of the round, in one read: with the state's and the output's own copies (`mirror`)
