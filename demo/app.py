@@ -35,8 +35,8 @@ except ImportError:
     sys.exit(f"demo/app.py: {missing_package('gradio', 'The demo')}")
 from dspark_hf import AutoScheduled, DSparkDraftModel, DSparkRoundStreamer, FullBlock, Scheduled, ThresholdPolicy
 from dspark_hf.evaluation.metrics import acceptance_length, conditional_acceptance
-from dspark_hf.scheduling.costs import save_profile
-from dspark_hf.scheduling.profile import profile_sps
+from dspark_hf.costs.cost_model import save_profile
+from dspark_hf.costs.profile import profile_sps
 
 POLICIES = ("full block", "auto", "threshold", "scheduled")
 EXAMPLES = [
@@ -73,7 +73,7 @@ def load_models(target: str | None = None, draft: str | None = None, device: str
 
 def measure_profile(models: Models, path: str | Path, **kwargs) -> Path:
     """Profile the target's verification cost (and the draft's) on this machine, for the scheduled policy;
-    `kwargs` go to `dspark_hf.scheduling.profile.profile_sps`."""
+    `kwargs` go to `dspark_hf.costs.profile.profile_sps`."""
     save_profile(profile_sps(models.target, draft=models.draft, **kwargs), path)
     return Path(path)
 

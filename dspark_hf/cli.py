@@ -66,7 +66,7 @@ def cmd_generate(args) -> int:
     from .devices import clock
     from .evaluation.suites import DEFAULT_PROMPTS, chat_inputs
     from .evaluation.evaluate import identical_rows, static_compile
-    from .generation.eos import eos_token_ids
+    from .eos import eos_token_ids
 
     target, tokenizer, draft = _load(args)
     prompts = args.prompt or DEFAULT_PROMPTS[:3]
@@ -456,8 +456,8 @@ def cmd_calibrate(args) -> int:
 
 def cmd_profile(args) -> int:
     from .evaluation.machine import machine_info
-    from .scheduling.costs import save_profile
-    from .scheduling.profile import profile_sps
+    from .costs.cost_model import save_profile
+    from .costs.profile import profile_sps
 
     if args.no_draft and args.draft:
         raise ValueError("--no-draft skips the draft's cost, so --draft has nothing to do: pass one or the other.")
@@ -488,7 +488,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .evaluation.serve import ServeBench
     from .evaluation.suites import InterleavedPrompts, PromptSet
     from .hub import ExportOptions, PushOptions
-    from .scheduling.profile import ProfileOptions
+    from .costs.profile import ProfileOptions
     from .training.calibrate import CalibrationOptions
     from .training.config import TrainConfig
     from .training.data import PrepareDataOptions

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from dspark_hf.scheduling.calibration import calibration_report, expected_calibration_error, roc_auc, \
+from dspark_hf.training.calibration import calibration_report, expected_calibration_error, roc_auc, \
     sequential_temperature_scaling
 
 

@@ -17,7 +17,7 @@ from safetensors.torch import save_file
 from conftest import cli_error, cut_in_half, left_padded_prompts, tiny_draft, tiny_target
 from dspark_hf import DSparkDraftModel, FullBlock
 from dspark_hf.model.convert import convert_checkpoint
-from dspark_hf.generation.drafting import sample_block
+from dspark_hf.generation.block_sources import sample_block
 
 # our parameter prefix -> the public one (DeepSpec and SpecForge share these names; DFlash has only the backbone)
 PUBLIC_NAMES = {"context_norm.": "hidden_norm.", "w1.": "markov_head.markov_w1.", "w2.": "markov_head.markov_w2.",

@@ -13,7 +13,7 @@ from conftest import calibrated_tiny_draft, left_padded_prompts, tiny_target
 from dspark_hf import AutoScheduled, FullBlock
 from dspark_hf.evaluation import OracleDraft
 from dspark_hf.generation import decoding
-from dspark_hf.scheduling.costs import EngineCosts
+from dspark_hf.costs.cost_model import EngineCosts
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the GPU campaign runs it)")
 

@@ -721,7 +721,7 @@ def test_draft_vocab_size_zero_means_the_full_vocabulary_on_the_command_line():
 def test_dspark_generate_times_neither_call_with_one_time_work(tiny_models, tmp_path, monkeypatch, capsys):
     """The default policy measures this machine once; that belongs to the warm-up, not to the timed DSpark call."""
     import dspark_hf.devices
-    import dspark_hf.scheduling.costs as costs
+    import dspark_hf.costs.cost_model as costs
 
     monkeypatch.setenv("DSPARK_HF_PROFILE_CACHE", str(tmp_path))  # nothing measured yet
     events, clock, measure = [], dspark_hf.devices.clock, costs.interleaved_seconds

@@ -19,7 +19,7 @@ from conftest import calibrated_tiny_draft, left_padded_prompts, tiny_target
 from dspark_hf import AutoScheduled
 from dspark_hf.evaluation import OracleDraft
 from dspark_hf.generation import decoding, host
-from dspark_hf.scheduling.costs import EngineCosts
+from dspark_hf.costs.cost_model import EngineCosts
 
 aten = torch.ops.aten
 READING_OPS = {aten._local_scalar_dense.default, aten.equal.default, aten.is_nonzero.default, aten.nonzero.default,

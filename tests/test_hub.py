@@ -21,7 +21,7 @@ import dspark_hf.model.modeling_dspark
 from dspark_hf import DSparkDraftModel
 from dspark_hf.cards import GENERATED_MARK, training_recipe
 from dspark_hf.hub import push_draft
-from dspark_hf.scheduling.calibration import calibration_report, sequential_temperature_scaling
+from dspark_hf.training.calibration import calibration_report, sequential_temperature_scaling
 from dspark_hf.training.config import TrainConfig
 
 from conftest import cli_error, has_smollm2, tiny_draft, tiny_target

@@ -60,9 +60,10 @@ def graph() -> dict[str, set[str]]:
 # the package's layers, lowest first: a module may import its own layer and those below it, never one above
 LAYERS = [
     # small modules everything uses
-    ("shared", {"version", "errors", "installs", "files", "devices", "options", "internals"}),
+    ("shared", {"version", "errors", "installs", "files", "devices", "options", "internals", "eos"}),
     ("model", {"model"}),
     ("defaults", {"defaults", "loading"}),  # the embedded target and draft, and how commands load models
+    ("costs", {"costs"}),  # machine measurement: what the engine's steps cost here, measured and modelled
     ("scheduling", {"scheduling"}),
     ("generation", {"generation"}),
     ("training", {"training"}),

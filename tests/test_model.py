@@ -15,7 +15,7 @@ from transformers import AutoConfig, AutoModel
 from conftest import VOCAB, cut_in_half, tiny_draft, tiny_target
 import dspark_hf
 from dspark_hf import DSparkConfig, DSparkDraftModel
-from dspark_hf.generation.drafting import sample_block
+from dspark_hf.generation.block_sources import sample_block
 
 GAMMA = 4
 
@@ -588,7 +588,7 @@ def test_the_shipped_draft_carries_the_package_s_own_modeling_and_configuration_
 
 
 def test_the_model_package_imports_nothing_of_hub_cards_or_generation():
-    """model/ models; sharing (hub.py, cards.py) imports the model, never the reverse: no cycle. The files that ship
+    """model/ models; sharing (hub/, cards.py) imports the model, never the reverse: no cycle. The files that ship
     beside every saved draft (for trust_remote_code) import only each other: transformers copies a shipped file's
     relative imports into the draft's folder, and one reaching outside model/ breaks every save."""
     import ast

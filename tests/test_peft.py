@@ -18,7 +18,7 @@ from dspark_hf.training.losses import LossWeights
 from dspark_hf.training.config import TrainConfig
 from dspark_hf.training.objective import train_step
 from dspark_hf.training.trainer import train
-from dspark_hf.generation.drafting import sample_block
+from dspark_hf.generation.block_sources import sample_block
 from test_training import tiny_dataset
 
 

@@ -7,7 +7,7 @@ import torch
 
 from conftest import left_padded_prompts, tiny_draft, tiny_target
 from dspark_hf import AutoScheduled, Policy
-from dspark_hf.generation.drafting import sample_block
+from dspark_hf.generation.block_sources import sample_block
 from dspark_hf.scheduling.scheduler import AsyncScheduled, Scheduled, ThresholdPolicy, prefix_schedule, \
     topk_schedule, verified_tokens
 
@@ -283,8 +283,8 @@ def test_the_draft_pass_counts_in_the_scheduled_rate():
 
 
 def test_profile_measures_every_batch_size_and_loads_as_a_callable(tmp_path):
-    from dspark_hf.scheduling.costs import load_draft_cost, load_profile, save_profile
-    from dspark_hf.scheduling.profile import profile_sps
+    from dspark_hf.costs.cost_model import load_draft_cost, load_profile, save_profile
+    from dspark_hf.costs.profile import profile_sps
 
     target = tiny_target("llama")
     profile = profile_sps(target, rows=[1, 2], max_tokens_per_row=3, context=16, repeats=2, warmup=1,
@@ -306,8 +306,8 @@ def test_a_draft_with_a_very_long_block_is_profiled_at_a_bounded_set_of_widths_i
     """A block_size edited to 100 once meant 101 verification widths to measure per row count (over ten minutes of
     "profiling this machine (once)" on a CPU): beyond 16 tokens a row the widths grow by about 1.5x, and the costs
     between them are interpolated."""
-    from dspark_hf.scheduling.costs import EngineCosts
-    from dspark_hf.scheduling.profile import measured_widths, profile_sps
+    from dspark_hf.costs.cost_model import EngineCosts
+    from dspark_hf.costs.profile import measured_widths, profile_sps
 
     assert measured_widths(8) == list(range(1, 9))
     assert len(measured_widths(101)) == 21 and measured_widths(101)[-1] == 101
@@ -319,7 +319,7 @@ def test_a_draft_with_a_very_long_block_is_profiled_at_a_bounded_set_of_widths_i
 
 
 def test_a_profile_measures_every_shape_in_every_repeat_so_a_slowdown_midway_skews_no_ratio(monkeypatch):
-    from dspark_hf.scheduling import profile
+    from dspark_hf.costs import profile
 
     now, calls = [0.0], []
 
@@ -343,7 +343,7 @@ def test_a_profile_measures_every_shape_in_every_repeat_so_a_slowdown_midway_ske
 # -- the default policy ------------------------------------------------------------------------------------------
 def costs(draft=0.01, verify=lambda n: 0.05 + 0.005 * n, rows=(1, 2, 4)):
     """Synthetic engine costs: a draft pass of `draft` s, a verification of n tokens per row of verify(n) s x R."""
-    from dspark_hf.scheduling.costs import EngineCosts
+    from dspark_hf.costs.cost_model import EngineCosts
 
     return EngineCosts({R: {n: R * verify(n) for n in range(1, 9)} for R in rows}, {R: R * draft for R in rows})
 
@@ -516,7 +516,7 @@ def test_drafting_is_judged_against_what_a_round_that_drafts_nothing_costs_on_th
     """A round that drafts nothing runs one token per row and no draft work, cheaper than a drafting round's
     verification of one token (which projects the target's features for the draft): a draft that beats the latter,
     but not the former, pauses."""
-    from dspark_hf.scheduling.costs import EngineCosts
+    from dspark_hf.costs.cost_model import EngineCosts
 
     def drafts(plain):
         policy = auto(EngineCosts({1: {n: 0.05 + 0.004 * n for n in range(1, 9)}}, {1: 0.01}, plain))
@@ -665,7 +665,7 @@ def widths_timed(clock) -> list[int]:
 
 
 def test_a_call_plans_with_the_row_counts_it_asked_for_only_whatever_else_earlier_calls_cached(tmp_path, monkeypatch):
-    from dspark_hf.scheduling.costs import cached_costs
+    from dspark_hf.costs.cost_model import cached_costs
 
     monkeypatch.setenv("DSPARK_HF_PROFILE_CACHE", str(tmp_path))
     target = tiny_target("llama")
@@ -679,8 +679,8 @@ def test_a_call_plans_with_the_row_counts_it_asked_for_only_whatever_else_earlie
 
 def test_the_default_policy_can_plan_against_a_dspark_profile_file(tmp_path):
     from dspark_hf import AutoScheduled
-    from dspark_hf.scheduling.costs import save_profile
-    from dspark_hf.scheduling.profile import profile_sps
+    from dspark_hf.costs.cost_model import save_profile
+    from dspark_hf.costs.profile import profile_sps
 
     target = tiny_target("llama")
     draft = tiny_draft(target)
@@ -699,8 +699,8 @@ def test_the_default_policy_can_plan_against_a_dspark_profile_file(tmp_path):
 
 
 def saved_profile(path, target, draft, max_tokens=5):
-    from dspark_hf.scheduling.costs import save_profile
-    from dspark_hf.scheduling.profile import profile_sps
+    from dspark_hf.costs.cost_model import save_profile
+    from dspark_hf.costs.profile import profile_sps
 
     save_profile(profile_sps(target, rows=[1], max_tokens_per_row=max_tokens, context=8, repeats=1, warmup=0,
                              draft=draft, progress=False), path)
@@ -710,7 +710,7 @@ def saved_profile(path, target, draft, max_tokens=5):
 def profile_warnings(path, target, draft) -> list[str]:
     import warnings
 
-    from dspark_hf.scheduling.costs import ProfileMismatchWarning, check_profile
+    from dspark_hf.costs.cost_model import ProfileMismatchWarning, check_profile
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -762,7 +762,7 @@ def test_a_profile_from_before_models_were_recorded_loads_and_is_checked_for_its
 @pytest.mark.parametrize("make", [lambda p: Scheduled.from_profile(p), lambda p: AsyncScheduled.from_profile(p),
                                   lambda p: AutoScheduled(profile=p)], ids=["scheduled", "async", "auto"])
 def test_generate_warns_when_its_policy_s_profile_was_measured_for_other_models(tmp_path, make):
-    from dspark_hf.scheduling.costs import ProfileMismatchWarning
+    from dspark_hf.costs.cost_model import ProfileMismatchWarning
 
     target = tiny_target("llama")
     draft = tiny_draft(target)
@@ -1002,7 +1002,7 @@ def test_a_last_round_in_which_no_row_can_verify_a_token_drafts_nothing():
 # -- the default policy's cost cache ----------------------------------------------------------------------------
 def measure_counting(monkeypatch):
     """Count the measurements cached_costs makes."""
-    from dspark_hf.scheduling import costs
+    from dspark_hf.costs import cost_model as costs
 
     calls, measure = [], costs.profile_sps
     monkeypatch.setattr(costs, "profile_sps", lambda *a, **kw: calls.append(a[1]) or measure(*a, **kw))
@@ -1014,7 +1014,7 @@ def measure_counting(monkeypatch):
                                      '{"key": {}, "verify": {"1": {"1": -2}}, "drafts": {}}',
                                      '{"key": {}, "verify": {}, "drafts": {}, "rounds": {"a": {"verify": {"1": 1}}}}'])
 def test_an_unreadable_cost_cache_is_named_measured_again_and_written_anew(tmp_path, monkeypatch, content):
-    from dspark_hf.scheduling.costs import cached_costs
+    from dspark_hf.costs.cost_model import cached_costs
 
     monkeypatch.setenv("DSPARK_HF_PROFILE_CACHE", str(tmp_path))
     target = tiny_target("llama")
@@ -1031,7 +1031,7 @@ def test_an_unreadable_cost_cache_is_named_measured_again_and_written_anew(tmp_p
 
 
 def test_a_cost_cache_that_cannot_be_written_is_said_once_and_kept_for_the_process(tmp_path, monkeypatch):
-    from dspark_hf.scheduling.costs import cached_costs
+    from dspark_hf.costs.cost_model import cached_costs
 
     (tmp_path / "a file").write_text("")
     monkeypatch.setenv("DSPARK_HF_PROFILE_CACHE", str(tmp_path / "a file" / "profiles"))  # cannot become a folder
@@ -1052,7 +1052,7 @@ def test_threads_adding_to_the_cost_cache_at_once_lose_nothing(tmp_path):
     import os
     import threading
 
-    from dspark_hf.scheduling.costs import _merge_into, _read_cache
+    from dspark_hf.costs.cost_model import _merge_into, _read_cache
 
     path = tmp_path / "costs.json"
 
@@ -1074,7 +1074,7 @@ def test_threads_adding_to_the_cost_cache_at_once_lose_nothing(tmp_path):
 
 
 def test_costs_are_kept_apart_by_attention_implementation_and_device_kind():
-    from dspark_hf.scheduling.profile import target_key
+    from dspark_hf.costs.profile import target_key
 
     target = tiny_target("llama")
     key = target_key(target)
@@ -1085,7 +1085,7 @@ def test_costs_are_kept_apart_by_attention_implementation_and_device_kind():
 
 def test_a_draft_subclass_that_proposes_its_own_blocks_does_not_share_the_draft_s_cached_cost():
     from dspark_hf.evaluation.oracle import OracleDraft
-    from dspark_hf.scheduling.profile import draft_key
+    from dspark_hf.costs.profile import draft_key
 
     draft = tiny_draft(tiny_target("llama"))
     same_shape = tiny_draft(tiny_target("llama"))
@@ -1093,7 +1093,7 @@ def test_a_draft_subclass_that_proposes_its_own_blocks_does_not_share_the_draft_
 
 
 def test_costs_measured_under_a_caller_s_autocast_are_kept_apart_from_those_without():
-    from dspark_hf.scheduling.profile import target_key
+    from dspark_hf.costs.profile import target_key
 
     target = tiny_target("llama")
     plain = target_key(target)
@@ -1115,7 +1115,7 @@ def test_costs_measured_under_a_caller_s_autocast_are_kept_apart_from_those_with
 def test_a_profile_file_with_bad_tables_is_refused_naming_the_file(tmp_path, profile, error):
     import json
 
-    from dspark_hf.scheduling.costs import read_profile
+    from dspark_hf.costs.cost_model import read_profile
 
     path = tmp_path / "profile.json"
     path.write_text(json.dumps(profile))
@@ -1140,7 +1140,7 @@ def test_a_target_whose_learned_positions_end_before_the_profiling_context_is_pr
 
 def test_the_default_policy_measures_at_most_auto_max_rows_and_prices_larger_batches_in_proportion(tmp_path,
                                                                                                    monkeypatch):
-    from dspark_hf.scheduling import costs as cost_cache
+    from dspark_hf.costs import cost_model as cost_cache
 
     monkeypatch.setenv("DSPARK_HF_PROFILE_CACHE", str(tmp_path))  # nothing measured yet
     target = tiny_target("llama")

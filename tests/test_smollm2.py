@@ -6,7 +6,7 @@ import torch
 from conftest import has_smollm2
 from dspark_hf import DSparkDraftModel, FullBlock
 from dspark_hf.evaluation import OracleDraft
-from dspark_hf.generation.drafting import sample_block
+from dspark_hf.generation.block_sources import sample_block
 
 pytestmark = [
     pytest.mark.smollm2,

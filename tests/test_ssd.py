@@ -9,9 +9,9 @@ import torch
 
 from conftest import left_padded_prompts, tiny_draft, tiny_target
 from dspark_hf import SSDConfig
-from dspark_hf.generation.ssd import SSDSource, ngram_proposal
-from dspark_hf.generation.speculation import bonus_rank, predict_outcomes, saguaro
-from dspark_hf.scheduling.ssd import (critical_batch_size, expected_hit_rate, fit_power_law, geometric_fan_out,
+from dspark_hf.generation.ssd.source import SSDSource, ngram_proposal
+from dspark_hf.generation.ssd.speculation import bonus_rank, predict_outcomes, saguaro
+from dspark_hf.generation.ssd.fan_out import (critical_batch_size, expected_hit_rate, fit_power_law, geometric_fan_out,
                                       measured_fan_out, outcome_probabilities, ssd_speedup, uniform_fan_out)
 from test_generation_greedy import eos_inside_a_block, oracle, plain
 from test_generation_sampling import (ALPHA, SAMPLES, flattened_draft, p_value, sample_continuations,
@@ -61,7 +61,7 @@ def test_a_cache_that_cannot_hold_the_all_accepted_outcome_spends_nothing_on_it(
 
 
 def test_the_acceptance_rate_counts_only_tokens_that_were_tested():
-    from dspark_hf.generation.ssd import acceptance_rate
+    from dspark_hf.generation.ssd.source import acceptance_rate
 
     # rounds accepting 0 of 4, 2 of 4 and 4 of 4: 6 tokens accepted, 2 rejections; the 6 tokens after the two
     # rejections were never tested. Geometric maximum likelihood 6 / 8, with the prior (6 + 1) / (8 + 2)
@@ -434,7 +434,7 @@ def test_the_auto_fallback_drafts_below_the_critical_batch_size_and_looks_up_n_g
 
 
 def test_ssd_decodes_count_rejections_and_never_draft_for_an_outcome_the_cache_cannot_hold(monkeypatch):
-    import dspark_hf.generation.ssd as ssd_module
+    import dspark_hf.generation.ssd.source as ssd_module
 
     fan_outs, predict = [], ssd_module.predict_outcomes
     monkeypatch.setattr(ssd_module, "predict_outcomes", lambda *a: fan_outs.append(list(a[3])) or predict(*a))
@@ -449,7 +449,7 @@ def test_ssd_decodes_count_rejections_and_never_draft_for_an_outcome_the_cache_c
 
 
 def test_ssd_decodes_record_where_each_bonus_stood_and_a_fan_out_planned_from_them_is_lossless(monkeypatch):
-    import dspark_hf.generation.ssd as ssd_module
+    import dspark_hf.generation.ssd.source as ssd_module
 
     target = tiny_target("llama")
     ids, mask = left_padded_prompts(3)
@@ -494,7 +494,7 @@ def test_every_drafted_round_after_the_first_counts_as_a_hit_or_a_miss(fan_out):
 def test_after_a_lookup_block_the_bonus_candidates_are_the_drafts_own(fallback, monkeypatch):
     """A lookup block's one-hot distributions rank no other token: the speculator scores its tokens with the draft
     and takes the candidates from that, instead of from ties at probability 0."""
-    import dspark_hf.generation.ssd as ssd_module
+    import dspark_hf.generation.ssd.source as ssd_module
 
     seen, predict = [], ssd_module.predict_outcomes
     monkeypatch.setattr(ssd_module, "predict_outcomes", lambda *a: seen.append(a[0]) or predict(*a))
@@ -520,7 +520,7 @@ def test_ssd_settings_changed_after_the_config_was_made_are_checked_by_generate(
 
 def test_the_auto_fallback_measures_this_machines_costs_before_the_first_round_with_a_progress_bar(tmp_path,
                                                                                                     monkeypatch):
-    import dspark_hf.generation.ssd as ssd_module
+    import dspark_hf.generation.ssd.source as ssd_module
 
     monkeypatch.setenv("DSPARK_HF_PROFILE_CACHE", str(tmp_path))
     calls, measure = [], ssd_module.cached_costs
@@ -671,7 +671,7 @@ def test_sampled_ssd_with_a_draft_vocabulary_follows_the_target_distribution(set
 def test_verifying_cached_tokens_against_the_unweighted_distribution_is_caught(setup, monkeypatch):
     """Guards the previous test: a cache that recorded the draft's own distribution instead of the reweighted one
     its tokens were drawn from fails it."""
-    import dspark_hf.generation.ssd as ssd
+    import dspark_hf.generation.ssd.source as ssd
 
     sample_blocks = ssd.sample_blocks
 

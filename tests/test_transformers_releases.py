@@ -12,7 +12,7 @@ from transformers import DynamicCache, LlamaForCausalLM
 from conftest import left_padded_prompts, tiny_draft, tiny_target
 from dspark_hf import AutoScheduled, FullBlock
 from dspark_hf.internals import CACHE_ARG, with_cache
-from dspark_hf.scheduling.profile import profile_sps
+from dspark_hf.costs.profile import profile_sps
 
 
 def test_the_cache_goes_by_the_name_the_installed_models_take():

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..generation.eos import eos_token_ids
+from ..eos import eos_token_ids
 from ..model.modeling_dspark import DSparkDraftModel
 from ..options import (batch_sizes_option, max_new_tokens_option, option, plan_profile_option, repeats_option,
                        report_option)

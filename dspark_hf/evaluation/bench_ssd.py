@@ -23,7 +23,7 @@ from ..devices import clock
 from ..generation.ssd import SSDConfig
 from ..options import POSITIVE, SHARE, max_new_tokens_option, option, real_in, repeats_option, report_option
 from ..scheduling.policies import FullBlock
-from ..scheduling.ssd import fit_power_law, measured_fan_out, ssd_speedup
+from ..generation.ssd.fan_out import fit_power_law, measured_fan_out, ssd_speedup
 from .evaluate import _sampling, bench_speed, chat_batch
 from .machine import machine_info
 

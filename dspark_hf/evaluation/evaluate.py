@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import internals
-from ..generation.eos import eos_token_ids, until_eos
+from ..eos import eos_token_ids, until_eos
 from ..generation.records import DSparkRound
 from ..options import (POSITIVE, TEMPERATURE, max_new_tokens_option, option, plan_profile_option, repeats_option,
                        report_option)

@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from ..installs import missing_package
-from ..scheduling.calibration import cumulative, expected_calibration_error, survival_targets
+from ..training.calibration import cumulative, expected_calibration_error, survival_targets
 from .metrics import format_tau
 
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from ..generation.eos import eos_token_ids
+from ..eos import eos_token_ids
 from ..options import POSITIVE, SHARE, batch_sizes_option, max_new_tokens_option, option, repeats_option, report_option
 from ..scheduling.named import named_policy
 from .evaluate import chat_batch, check_identity, user_tokens

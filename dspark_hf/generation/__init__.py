@@ -1,6 +1,6 @@
 """Lossless DSpark speculative decoding through `generate()`."""
 
-from .candidates import DSparkCandidateGenerator
+from .candidate_generator import DSparkCandidateGenerator
 from .decoding import dspark_generate
 from .records import DSparkGenerateOutput, DSparkRound
 from .request import HalfPrecisionGreedyWarning

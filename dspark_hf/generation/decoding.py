@@ -30,8 +30,8 @@ from ..model.sampling import raise_if_not_finite
 from ..scheduling.auto import AutoScheduled
 from ..scheduling.policies import FullBlock, VerificationPolicy, as_policy
 from . import verify
-from .candidates import DSparkCandidateGenerator
-from .drafting import Drafter, Outcome, Proposal
+from .candidate_generator import DSparkCandidateGenerator
+from .block_sources import Drafter, Outcome, Proposal
 from .host import HostRead, to_device
 from .pricing import StepClock
 from .records import DSparkGenerateOutput

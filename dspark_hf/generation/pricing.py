@@ -1,7 +1,7 @@
 """What a call's rounds cost on the path it runs: [`StepClock`], the call's own steps ready to be timed.
 
 The default policy drafts only where drafting pays, which it judges by what a drafting round and a round that drafts
-nothing cost (`scheduling.costs.path_costs` times them once per path and keeps them on disk). Those costs are the
+nothing cost (`costs.cost_model.path_costs` times them once per path and keeps them on disk). Those costs are the
 call's own: its forwards as its steps run them (compiled graphs compiled, eager code eager, at the call's batch
 size, over the slots the call's state reads), with the round's own work on their results (the target's features
 projected into the draft's context, the scores processed and checked), and the draft's block as the call drafts it.
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from ..scheduling.profile import measured_widths
+from ..costs.profile import measured_widths
 from . import verify
 from .state import DecodingState
 from .steps import Steps
@@ -21,7 +21,7 @@ from .transcript import Transcript
 
 
 class StepClock:
-    """A `scheduling.costs.RoundClock` over one call's steps and state, after its prefill."""
+    """A `costs.cost_model.RoundClock` over one call's steps and state, after its prefill."""
 
     def __init__(self, steps: Steps, state: DecodingState, out: Transcript, do_sample: bool):
         self.target, self.draft = steps.target, steps.draft

@@ -19,7 +19,7 @@ from transformers.generation import logits_process as lp
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 
 from .. import internals
-from .drafting import Outcome
+from .block_sources import Outcome
 from .host import HostRead, to_device
 from .records import DSparkGenerateOutput, DSparkRound
 from .streamers import RoundStreamer

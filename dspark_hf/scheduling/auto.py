@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .policies import Pause, Policy, real, whole
-from .costs import EngineCosts, RoundClock, check_profile, path_costs
-from .profile import cache_key
+from ..costs.cost_model import EngineCosts, RoundClock, check_profile, path_costs
+from ..costs.profile import cache_key
 from .scheduler import prefix_schedule, survival
 
 
@@ -41,7 +41,7 @@ class AutoScheduled(Policy):
       draft's context projected, the scores processed and checked), a round that drafts nothing (plain generate()'s
       step), and the draft's block. Timed with the call's own steps the first time a generate() call on a path
       needs them (a few seconds, a progress bar) and cached on disk for later calls and processes
-      (``dspark_hf.scheduling.costs.path_costs``), or read from a `dspark profile` file (`profile=`). Every round is
+      (``dspark_hf.costs.cost_model.path_costs``), or read from a `dspark profile` file (`profile=`). Every round is
       priced at the call's batch size: rows that have finished keep their place in the batch.
     - Each round: Algorithm 1 with its lossless early stop over the draft's confidences against the cost of this
       round, t_draft + t_verify(1 + longest), the verification padded to its longest row. The confidences are

@@ -35,7 +35,7 @@ import torch
 
 from ..errors import WrongTypeError
 from .policies import Pause, Policy, real, whole
-from .costs import check_profile, load_draft_cost, load_profile, sps_curve
+from ..costs.cost_model import check_profile, load_draft_cost, load_profile, sps_curve
 
 SPS = Sequence[float] | Mapping[int, float] | Callable[[int], float]
 

@@ -1,5 +1,5 @@
 """`dspark calibrate`'s work: held-out rollouts with the full block, then Sequential Temperature Scaling of the
-confidence head (the math is scheduling/calibration.py's; the reliability diagram is drawn by the caller)."""
+confidence head (the math is calibration.py's; the reliability diagram is drawn by the caller)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 
 from ..options import NONZERO_SHARE, POSITIVE, option
 from ..scheduling import FullBlock
-from ..scheduling.calibration import calibration_report, sequential_temperature_scaling
+from .calibration import calibration_report, sequential_temperature_scaling
 from .data import load_dataset, split_heldout
 
 

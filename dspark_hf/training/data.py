@@ -25,7 +25,7 @@ from typing import Iterator, NamedTuple
 import torch
 from transformers import StoppingCriteria
 
-from ..generation.eos import eos_token_ids, until_eos
+from ..eos import eos_token_ids, until_eos
 from ..options import (COUNT, MINUTES, NONZERO_SHARE, POSITIVE, TEMPERATURE, max_new_tokens_option,
                        max_prompt_tokens_option, option)
 

@@ -17,7 +17,7 @@ import torch
 import dspark_hf
 from dspark_hf.evaluation.machine import machine_info
 from dspark_hf.evaluation.suites import DEFAULT_PROMPTS, chat_inputs
-from dspark_hf.generation.drafting import sample_block
+from dspark_hf.generation.block_sources import sample_block
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 parser.add_argument("--cache-sizes", type=int, nargs="+", default=[8, 16, 64])

@@ -1,6 +1,6 @@
 import sys, time, torch
 import dspark_hf
-from dspark_hf.scheduling.profile import cached_costs
+from dspark_hf.costs.profile import cached_costs
 target, tok = dspark_hf.default_target()
 drafts = {"new": dspark_hf.default_draft(target)}
 if len(sys.argv) > 1:

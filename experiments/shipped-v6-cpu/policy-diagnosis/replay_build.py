@@ -4,7 +4,7 @@ import sys, json, torch
 import dspark_hf
 from dspark_hf.evaluation.suites import load_prompts
 from dspark_hf.evaluation.evaluate import chat_batch
-from dspark_hf.generation.drafting import sample_block
+from dspark_hf.generation.block_sources import sample_block
 
 torch.set_num_threads(1)
 out_path, draft_dir, limit, N = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])

@@ -3,7 +3,7 @@ policy, priced by the quiet cost table (+ measured per-round overheads). Exact f
 on the policy, and neither does the block drafted at an anchor."""
 import json, sys, glob, os, importlib
 import torch
-from dspark_hf.scheduling.profile import EngineCosts
+from dspark_hf.costs.profile import EngineCosts
 from dspark_hf.scheduling import FixedLength, FullBlock
 import dspark_hf.scheduling.auto as auto_mod
 

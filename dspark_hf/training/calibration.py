@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from .scheduler import survival
+from ..scheduling.scheduler import survival
 
 GRID = torch.cat([torch.linspace(0.25, 1.0, 16), torch.linspace(1.1, 6.0, 50)])
 

@@ -30,7 +30,7 @@ from transformers.generation.candidate_generator import CandidateGenerator
 from ..model.modeling_dspark import DSparkContext, DSparkDraftModel
 from ..model.sampling import ProcessLogits, raise_if_not_finite
 from ..scheduling.policies import FullBlock, VerificationPolicy, as_policy, checked_lengths
-from .drafting import BlockSource, Drafter, Outcome, Proposal, empty_block
+from .block_sources import BlockSource, Drafter, Outcome, Proposal, empty_block
 
 
 class DSparkCandidateGenerator(CandidateGenerator):

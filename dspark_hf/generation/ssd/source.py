@@ -25,14 +25,14 @@ from typing import Sequence
 
 import torch
 
-from ..devices import clock
-from ..errors import WrongTypeError
-from ..model.sampling import BlockProposer, DraftBlock, sample_blocks, score_block
-from ..scheduling.costs import cached_costs
-from ..scheduling.ssd import critical_batch_size, geometric_fan_out, uniform_fan_out
-from .drafting import Outcome, Proposal
+from ...devices import clock
+from ...errors import WrongTypeError
+from ...model.sampling import BlockProposer, DraftBlock, sample_blocks, score_block
+from ...costs.cost_model import cached_costs
+from .fan_out import critical_batch_size, geometric_fan_out, uniform_fan_out
+from ..block_sources import Outcome, Proposal
 from .speculation import PredictedOutcomes, bonus_rank, predict_outcomes, saguaro
-from .transcript import VOCAB_FREE_PROCESSORS
+from ..transcript import VOCAB_FREE_PROCESSORS
 
 FAN_OUTS = ("geometric", "uniform")
 FALLBACKS = ("auto", "draft", "ngram", "random")
@@ -47,7 +47,7 @@ class SSDConfig:
     fan_out: str | Sequence[int] = field(default="geometric", metadata={"help": "How the cache is spread over the "
                                          "number k of accepted tokens: geometric (Theorem 12), uniform, or the "
                                          "blocks F_0..F_(block_size - 1) for each k, summing to cache_size (a "
-                                         "trailing F_block_size = 0 is allowed, as `scheduling.ssd.measured_fan_out` "
+                                         "trailing F_block_size = 0 is allowed, as `fan_out.measured_fan_out` "
                                          "returns it)."})
     power_law_r: float = field(default=1.0, metadata={"help": "Exponent r of the draft's power-law miss rate F^-r "
                                "that shapes the geometric fan-out (`dspark bench ssd` fits it)."})
@@ -366,7 +366,7 @@ class SSDSource:
 
     def _record_outcomes(self, accepted, rank):
         """Count the outcomes a cache was looked up for: k accepted, and where the bonus stood among the candidates
-        for k (what `scheduling.ssd.measured_fan_out` plans a cache from)."""
+        for k (what `fan_out.measured_fan_out` plans a cache from)."""
         for k, j in zip(accepted.tolist(), rank.tolist()):
             self.stats["outcomes"][k] = self.stats["outcomes"].get(k, 0) + 1
             if j >= 0:

@@ -62,7 +62,7 @@ def predict_outcomes(probs: torch.Tensor, tokens: torch.Tensor, verify_len: torc
     """Outcomes of verifying tokens[:, :verify_len] worth a next block, F_k of them for each k accepted.
 
     probs (N, gamma, V) the draft distributions; tokens (N, gamma) the drafted block; verify_len (N,);
-    fan_out F_0..F_gamma (e.g. from `dspark_hf.scheduling.ssd`). Candidates for k are the top-F_k tokens of
+    fan_out F_0..F_gamma (e.g. from `dspark_hf.generation.ssd.fan_out`). Candidates for k are the top-F_k tokens of
     probs[:, k], without tokens[:, k] when k < verify_len (it was rejected if the outcome is k); a row with k past
     its verified length, or with k = gamma (the target's own next token, which the block has no distribution for),
     gets invalid slots.

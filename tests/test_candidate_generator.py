@@ -9,7 +9,7 @@ from transformers.generation.candidate_generator import CandidateGenerator
 from conftest import left_padded_prompts, tiny_draft, tiny_target
 from dspark_hf import DSparkCandidateGenerator, FullBlock
 from dspark_hf.evaluation import OracleDraft
-from dspark_hf.generation.drafting import Drafter
+from dspark_hf.generation.block_sources import Drafter
 from dspark_hf.internals import original_generate
 from dspark_hf.model.sampling import sample_block
 from dspark_hf.scheduling.policies import as_policy

@@ -1,14 +1,6 @@
-"""Sharing DSpark drafts on the Hugging Face Hub: a model card on every save, `push_to_hub`, `push_draft` (what
-`dspark push` runs) and `export_draft` (what `dspark export` runs for the transformers format).
-
-`DSparkDraftModel.save_pretrained` and `push_to_hub` hand over to [`save_pretrained`] and [`push_to_hub`] here
-(and `from_pretrained` to [`offline_load_error`]) wherever this module is loaded, which `import dspark_hf` does: the
-model looks it up by name (`dspark_hf.model.binding.sharing`); nothing sets it on the model. They live here, not in
-model/, because the model's files are copied next to saved weights for ``trust_remote_code`` loading where dspark_hf
-may not be installed: there it saves and pushes as plain transformers does (no card). The model never imports this
-module; this module imports the model. Downloading needs nothing from us:
-``DSparkDraftModel.from_pretrained(repo_id, revision=..., token=..., cache_dir=...)`` is transformers' own, with the
-Hub cache, ``HF_HUB_OFFLINE=1`` and private repos.
+"""What a draft's `save_pretrained`, `push_to_hub` and `from_pretrained` hand over to (see the package): a model card
+on every save, `push_to_hub` that commits exactly what was saved, and a clear error for a draft an offline load
+cannot find.
 
 transformers' own `push_to_hub` would replace our card with its generic one (it writes README.md after
 `save_pretrained`), so ours saves into a temporary folder and commits exactly what `save_pretrained` wrote.
@@ -18,25 +10,18 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import shutil
 import tempfile
 import warnings
 from pathlib import Path
 
-import torch
-
-from .cards import GENERATED_MARK, CardData, is_hub_model_id, render_card_data, render_model_card, training_recipe
-from .model.modeling_dspark import DSparkDraftModel
-from .options import option
-from .version import __version__
+from ..cards import GENERATED_MARK, CardData, is_hub_model_id, render_card_data
+from ..version import __version__
 
 README = "README.md"
 DEFAULT_COMMIT_MESSAGE = "Upload DSpark draft"
-# save_pretrained(push_to_hub=True, ...) arguments that belong to the push, not to the save
+# transformers' push_to_hub arguments that save_pretrained(push_to_hub=True) passes on
 _PUSH_ARGS = ("repo_id", "commit_message", "commit_description", "private", "create_pr", "revision", "tags")
-# the folders `dspark push` takes, for its messages
-_DRAFT_FOLDERS = "the --output-dir of `dspark train` or the --output of `dspark calibrate`"
 
 
 def card_data_for(draft, card_data: CardData | dict | None = None) -> CardData:
@@ -173,152 +158,6 @@ def push_to_hub(draft, repo_id: str, *, commit_message: str | None = None, commi
                        commit_message=commit_message, commit_description=commit_description)
 
 
-# -- flags of the commands that write a card (`dspark export`, `dspark push`) -------------------------------------
-def card_results_option():
-    """`--eval`: the results the card shows."""
-    return option(None, "results.json from `dspark eval`, for the card's results")
-
-
-def card_license_option():
-    """`--license`: the card's licence."""
-    return option(None, "the card's Hub licence id, e.g. apache-2.0 (default: none; a draft learns from its target's "
-                        "outputs, so check the target's terms)")
-
-
-def weights_dtype_option(written: str):
-    """`--dtype` of the weights a command writes (`written`: "exported", "pushed")."""
-    return option("bfloat16", f"dtype of the {written} weights", choices=["bfloat16", "float16", "float32"])
-
-
-@dataclasses.dataclass
-class PushOptions:
-    """What `dspark push` sends ([`push_draft`]), and where."""
-
-    base_model: str | None = option(None, "the target's hub id (default: the one the draft records, if a hub id); "
-                                    "the pushed config records it as the target")
-    dtype: str = weights_dtype_option("pushed")
-    eval: str | None = card_results_option()
-    calibration: str | None = option(None, "calibration.json from `dspark calibrate` (default: "
-                                     "DRAFT/calibration.json)")
-    recipe: str | None = option(None, "markdown file with the training recipe (default: from DRAFT/train_config.json)")
-    license: str | None = card_license_option()
-    private: bool = option(False, "create the repository as private")
-    token: str | None = option(None, "Hub token (default: the stored login or HF_TOKEN)")
-    revision: str | None = option(None, "branch to push to (created if missing)")
-    commit_message: str | None = option(None, "the Hub commit's message (default: one naming the draft)")
-
-
-@dataclasses.dataclass
-class ExportOptions:
-    """How `dspark export` saves a draft for sharing, and what its card says."""
-
-    output: str = option(help="folder to write the exported draft to (new or empty, or an earlier export)")
-    dtype: str = weights_dtype_option("exported")
-    format: str = option("transformers", "transformers: a DSparkDraftModel folder with a model card; deepspec: "
-                         "DeepSpec's Qwen3DSparkModel layout (vLLM, SGLang, llama.cpp; full vocabulary only); "
-                         "speculators: speculators' dspark layout (vLLM, llama.cpp; a reduced vocabulary too); "
-                         "both engine layouts need --target", choices=["transformers", "deepspec", "speculators"])
-    target: str | None = option(None, "the target's path or hub id (--format deepspec or speculators)")
-    base_model: str | None = option(None, "hub id of the target, for the card (--format transformers)")
-    repo_id: str = option("<your-repo/draft>", "where the draft will live, for the card")
-    eval: str | None = card_results_option()
-    calibration: str | None = option(None, "calibration.json from `dspark calibrate`, for the card (default: "
-                                     "DRAFT/calibration.json if present)")
-    recipe: str | None = option(None, "a markdown file describing the training recipe, for the card")
-    license: str | None = card_license_option()
-
-
-def push_draft(folder: str | Path, repo_id: str, base_model: str | None = None,
-               eval_results: str | Path | dict | None = None, calibration: str | Path | dict | None = None,
-               recipe: str | Path | None = None, private: bool = False, token: str | None = None,
-               revision: str | None = None, commit_message: str | None = None,
-               dtype: torch.dtype | str = torch.bfloat16, license: str | None = None):
-    """Push a draft folder written by `dspark train` (its --output-dir) or `dspark calibrate` (its --output), with
-    a card rendered from its results, in `dtype` (default bfloat16, as `dspark export` writes it).
-
-    base_model: the target's hub id (default: the draft config's ``target_name_or_path``, which must then be one).
-    eval_results: the results.json of `dspark eval` (path or dict). calibration: the calibration.json of
-    `dspark calibrate`; default ``folder/calibration.json`` if present. recipe: markdown text or a .md file; default
-    rendered from ``folder/train_config.json`` (and ``heldout.json``) if present. license: the card's Hub licence id
-    (none by default). The rest as in [`push_to_hub`].
-    Only the draft's own files are sent (not checkpoints, training state or result files).
-    """
-    folder = Path(folder)
-    if not folder.is_dir():  # (else refuse_adapter would look it up as a Hub id)
-        raise FileNotFoundError(f"{folder}: no such folder: pass {_DRAFT_FOLDERS}.")
-    draft = _whole_draft(folder, "dspark push", dtype, saved_by=_DRAFT_FOLDERS)
-    data = CardData(base_model=base_model, eval_results=read_json(eval_results),
-                    calibration=folder_calibration(folder, calibration),
-                    recipe=_recipe(recipe, folder), license=license)
-    return push_to_hub(draft, repo_id, commit_message=commit_message, private=private, token=token,
-                       revision=revision, card_data=data)
-
-
-def export_draft(draft: str | Path, output: str | Path, base_model: str | None,
-                 dtype: torch.dtype | str = torch.bfloat16, repo_id: str = "<your-repo/draft>",
-                 eval_results: str | Path | dict | None = None, recipe: str | None = None,
-                 calibration: str | Path | dict | None = None, license: str | None = None) -> Path:
-    """Save the draft `draft` (a folder or Hub id) into the folder `output` for sharing (what `dspark export` runs):
-    its weights in `dtype`, the code for ``trust_remote_code``, and a model card (README.md); returns `output`.
-
-    base_model: the target's Hub id, which the saved config records as the target and the card links to (required).
-    repo_id: where the draft will live, for the card's usage snippet. eval_results: the results.json of `dspark eval`
-    (path or dict). recipe: markdown for the card's Training section. calibration: the calibration.json of
-    `dspark calibrate`; default ``draft/calibration.json`` if present. license: the card's Hub licence id.
-    `output` must be new, empty, or an earlier export; the links it holds are kept (the shipped draft's folder links
-    its code files to the package's modules). Nothing is written unless the card renders.
-    """
-    from . import defaults
-    from .files import check_output_folder
-    from .loading import _check_name
-
-    _check_name(str(draft), "the draft")
-    check_output_folder(output, "export", ours=("draft", "deepspec", "speculators"))
-    model = _whole_draft(draft, "dspark export", dtype)  # first: a folder that holds no draft is what to say
-    if not base_model:
-        raise ValueError("--base-model is needed for the model card: the target's Hub id, e.g. "
-                         "HuggingFaceTB/SmolLM2-135M-Instruct.")
-    model.config.target_name_or_path = base_model  # not the path the target was trained from on some machine
-    output = Path(output)
-    shipped = output.resolve() == defaults.SHIPPED_DRAFT_DIR.resolve()  # the card of the draft the package ships
-    # the card checks the result files against the draft: render it before anything is written
-    card = render_model_card(model.config, base_model, repo_id, read_json(eval_results), recipe, license,
-                             calibration=folder_calibration(draft, calibration), shipped=shipped)
-    _save_beside_links(model, output)
-    (output / README).write_text(card)
-    return output
-
-
-def _whole_draft(draft: str | Path, command: str, dtype: torch.dtype | str, *,
-                 saved_by: str | None = None) -> DSparkDraftModel:
-    """The draft `draft` (a folder or Hub id) in `dtype` for `command` to share, which a LoRA adapter is not (it would
-    go out under a whole draft's card). With `saved_by` (what writes a draft folder, for the message), a folder
-    without config.json is refused rather than left to transformers' vaguer error, but after the adapter check,
-    whose message says how to merge one."""
-    from .loading import refuse_adapter
-
-    refuse_adapter(str(draft), command)
-    if saved_by is not None and not (Path(draft) / "config.json").is_file():
-        raise FileNotFoundError(f"{draft} holds no saved draft (no config.json): pass {saved_by}.")
-    return DSparkDraftModel.from_pretrained(draft).to(getattr(torch, dtype) if isinstance(dtype, str) else dtype)
-
-
-def _save_beside_links(draft, folder: Path) -> None:
-    """save_pretrained into `folder` (without a card), keeping the links it holds: the package's own draft folder
-    links its code files to the package's modules (so it loads with trust_remote_code and never drifts from them),
-    and transformers would copy each module onto its own link."""
-    links = [p.name for p in folder.iterdir() if p.is_symlink()] if folder.is_dir() else []
-    # no card here: export_draft writes the one it rendered from the results, which would replace a default one
-    if not links:
-        draft.save_pretrained(folder, model_card=False)
-        return
-    with tempfile.TemporaryDirectory() as tmp:
-        draft.save_pretrained(tmp, model_card=False)
-        for written in Path(tmp).iterdir():
-            if written.name not in links:
-                shutil.move(str(written), folder / written.name)
-
-
 def offline_load_error(name_or_path, kwargs: dict) -> OSError | None:
     """For a failed `from_pretrained(name_or_path, **kwargs)`: the error to raise instead when offline mode or
     ``local_files_only=True`` forbids downloading and `name_or_path` is a Hub id whose config or weights are not
@@ -353,7 +192,6 @@ def offline_load_error(name_or_path, kwargs: dict) -> OSError | None:
                    f"{' and '.join(fixes[c] for c in causes)}.")
 
 
-# ---------------------------------------------------------------------------------------------------------------
 def _api():
     from huggingface_hub import HfApi
 
@@ -422,40 +260,3 @@ def _hub_readme(api, repo_id: str, revision: str | None, token) -> str | None:
 
 def _timestamps(folder: Path) -> dict[Path, int]:
     return {p: p.stat().st_mtime_ns for p in folder.rglob("*") if p.is_file()} if folder.is_dir() else {}
-
-
-def folder_calibration(folder: str | Path, calibration: str | Path | dict | None = None) -> dict | None:
-    """The calibration report for a draft's card: `calibration` (a path or dict) if given, else the
-    calibration.json that `dspark calibrate` wrote into `folder`, if any."""
-    if calibration is None and (Path(folder) / "calibration.json").is_file():
-        calibration = Path(folder) / "calibration.json"
-    return read_json(calibration)
-
-
-def read_json(value: str | Path | dict | None) -> dict | None:
-    """A result file (`dspark eval`, `dspark calibrate`, ...) by path, or the dict itself; a ValueError names a file
-    that is not JSON."""
-    if value is None or isinstance(value, dict):
-        return value
-    try:
-        return json.loads(Path(value).read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise ValueError(f"{value} is not a JSON file ({error}).") from error
-
-
-def _recipe(recipe: str | Path | None, folder: Path) -> str | None:
-    if recipe is not None:
-        return Path(recipe).read_text() if isinstance(recipe, Path) or _is_file(recipe) else recipe
-    if (folder / "train_config.json").is_file():
-        heldout = folder / "heldout.json"
-        return training_recipe(read_json(folder / "train_config.json"),
-                               read_json(heldout) if heldout.is_file() else None)
-    return None
-
-
-def _is_file(text: str) -> bool:
-    try:
-        return Path(text).is_file()
-    except OSError:  # markdown too long to be a file name
-        return False
-
