@@ -181,3 +181,30 @@ def test_a_block_drafted_after_a_pause_is_the_block_drafted_without_one(path):
                 compared += 1
     assert compared >= 3
     assert any(len({r.accepted for r in rows[:3]}) > 1 for rows in zip(*paused.rounds)), "rows accepted apart"
+
+
+def test_the_round_that_verifies_the_last_block_before_a_pause_projects_its_features_as_drafting_rounds_do(monkeypatch):
+    """Compiled, a verification graph is keyed on its width and on whether it projects the target's features into
+    the draft's context: one-token rounds do not (plain generate()'s step), wider ones do, and those are the graphs
+    the default policy's pricing builds before a call times anything. The round that verifies the last block before
+    a pause is wide: it projects as drafting rounds do, so that a pause starting after a block of any width compiles
+    nothing new in the middle of a call."""
+    from dspark_hf.generation.steps import Steps
+
+    seen, real_verify = set(), Steps.verify
+
+    def verify(self, state, tokens, encode=True):
+        seen.add((tokens.shape[1], encode))
+        return real_verify(self, state, tokens, encode)
+
+    monkeypatch.setattr(Steps, "verify", verify)
+    target = tiny_target("llama")
+    draft = tiny_draft(target)
+    ids, mask = left_padded_prompts(2)
+    for length in (1, 2, 3):  # blocks 3-5 paused after blocks verifying 1, 2 or 3 drafted tokens
+        out = target.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=16,
+                              assistant_model=draft, verification_policy=Paused({0, 1, 2, 6, 7, 8}, length))
+        assert torch.equal(out, target.generate(input_ids=ids, attention_mask=mask, do_sample=False,
+                                                max_new_tokens=16))
+    assert (1, False) in seen and {w for w, encode in seen if w > 1} == {2, 3, 4}, seen
+    assert all(encode for w, encode in seen if w > 1), seen

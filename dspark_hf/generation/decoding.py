@@ -185,17 +185,21 @@ def _round(s: Decoding, candidates: DSparkCandidateGenerator, state: DecodingSta
     x = block.tokens[:, :L]
 
     # whether the next block is drafted, decided from past rounds (the policy's pause) and the rows' length limits;
-    # when it is not, this round's forward leaves the draft's context alone
+    # when it is not, a one-token round's forward leaves the draft's context alone (plain generate()'s step). A wider
+    # round, the last drafted one before a pause, encodes as a drafting round does: compiled, its forward is then a
+    # graph the default policy's pricing already built, where a pause starting after a block of each width would
+    # compile one more graph per width in the middle of a call (seconds on a CPU; experiments/the-floor-cpu, 3b)
     drafting = candidates.drafts(plan.rows, [r - 1 for r in out.remaining(plan.rows)])
 
     # verify: one target forward over [anchor, x] after each row's committed tokens
     Q = s.steps.width(L + 1)
+    encode = drafting or Q > 1
     inputs = torch.cat([state.anchor[:, None], x, x.new_zeros(x.shape[0], Q - L - 1)], 1)  # padded to a bucket
     context = _context(s, state, 0) if proposal.drafted else None  # for a source that works while verifying
     with candidates.verifying(proposal, plan.verify_len, state.anchor, state.count, context), \
             s.watch.phase("target"):
-        logits = s.steps.verify(state, inputs, encode=drafting)
-    if not drafting:
+        logits = s.steps.verify(state, inputs, encode=encode)
+    if not encode:
         state.unencoded(plan.rows)
     scores = out.process_block(x, logits)
 
