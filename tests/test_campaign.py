@@ -194,7 +194,9 @@ def test_the_plan_keeps_to_the_lease_when_the_tree_leaves_room_for_fewer_parts(t
     prompts = [{"id": "p0", "domain": "chat", "messages": [{"role": "user", "content": "Hi"}]}]
     base = {k: v for k, v in os.environ.items() if not k.startswith("CAMPAIGN_") and k != "PYTHONPATH"}
     tree = sum((repo / name).stat().st_size for name in checkout_files(repo))
-    settings = {**base, "PYTHONDONTWRITEBYTECODE": "1", "CAMPAIGN_TARGET": str(toy_target(tmp_path / "target")),
+    # the scripts run `python`: the interpreter running these tests, whether or not its venv is activated
+    settings = {**base, "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
+                "PYTHONDONTWRITEBYTECODE": "1", "CAMPAIGN_TARGET": str(toy_target(tmp_path / "target")),
                 "CAMPAIGN_WHEELS": "none", "CAMPAIGN_PROMPTS": str(write_prompts(prompts, tmp_path / "p.jsonl.gz")),
                 "CAMPAIGN_EVAL_PROMPTS": str(tmp_path / "p.jsonl.gz")}
     plans = {}
