@@ -10,9 +10,9 @@ The device is never waited for within a round but once: everything the host must
 accepted and committed, where it stopped, the next block's confidences and whether it is finite) comes back in one
 transfer at the round's end (`host.HostRead`), and the policy plans the next round from it. The next block is
 drafted before that read, so the policy's choice whether to draft a round is made before the previous round's
-outcome reaches it; once it has, the policy may still drop that block (`VerificationPolicy.keep_drafted`). That choice is made
-before the round's forward, so a round after which nothing is drafted runs plain generate()'s step: the target over
-one token per row, its features kept for later, no draft work. With ``cache_implementation="static"`` the two
+outcome reaches it; once it has, the policy may still drop that block (`VerificationPolicy.keep_drafted`). That
+choice is made before the round's forward, so a round after which nothing is drafted runs plain generate()'s step:
+the target over one token per row, its features kept for later, no draft work. With ``cache_implementation="static"`` the two
 forwards are compiled (`steps.Steps`).
 """
 
