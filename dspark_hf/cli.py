@@ -194,7 +194,7 @@ def cmd_prepare_data(args) -> int:
         prompts = itertools.islice(prompts, args.skip, None)
     settings = config_from(args, GenerationSettings)
     # a resumed run goes on in the batches it started with (the answers depend on them), wherever it runs now
-    batch_size = args.batch_size or _recorded_batch_size(args.output) or (512 if target.device.type == "cuda" else 32)
+    batch_size = args.batch_size or _recorded_batch_size(args.output) or _first_batch_size(target, args)
     engine = args.engine if args.engine != "auto" else "static" if target.device.type == "cuda" else "generate"
     path = prepare_data(target, tokenizer, prompts, args.output, args.num_examples or None, batch_size, settings,
                         args.seed, args.max_prompt_tokens,
@@ -207,6 +207,21 @@ def cmd_prepare_data(args) -> int:
               f"{made['answer_tokens_per_second']} answer tokens/s ({made['answer_tokens_per_second_with_warmup']} "
               "with the warm-up)")
     return 0
+
+
+def _first_batch_size(target, args) -> int:
+    """A new dataset's batch: on a GPU the rows its free memory holds (`rows_that_fit`), said; 32 on a CPU."""
+    if target.device.type != "cuda":
+        return 32
+    import torch
+
+    from .training.data import rows_that_fit
+
+    free, _ = torch.cuda.mem_get_info(target.device)
+    rows = rows_that_fit(target, args.max_prompt_tokens + args.max_new_tokens, free)
+    print(f"batch size {rows}: the rows whose KV cache ({args.max_prompt_tokens} + {args.max_new_tokens} tokens each) "
+          f"fits in half of the GPU's {free / 2**30:.1f} GiB free (--batch-size to choose)", flush=True)
+    return rows
 
 
 def _recorded_batch_size(dataset: str) -> int | None:

@@ -15,7 +15,7 @@ from conftest import VOCAB, cli_error, cut_in_half, tiny_draft, tiny_target
 from dspark_hf import DSparkDraftModel
 from dspark_hf.training import DataFileError, GenerationSettings, load_dataset, prepare_data, read_prompts
 from dspark_hf.training.prompts import write_prompts
-from dspark_hf.training.data import Example, manifest_path, split_heldout
+from dspark_hf.training.data import MOST_ROWS, Example, manifest_path, rows_that_fit, split_heldout
 from dspark_hf.training.features import CachedFeatures, OnlineFeatures
 from dspark_hf.training.losses import (LossWeights, dspark_losses, position_weights, sample_anchors,
                                       target_distribution_on)
@@ -194,6 +194,19 @@ def tiny_dataset(tmp_path, target, n=12):
     prepare_data(target, TinyTokenizer(), iter(prompts), path, n, batch_size=4,
                  settings=GenerationSettings(max_new_tokens=24), progress=False)
     return path
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_a_new_dataset_s_batch_on_a_gpu_holds_as_many_rows_as_their_kv_cache_fits_in_half_the_free_memory(family):
+    target = tiny_target(family)
+    cache = target(torch.zeros(1, 40, dtype=torch.long), use_cache=True).past_key_values  # one row of 40 tokens
+    row = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
+    logits = 2 * target.config.vocab_size * 4  # the step's logits and scores, float32
+    free = 10 * 2**20
+    rows = rows_that_fit(target, 40, free)
+    assert rows * (row + logits) <= free / 2 < (rows + 1) * (row + logits)
+    assert rows_that_fit(target, 80, free) == int(free / 2) // (2 * row + logits)  # twice the tokens: about half
+    assert rows_that_fit(target, 40, 2**50) == MOST_ROWS and rows_that_fit(target, 40, 1) == 1
 
 
 def test_prepare_data_is_deterministic_and_resumable(tmp_path):

@@ -61,6 +61,36 @@ def test_a_training_step_reads_nothing_from_the_device_and_the_log_reads_every_n
     assert log_reads == [1, 3, 6, 7]
 
 
+def test_a_compiled_step_compiles_once_in_its_first_step_and_never_again_whatever_the_batch_s_length(tmp_path,
+                                                                                                    monkeypatch):
+    """With --compile the draft's forward and backward are one graph of dynamic shape: the first step compiles it,
+    and the steps after it, on batches of other lengths, run it without a recompile. (aot_eager traces forward and
+    backward as inductor does, without generating kernels.)"""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    target = tiny_target("llama")
+    lengths, graphs, real_step = [], [], trainer._step
+
+    def counted_step(run, core, batch, *args, **kwargs):
+        out = real_step(run, core, batch, *args, **kwargs)
+        lengths.append(max(len(e.input_ids) for e in batch))
+        graphs.append((counters["stats"]["unique_graphs"], counters["aot_autograd"]["ok"]))
+        return out
+
+    # a draft vocabulary: the LM-head rows the draft proposes are sliced from the target's (a cache in eager passes)
+    shape = dict(num_hidden_layers=1, markov_rank=4, block_size=3, draft_vocab_size=48)
+    monkeypatch.setattr(trainer, "_step", counted_step)
+    compiled = train(tiny_run(tmp_path, target, compile="aot_eager", draft=shape), target=target, progress=False)
+    monkeypatch.setattr(trainer, "_step", real_step)
+    eager = train(tiny_run(tmp_path, target, output_dir=str(tmp_path / "eager"), draft=shape), target=target,
+                  progress=False)
+    assert len(set(lengths)) >= 3  # the batches had several lengths
+    assert graphs == [(1, 1)] * 6  # one graph (forward and backward), compiled in the first step
+    for (name, a), b in zip(eager.state_dict().items(), compiled.state_dict().values()):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4, msg=f"{name} trained otherwise when compiled")
+
+
 def test_the_log_says_the_mean_of_the_steps_since_its_last_read_and_stops_at_a_loss_that_is_not_finite():
     log = StepLog(every=2)
     valid = torch.tensor([[True, True], [True, False]])

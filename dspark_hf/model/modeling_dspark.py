@@ -495,12 +495,15 @@ class DSparkDraftModel(DSparkPreTrainedModel):
             logits = lm_head(h)
         else:
             # the LM-head rows the draft proposes, in the draft's compute dtype (a bf16 draft may serve a fp32
-            # target): sliced and converted once, not every pass
-            w = self.binding.lm_weight
+            # target): sliced and converted once, not every pass. A compiled training step slices them in its graph
+            # instead: filling the cache from inside it would fail the graph's guard on the cache, a recompile
+            in_training_graph = torch.compiler.is_compiling() and torch.is_grad_enabled()
+            w = None if in_training_graph else self.binding.lm_weight
             if w is None or w.device != h.device or w.dtype != h.dtype:
                 w = lm_head.weight
                 w = (w if self.config.draft_vocab_size is None else w[self.draft_vocab]).detach().to(h.dtype)
-                self.binding.lm_weight = w
+                if not in_training_graph:
+                    self.binding.lm_weight = w
             logits = F.linear(h, w)
         cap = self.config.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap

@@ -17,7 +17,7 @@ LORA_HEADS = {"none": (), "confidence": ("confidence",), "all": ("w1", "w2", "rn
 # it saves (every other field defines the run: changing one on resuming is refused, see `train`)
 RESUMABLE_CHANGES = frozenset({"output_dir", "epochs", "max_steps", "time_budget", "stop_after", "save_every",
                                "log_every", "device", "mixed_precision", "target_dtype", "gpu_memory_fraction",
-                               "feature_cache"})
+                               "feature_cache", "compile"})
 
 
 @dataclass
@@ -88,6 +88,11 @@ class TrainConfig:
     gpu_memory_fraction: float | None = field(default=None, metadata={"help": "Share of the GPU's memory this process "
                                               "may take (e.g. 0.45 each for two trainings on one GPU); "
                                               "auto_find_batch_size then fits the batch inside it."})
+    compile: str = field(default="no", metadata={"choices": ("no", "inductor", "aot_eager"), "help": "Compile the "
+                         "draft's forward and backward with torch.compile and this backend: 'inductor' (kernels "
+                         "generated for the device; the first steps compile, about a minute), 'aot_eager' (the "
+                         "graphs traced but run eagerly: a check that the step compiles). Lengths are dynamic, so a "
+                         "run compiles once, not per batch length. 'no' (default): eager."})
     save_every: int = field(default=200, metadata={"help": "Checkpoint every this many steps (resumable)."})
     log_every: int = field(default=10, metadata={"help": "Steps between reads of the losses from the device (the "
                            "progress bar's figures and the check that the loss is finite; also before every "

@@ -81,6 +81,24 @@ class GenerationSettings:
 ENGINES = ("generate", "static")
 
 
+# a cap, not measured past the first GPU run's 512 rows: each step reads every row's cache, so past some number of
+# rows more of them stop adding speed
+MOST_ROWS = 2048
+
+
+def rows_that_fit(target, tokens_per_row: int, free_bytes: int, share: float = 0.5) -> int:
+    """The rows of a prepare-data batch for `target` on a GPU with `free_bytes` free: as many as hold their KV cache
+    (`tokens_per_row`: the prompt's tokens and the new ones, in the target's dtype) and their sampling logits (float32)
+    in `share` of it, the rest left for the prefill's activations and the allocator; at least 1, at most MOST_ROWS."""
+    c = target.config.get_text_config()
+    heads = c.num_attention_heads
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
+    kv_heads = getattr(c, "num_key_value_heads", None) or heads
+    cache = 2 * c.num_hidden_layers * kv_heads * head_dim * target.dtype.itemsize * tokens_per_row
+    logits = 2 * c.vocab_size * 4  # the step's logits and the processed scores
+    return max(1, min(MOST_ROWS, int(share * free_bytes) // (cache + logits)))
+
+
 @dataclass
 class PrepareDataOptions:
     """`dspark prepare-data`'s settings: which prompts, where the answers go, and how they are drawn (by default
@@ -94,7 +112,8 @@ class PrepareDataOptions:
                                      "draws; needs --temperature > 0)", type=POSITIVE)
     skip: int = option(0, "skip this many prompts first", type=COUNT)
     batch_size: int | None = option(None, "rows per generate() call (default: the one the dataset was started with "
-                                    "when resuming, else 512 on a GPU, 32 on a CPU)", type=POSITIVE)
+                                    "when resuming, else on a GPU the rows whose KV cache fits in half its free "
+                                    f"memory, at most {MOST_ROWS}; 32 on a CPU)", type=POSITIVE)
     time_budget: float | None = option(None, "start no batch that would end after this; run the same command again "
                                        "to continue", type=MINUTES, metavar="MINUTES")
     max_new_tokens: int = max_new_tokens_option(GenerationSettings.max_new_tokens)

@@ -32,6 +32,16 @@ def pad_batch(sequences: list[list[int]], pad_id: int = 0):
     return ids, mask, lengths
 
 
+def to_device(tensor: torch.Tensor, device) -> torch.Tensor:
+    """A host tensor of a batch on `device` without the host waiting: on a GPU copied from pinned memory,
+    asynchronously (a pageable copy makes the host wait for it). The steps read nothing between logging steps, so the
+    host prepares the next batch while the device still computes this one: that is how batches are ready ahead."""
+    device = torch.device(device)
+    if device.type == "cuda" and tensor.device.type == "cpu":
+        tensor = tensor.pin_memory()
+    return tensor.to(device, non_blocking=True)
+
+
 def in_own_dtype(target):
     """A context in which `target` computes in its own dtype, whatever autocast the draft trains under: the teacher is
     the target as inference runs it (a float32 target stays float32 under bf16 mixed precision)."""
@@ -48,7 +58,7 @@ def causal_padding_mask(target, lengths: list[int], device):
         return None
     real = torch.arange(L, device="cpu") < torch.tensor(lengths, device="cpu")[:, None]  # (B, L)
     slots = torch.arange(L, device=device).expand(len(lengths), -1)
-    return attention_masks(target, real.to(device, non_blocking=True), slots, internals.sliding_window(target))
+    return attention_masks(target, to_device(real, device), slots, internals.sliding_window(target))
 
 
 class OnlineFeatures:
@@ -64,7 +74,7 @@ class OnlineFeatures:
         device = self.target.device
         mask = causal_padding_mask(self.target, [len(e.input_ids) for e in examples], device)
         with in_own_dtype(self.target):
-            hidden = self.target.base_model(input_ids=ids.to(device), attention_mask=mask,
+            hidden = self.target.base_model(input_ids=to_device(ids, device), attention_mask=mask,
                                             output_hidden_states=self.request).hidden_states
         features = torch.cat([hidden[i] for i in self.request[:-1]], dim=-1)
         return features, hidden[self.request[-1]]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from .features import in_own_dtype, pad_batch
+from .features import in_own_dtype, pad_batch, to_device
 from .losses import losses_against, sample_anchors, target_distribution_on
 
 def target_logits(target, hidden: torch.Tensor) -> torch.Tensor:
@@ -44,7 +44,7 @@ def target_distribution_at(target, last: torch.Tensor, anchors: torch.Tensor, ga
     first, end = (torch.tensor(v, device="cpu") for v in zip(*spans))
     offset = (end - first).cumsum(0) - (end - first)  # where each row's span starts among the positions computed
     rows = torch.cat([b * L + torch.arange(f, e, device="cpu") for b, (f, e) in enumerate(spans)])
-    first, end, offset, rows = (t.to(last.device, non_blocking=True) for t in (first, end, offset, rows))
+    first, end, offset, rows = (to_device(t, last.device) for t in (first, end, offset, rows))
     with in_own_dtype(target):
         p_t, outside, top = target_distribution_on(draft_vocab, target_logits(target, last.flatten(0, 1)[rows].to(
             target.dtype)))
@@ -62,9 +62,11 @@ def lagged_tokens(ids: torch.Tensor, anchors: torch.Tensor, max_lag: int, genera
         lags = torch.full(anchors.shape, max_lag, device=anchors.device)
     elif lag_weights is not None:
         lags = torch.multinomial(torch.tensor(lag_weights, dtype=torch.float64), anchors.numel(), replacement=True,
-                                 generator=generator).view(anchors.shape).to(anchors.device)
+                                 generator=generator).view(anchors.shape)
+        lags = to_device(lags, anchors.device)
     else:
-        lags = torch.randint(0, max_lag + 1, anchors.shape, generator=generator, device="cpu").to(anchors.device)
+        lags = to_device(torch.randint(0, max_lag + 1, anchors.shape, generator=generator, device="cpu"),
+                         anchors.device)
     j = torch.arange(max_lag, device=anchors.device)
     source = anchors[..., None] - max_lag + j  # positions anchor - max_lag .. anchor - 1
     taken = (j >= max_lag - lags[..., None]) & (source >= 0)
@@ -78,7 +80,7 @@ def train_step(draft, target, examples, features, anchors_per_sequence, weights,
     """Losses of one batch (no backward). `forward` is the (possibly data-parallel wrapped) draft to call.
     feature_lag > 0: each block sees its last 0..feature_lag context tokens (exactly feature_lag if `exact_lag`, in
     proportion to `lag_weights` if given) as tokens only ([`lagged_tokens`])."""
-    forward = forward or draft
+    forward = draft if forward is None else forward
     gamma = draft.config.block_size
     feats, last = features(examples)
     device = draft.device
@@ -86,7 +88,7 @@ def train_step(draft, target, examples, features, anchors_per_sequence, weights,
     ids, context_valid, lengths = pad_batch([e.input_ids for e in examples])  # on the CPU, moved once below
     answer_start, length = [e.answer_start for e in examples], [len(e.input_ids) for e in examples]
     anchors, valid = sample_anchors(answer_start, length, anchors_per_sequence, generator)
-    ids, anchors, valid, context_valid, lengths = (t.to(device, non_blocking=True) for t in (
+    ids, anchors, valid, context_valid, lengths = (to_device(t, device) for t in (
         ids, anchors, valid, context_valid.bool(), lengths))
     positions = torch.arange(ids.shape[1], device=device).expand(len(examples), -1)
 

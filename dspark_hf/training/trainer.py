@@ -88,7 +88,7 @@ def train(config: TrainConfig, target=None, progress: bool = True, started: floa
     config.batch_size = _batch_size(config, state, draft, target, train_set, features, weights, accelerator)
     draft, optimizer = accelerator.prepare(draft, _optimizer(draft, config, device))
     run = _Run(config, accelerator, device, timer, monitor, target, train_set, heldout, draft, optimizer, features,
-               weights)
+               weights, compiled(draft, config.compile))
     first_step, generator_state = _resume(run, resume, state)
     _say_the_batches(run)
 
@@ -118,6 +118,14 @@ def _accelerator(config: TrainConfig):
         if config.gpu_memory_fraction is not None:
             torch.cuda.set_per_process_memory_fraction(config.gpu_memory_fraction, device)
     return accelerator, device
+
+
+def compiled(draft, backend: str):
+    """The forward the steps call: the prepared `draft` itself (backend "no"), or torch.compile'd with `backend`,
+    which compiles its backward too (AOTAutograd). Every dimension is dynamic: a step's batch length follows its
+    answers, and one graph serves all of them, compiled in the first step; static shapes would compile a graph per
+    length (or per bucket of lengths) through the run, up to dynamo's limit of 8, past which it runs eagerly."""
+    return draft if backend == "no" else torch.compile(draft, backend=backend, dynamic=True)
 
 
 def fewer_processes_than_asked(environ, processes: int) -> str | None:
@@ -230,7 +238,7 @@ def _optimizer(draft, config: TrainConfig, device: torch.device) -> torch.optim.
 @dataclass
 class _Run:
     """A run set up to take its steps: what the steps and the end of the run share. `draft` is the draft as accelerate
-    prepared it, the forward that trains; `target` is frozen."""
+    prepared it, what trains and is saved; `target` is frozen."""
 
     config: TrainConfig
     accelerator: Any
@@ -244,6 +252,7 @@ class _Run:
     optimizer: torch.optim.Optimizer
     features: Any
     weights: LossWeights
+    forward: Any  # what a step calls: `draft`, or with config.compile its compiled forward (`compiled`)
     throughput: Throughput = field(default_factory=Throughput)
 
     @functools.cached_property
@@ -447,7 +456,7 @@ def _step(run: _Run, core, batch: list, step: int, generator: torch.Generator, s
         with contextlib.nullcontext() if last else accelerator.no_sync(run.draft):
             with accelerator.autocast():
                 losses, valid = train_step(core, run.target, part, run.features, config.anchors_per_sequence,
-                                           run.weights, generator, forward=run.draft, feature_lag=config.feature_lag,
+                                           run.weights, generator, forward=run.forward, feature_lag=config.feature_lag,
                                            lag_weights=config.feature_lag_weights)
             if k == 0 and measure:
                 timer.forward_done(run.device)  # one batch's forward: what sizes the held-out report

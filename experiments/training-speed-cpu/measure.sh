@@ -3,7 +3,8 @@
 # (breakdown); the default recipe of `dspark train` on the same 800 answers and seed, the step of the code before the
 # change (a git worktree of c767fb1) and the new one alternated, 3 repeats of 40 steps, with the new step in bfloat16 as a third arm (speed); and 150 steps of each (three)
 # from the same start, held-out expected tau compared (tau). Results in results/.
-# Run from the repository root: bash experiments/training-speed-cpu/measure.sh [breakdown speed tau heldout estimates]
+# The draft's forward and backward compiled (--compile inductor) against the eager step (compile).
+# Run from the repository root: bash experiments/training-speed-cpu/measure.sh [breakdown speed tau heldout compile estimates]
 # DATA: the answers of the first GPU run (../shared/gpu-run-2026-11-26/data.jsonl.gz; 9,728 answers of SmolLM2-135M).
 set -euo pipefail
 HERE=experiments/training-speed-cpu
@@ -50,9 +51,20 @@ for step in "${@:-breakdown speed tau heldout estimates}"; do
       heldout)  # the tau runs' drafts measured alike: one evaluator, every held-out sequence, the float32 target
         new "$ROOT/$HERE/heldout_fp32.py" --dataset "$WORK/data.jsonl" --output "$OUT/heldout_fp32.json" \
           old="$WORK/tau-old" new="$WORK/tau-new" bf16="$WORK/tau-bf16" ;;
+      compile)  # the default step eager and with --compile inductor; 40 and 80 steps each, so that steps 41-80
+                # (the same batches in both arms) time the compiled step after its compile
+        for code in eager inductor; do
+          for n in 40 80; do
+            rm -rf "$WORK/compile-$code-$n"
+            new $TRAIN --max-steps $n --output-dir "$WORK/compile-$code-$n" \
+              $([ $code = inductor ] && echo --compile inductor) > "$WORK/compile-$code-$n.log" 2>&1
+            cp "$WORK/compile-$code-$n/heldout.json" "$OUT/compile_${code}_$n.json"
+          done
+        done
+        python "$HERE/summarize.py" compile "$OUT" ;;
       estimates)
         new "$ROOT/$HERE/estimates.py" --output "$OUT/estimates.json" ;;
-      *) echo "unknown step $s: choose from breakdown, speed, tau, heldout, estimates" >&2; exit 2 ;;
+      *) echo "unknown step $s: choose from breakdown, speed, tau, heldout, compile, estimates" >&2; exit 2 ;;
     esac
   done
 done

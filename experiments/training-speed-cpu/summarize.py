@@ -1,7 +1,7 @@
 """Summaries of measure.sh's runs from their heldout.json files, the same formula for the code before and after:
 answers/s = steps x global batch / seconds spent in steps (training.time.step_seconds).
 
-    python experiments/training-speed-cpu/summarize.py speed|tau experiments/training-speed-cpu/results
+    python experiments/training-speed-cpu/summarize.py speed|tau|compile experiments/training-speed-cpu/results
 """
 
 import json
@@ -50,8 +50,25 @@ def tau(results: Path) -> dict:
     return out
 
 
+def compiled(results: Path) -> dict:
+    """Each arm's answers/s over 40 steps (the compile included) and over steps 41-80 (the 80-step run's seconds less
+    the 40-step run's: the same first 40 batches), and the compiled step's ratio to the eager one there."""
+    out = {}
+    for code in ("eager", "inductor"):
+        short, long = (json.loads((results / f"compile_{code}_{n}.json").read_text())["training"] for n in (40, 80))
+        later = (long["time"]["steps_this_call"] - short["time"]["steps_this_call"]) * long["global_batch"]
+        out[code] = {"answers_per_second_40_steps": round(answers_per_second({"training": short}), 4),
+                     "step_seconds_40": short["time"]["step_seconds"], "step_seconds_80": long["time"]["step_seconds"],
+                     "answers_per_second_steps_41_80": round(later / (long["time"]["step_seconds"]
+                                                                        - short["time"]["step_seconds"]), 4),
+                     "mixed_precision": long.get("mixed_precision"), "target_dtype": long["target_dtype"]}
+    out["inductor_over_eager_steps_41_80"] = round(out["inductor"]["answers_per_second_steps_41_80"]
+                                                   / out["eager"]["answers_per_second_steps_41_80"], 4)
+    return out
+
+
 if __name__ == "__main__":
     what, results = sys.argv[1], Path(sys.argv[2])
-    summary = {"speed": speed, "tau": tau}[what](results)
+    summary = {"speed": speed, "tau": tau, "compile": compiled}[what](results)
     (results / f"{what}_summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     print(json.dumps(summary, indent=1))
