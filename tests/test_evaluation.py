@@ -119,9 +119,23 @@ def test_acceptance_plots_compare_drafts_side_by_side(tmp_path):
 
 # float32 times the compiled arms too, which compile first (80 s)
 @pytest.mark.parametrize("dtype", [pytest.param("float32", marks=pytest.mark.slow), "bfloat16"])
-def test_dspark_bench_speed_reports_every_method(tiny_models, tmp_path, dtype, capsys):
+def test_dspark_bench_speed_reports_every_method(tiny_models, tmp_path, dtype, capsys, monkeypatch):
     """In float32, every arm: plain generate() and DSpark, each eager and with a static cache and torch.compile (the
-    fair baseline, compiled before timing), and prompt lookup eager and static; in bfloat16, the eager ones."""
+    fair baseline, compiled before timing: nothing compiles while the clock runs), and prompt lookup eager and
+    static; in bfloat16, the eager ones."""
+    from torch._dynamo.utils import counters
+
+    from dspark_hf.evaluation import evaluate
+
+    graphs, timed = [], evaluate.interleaved
+
+    def counted(*args, **kwargs):
+        graphs.append(counters["stats"]["unique_graphs"])
+        runs = timed(*args, **kwargs)
+        graphs.append(counters["stats"]["unique_graphs"])
+        return runs
+
+    monkeypatch.setattr(evaluate, "interleaved", counted)
     out = tmp_path / "bench.json"
     assert main(["bench", "speed", "--target", str(tiny_models / "target"), "--draft", str(tiny_models / "draft"),
                  "--prompts", str(tiny_models / "prompts.jsonl"), "--limit", "2", "--max-new-tokens", "8",
@@ -139,6 +153,7 @@ def test_dspark_bench_speed_reports_every_method(tiny_models, tmp_path, dtype, c
         assert all(m["identical_rows"] == 2 for name, m in methods.items() if name != "plain")
         assert methods["plain (static+compile)"]["paired_ratio_to_compiled_plain"] == 1.0
         assert "paired vs plain static+compile" in capsys.readouterr().out
+        assert graphs[1] == graphs[0] > 0  # every graph compiled in the warm-up
     else:
         assert set(methods) == {"plain", "prompt_lookup", "dspark"}
     assert methods["plain"]["ratio_to_plain"] == 1.0
