@@ -3,8 +3,9 @@
 transformers' assisted decoding asks a candidate generator for candidates (`get_candidates`) and tells it how many
 matched (`update_candidate_strategy`); a generator that reads the target's hidden states says so
 (`requires_model_outputs`) and names what the target's forward must return (`model_kwargs_overrides`), as
-transformers' own DFlash and MTP generators do (5.23 and 5.24 alike). This one keeps that contract: transformers'
-own assisted loop can run it (batch 1, its own verification; see [`DSparkCandidateGenerator.assisting`]).
+transformers' own DFlash and MTP generators do (5.23 to 5.25 alike; 5.25 also asks how many tokens it drafts,
+`num_drafting_tokens`). This one keeps that contract: transformers' own assisted loop can run it (batch 1, its own
+verification; see [`DSparkCandidateGenerator.assisting`]).
 
 DSpark's own loop (any batch, per-row lengths, one host read a round) drives the same object through the halves of
 those two methods, which it calls apart:
@@ -68,6 +69,12 @@ class DSparkCandidateGenerator(CandidateGenerator):
                    process_logits=logits_processor if logits_processor else None)
 
     # -- transformers' interface -------------------------------------------------------------------------------------
+    @property
+    def num_drafting_tokens(self) -> int:
+        """The most candidates one `get_candidates` returns (the draft's block): transformers 5.25's loop asks, to
+        keep that many steps of a recurrent cache's states for rolling back."""
+        return self.draft.config.block_size
+
     def get_candidates(self, input_ids: torch.LongTensor, model_kwargs: dict | None = None, model_outputs=None,
                        is_first_iteration: bool = False, n_last_matches: int = 0,
                        **kwargs) -> tuple[torch.LongTensor, torch.Tensor | None]:
