@@ -52,7 +52,10 @@ for step in "${@:-breakdown speed tau heldout estimates}"; do
         new "$ROOT/$HERE/heldout_fp32.py" --dataset "$WORK/data.jsonl" --output "$OUT/heldout_fp32.json" \
           old="$WORK/tau-old" new="$WORK/tau-new" bf16="$WORK/tau-bf16" ;;
       compile)  # the default step eager and with --compile inductor; 40 and 80 steps each, so that steps 41-80
-                # (the same batches in both arms) time the compiled step after its compile
+                # (the same batches in both arms) time the compiled step after its compile; a first run of 2 steps
+                # fills inductor's cache, so that the 40- and the 80-step run compile alike (from the cache)
+        rm -rf "$WORK/compile-warm"
+        new $TRAIN --max-steps 2 --output-dir "$WORK/compile-warm" --compile inductor > "$WORK/compile-warm.log" 2>&1
         for code in eager inductor; do
           for n in 40 80; do
             rm -rf "$WORK/compile-$code-$n"
