@@ -268,8 +268,6 @@ def test_unknown_missing_and_misshaped_keys_are_all_reported_by_name(tmp_path, t
     (lambda src: shutil.rmtree(src), r"src: no such folder: give the folder of the checkpoint"),
 ], ids=["weights cut short", "config cut short", "no config", "no folder"])
 def test_a_source_checkpoint_missing_or_damaged_is_refused_in_one_line(tmp_path, target, capsys, damage, message):
-    from dspark_hf.cli import main
-
     original = tiny_draft(target, head_type="markov")
     src = write_checkpoint(tmp_path / "src", deepspec_config(original, target), public_state_dict(original, target))
     damage(src)

@@ -1,13 +1,10 @@
 """One install line per job: `generate()` needs neither plots nor the demo, and a missing package is reported with the
 whole line of the job that needs it (dspark_hf/installs.py)."""
 
-import importlib.util
 import subprocess
 import sys
 
 import pytest
-
-from conftest import cli_error
 
 WITHOUT_EXTRAS = """
 import sys

@@ -4,7 +4,6 @@ we declare and on the newest): 5.24 renamed the KV cache argument from `past_key
 import inspect
 import warnings
 
-import pytest
 import torch
 import transformers
 from transformers import DynamicCache, LlamaForCausalLM
