@@ -38,7 +38,7 @@ def tau(side: str) -> dict[str, list[float]]:
 before, after = ratios("before"), ratios("after")
 codes = {side: sorted({json.loads(p.read_text())["machine"]["code"] for p in runs.glob(f"speed_b*_{side}_*.json")})
          for side in ("before", "after")}
-machine = json.loads(next(runs.glob("speed_b1_after_*.json")).read_text())["machine"]
+machine = json.loads(next(runs.glob("speed_b*_after_*.json")).read_text())["machine"]
 
 
 def figure(name: str) -> dict:

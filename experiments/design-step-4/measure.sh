@@ -11,17 +11,19 @@
 #   bash experiments/design-step-4/measure.sh        # about 45 minutes on 2 cores
 set -euo pipefail
 HERE=$PWD/experiments/design-step-4
-RUNS=$HERE/results/runs
+RUNS=${RUNS:-$HERE/results/runs}
+BATCHES=${BATCHES:-"b1 b8"}  # e.g. BATCHES=b8 REPEATS=3 RUNS=.../runs-b8: batch 8 alone, 3 repeats a run
+REPEATS=${REPEATS:-1}
 BEFORE=${BEFORE:-/tmp/dspark-before60}
 AFTER=${AFTER:-$PWD}  # or a worktree of this commit, to edit the checkout meanwhile
 [ -d "$BEFORE" ] || git worktree add --detach "$BEFORE" 6d35ef5
 mkdir -p "$RUNS"
 B1="--suite humaneval --suite mtbench --suite gsm --limit 1 --batch-size 1"
 B8="--suite mtbench --limit 8 --batch-size 8"
-SPEED="--max-new-tokens 96 --repeats 1 --policy auto"
+SPEED="--max-new-tokens 96 --repeats $REPEATS --policy auto"
 run() {  # side, run number
   local root=$AFTER; [ "$1" = before ] && root=$BEFORE
-  for batch in b1 b8; do
+  for batch in $BATCHES; do
     local flags=$B1; [ $batch = b8 ] && flags=$B8
     # shellcheck disable=SC2086  # the flags are lists
     (cd "$root" && PYTHONPATH="$root" DSPARK_HF_PROFILE_CACHE="$RUNS/profiles_$1" \
@@ -31,4 +33,4 @@ run() {  # side, run number
 for i in 1 2 3; do
   if [ $((i % 2)) = 1 ]; then run before $i; run after $i; else run after $i; run before $i; fi
 done
-python "$HERE/compare.py" "$RUNS" | tee "$HERE/results/before_after.json"
+python "$HERE/compare.py" "$RUNS" | tee "$RUNS/../$(basename "$RUNS" | sed s/^runs/before_after/).json"
