@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import cpu_compile_config, left_padded_prompts, tiny_draft, tiny_target
-from dspark_hf import Policy
+from dspark_hf import FixedLength, Policy
 from dspark_hf.generation import decoding
 from dspark_hf.generation.cache import DecodingCache
 from test_host_reads import HostReads
@@ -129,6 +129,22 @@ def test_a_round_that_drafts_nothing_runs_plain_generate_s_step_and_nothing_of_t
         assert seen["reads"] <= 1, (i, seen)
         if path == "eager":  # the rows end at one slot (left padding): writes are copies; a mask where plain's has one
             assert seen["copies"] == [True] and seen["masked"] == plain_masked == [batch > 1], (i, seen)
+
+
+def test_fixed_length_zero_never_drafts_so_every_round_is_plain_generate_s_step(monkeypatch):
+    """`FixedLength(0)` (`--policy 'fixed 0'` of the benchmarks): the one-token round without a policy's probes."""
+    target = tiny_target("llama")
+    draft = tiny_draft(target)
+    ids, mask = left_padded_prompts(3)
+    new = 12
+    reference = target.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=new)
+    spy = Spy(monkeypatch, draft)
+    out = target.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=new,
+                          assistant_model=draft, verification_policy=FixedLength(0))
+    assert torch.equal(out, reference)
+    assert len(spy.rounds) == new - 1
+    assert all(seen["draft_modules"] == 0 and not seen["context_written"] and seen["queries"] == [1]
+               for seen in spy.rounds), spy.rounds
 
 
 def test_rows_that_have_finished_move_on_with_the_others_so_one_token_rounds_stay_plain_copies(monkeypatch):

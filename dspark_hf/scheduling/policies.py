@@ -180,10 +180,17 @@ class FullBlock(Policy):
 
 
 class FixedLength(Policy):
-    """Verify the first `length` drafted tokens of every row."""
+    """Verify the first `length` drafted tokens of every row; `FixedLength(0)` never drafts (every round is plain
+    generate()'s step: the one-token round a paused policy runs, without the policy)."""
 
     def __init__(self, length: int):
         self.length = whole("FixedLength", "length", length, 0)
+
+    def draft_this_round(self, num_rows: int) -> bool:
+        return self.length > 0  # a block none of which is verified is not worth drafting
+
+    def keep_drafted(self, num_rows: int) -> bool:
+        return self.length > 0
 
     def plan(self, confidences, gamma: int, num_rows: int) -> list[int]:
         return [min(self.length, gamma)] * num_rows
