@@ -4,7 +4,8 @@
 # where its extra time went before (breakdown); and the default policy against both baselines with `dspark bench
 # speed` (greedy, float32, 96 new tokens, paired, 5 repeats) at batch 1 and 8, on the packaged suites and on the
 # chat-heavy MT-Bench set (b1, b1chat, b8, b8chat), and the oracle's ceiling (oracle); what drafted and one-token
-# rounds cost inside a batch-8 compiled decode, at break-even and at the default margin (mixed). Results in results/.
+# rounds cost inside a batch-8 compiled decode, at break-even and at the default margin (mixed); the default policy
+# beside FixedLength(0), which never drafts, on 8 MT-Bench prompts at batch 8 (probes). Results in results/.
 # Run from the repository root: bash experiments/the-floor-cpu/measure.sh [round before breakdown b1 ...]
 set -euo pipefail
 HERE=experiments/the-floor-cpu
@@ -19,7 +20,7 @@ SUITES="--suite humaneval --suite mtbench --suite gsm"
 SPEED="--max-new-tokens 96 --repeats 5 --policy auto"
 
 # shellcheck disable=SC2086  # the flags are lists
-for step in "${@:-round before breakdown b1 b1chat b8 b8chat oracle mixed}"; do
+for step in "${@:-round before breakdown b1 b1chat b8 b8chat probes oracle mixed}"; do
   for s in $step; do
     case $s in
       round) python $HERE/one_token_round.py --output $OUT/one_token_round.json ;;
@@ -32,12 +33,14 @@ for step in "${@:-round before breakdown b1 b1chat b8 b8chat oracle mixed}"; do
       b8) python -m dspark_hf bench speed $SUITES --limit 8 --batch-size 8 $SPEED --output $OUT/bench_speed_b8.json ;;
       b8chat) python -m dspark_hf bench speed --suite mtbench --limit 24 --batch-size 8 $SPEED \
                 --output $OUT/bench_speed_b8_chat.json ;;
+      probes) python -m dspark_hf bench speed --suite mtbench --limit 8 --batch-size 8 $SPEED --policy 'fixed 0' \
+                --output $OUT/bench_speed_b8_chat8_fixed0.json ;;  # the default policy beside one that never drafts
       oracle) python -m dspark_hf bench oracle --batch-sizes 1 8 --max-new-tokens 96 --repeats 3 \
                 --output $OUT/bench_oracle.json ;;
       mixed) for m in 1.0 1.1; do
                python $HERE/mixed_rounds.py --margin $m --output $OUT/mixed_rounds_margin$m.json
              done ;;
-      *) echo "unknown step $s: choose from round, before, breakdown, b1, b1chat, b8, b8chat, oracle, mixed" >&2
+      *) echo "unknown step $s: choose from round, before, breakdown, b1, b1chat, b8, b8chat, probes, oracle, mixed" >&2
          exit 2 ;;
     esac
   done
