@@ -89,6 +89,13 @@ def same_fingerprint(a: list[float], b: list[float]) -> bool:
     return float((x * y).sum()) >= 0.9 * float(x.norm() * y.norm())
 
 
+def attention_heads(t) -> tuple[int, int]:
+    """A target's text config -> (key/value heads, head size) of its attention: the heads themselves where the config
+    names no GQA, hidden_size / heads where it names no head size."""
+    return (getattr(t, "num_key_value_heads", None) or t.num_attention_heads,
+            getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads)
+
+
 def fields_from_target(target: PreTrainedModel, num_hidden_layers: int) -> dict[str, Any]:
     """The DSparkConfig fields that size a draft of `num_hidden_layers` layers for `target` (see
     `DSparkDraftModel.from_target`): its geometry, feature layers, mask token, RoPE, vocabulary and fingerprint."""
@@ -105,6 +112,7 @@ def fields_from_target(target: PreTrainedModel, num_hidden_layers: int) -> dict[
     rope = getattr(t, "rope_parameters", None) or {}
     if "full_attention" in rope:  # per-layer-type rope parameters (Gemma3)
         rope = rope["full_attention"]
+    kv_heads, head_dim = attention_heads(t)
     return dict(
         mask_token_id=mask_token_id,
         target_layer_ids=layer_ids,
@@ -113,8 +121,8 @@ def fields_from_target(target: PreTrainedModel, num_hidden_layers: int) -> dict[
                                 if v is not None), 4 * t.hidden_size),
         num_hidden_layers=num_hidden_layers,
         num_attention_heads=t.num_attention_heads,
-        num_key_value_heads=getattr(t, "num_key_value_heads", None) or t.num_attention_heads,
-        head_dim=getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
         hidden_act=getattr(t, "hidden_activation", None) or getattr(t, "hidden_act", "silu"),
         rms_norm_eps=getattr(t, "rms_norm_eps", 1e-6),
         rope_theta=rope.get("rope_theta", getattr(t, "rope_theta", 10000.0)),

@@ -26,6 +26,7 @@ import torch
 from transformers import StoppingCriteria
 
 from ..eos import eos_token_ids, until_eos
+from ..model.binding import attention_heads
 from ..options import (COUNT, MINUTES, NONZERO_SHARE, POSITIVE, TEMPERATURE, max_new_tokens_option,
                        max_prompt_tokens_option, option)
 
@@ -91,9 +92,7 @@ def rows_that_fit(target, tokens_per_row: int, free_bytes: int, share: float = 0
     (`tokens_per_row`: the prompt's tokens and the new ones, in the target's dtype) and their sampling logits (float32)
     in `share` of it, the rest left for the prefill's activations and the allocator; at least 1, at most MOST_ROWS."""
     c = target.config.get_text_config()
-    heads = c.num_attention_heads
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
-    kv_heads = getattr(c, "num_key_value_heads", None) or heads
+    kv_heads, head_dim = attention_heads(c)
     cache = 2 * c.num_hidden_layers * kv_heads * head_dim * target.dtype.itemsize * tokens_per_row
     logits = 2 * c.vocab_size * 4  # the step's logits and the processed scores
     return max(1, min(MOST_ROWS, int(share * free_bytes) // (cache + logits)))

@@ -63,10 +63,9 @@ def lagged_tokens(ids: torch.Tensor, anchors: torch.Tensor, max_lag: int, genera
     elif lag_weights is not None:
         lags = torch.multinomial(torch.tensor(lag_weights, dtype=torch.float64), anchors.numel(), replacement=True,
                                  generator=generator).view(anchors.shape)
-        lags = to_device(lags, anchors.device)
     else:
-        lags = to_device(torch.randint(0, max_lag + 1, anchors.shape, generator=generator, device="cpu"),
-                         anchors.device)
+        lags = torch.randint(0, max_lag + 1, anchors.shape, generator=generator, device="cpu")
+    lags = to_device(lags, anchors.device)  # drawn on the host (the generator's), copied without waiting
     j = torch.arange(max_lag, device=anchors.device)
     source = anchors[..., None] - max_lag + j  # positions anchor - max_lag .. anchor - 1
     taken = (j >= max_lag - lags[..., None]) & (source >= 0)
