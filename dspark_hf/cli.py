@@ -296,7 +296,7 @@ def cmd_eval(args) -> int:
 
 
 def cmd_bench_speed(args) -> int:
-    from .evaluation.evaluate import bench_speed, format_speed_table
+    from .evaluation.evaluate import COMPILED_DSPARK, bench_speed, format_speed_table
     from .evaluation.machine import describe
     from .evaluation.suites import PromptSet
 
@@ -308,8 +308,7 @@ def cmd_bench_speed(args) -> int:
     target, tokenizer, draft = _load(args)
     from .loading import load_draft
 
-    extra = {f"dspark ({name})": {"assistant_model": draft, "verification_policy": make}
-             for name, make in list(policies.items())[1:]}
+    extra = {}
     for spec in args.also_draft or []:
         name, _, path = spec.partition("=")
         if not path or name in ("plain", "dspark", "prompt_lookup") or name.startswith(("dspark (", "plain (",
@@ -320,9 +319,12 @@ def cmd_bench_speed(args) -> int:
                        "verification_policy": next(iter(policies.values()))}
     report = bench_speed(target, tokenizer, draft, prompts, args.batch_size, args.max_new_tokens, args.repeats,
                          args.temperature, extra_methods=extra, policy=next(iter(policies.values())),
-                         compiled=not args.no_compile)
-    report["settings"]["policies"] = {"dspark": next(iter(policies)), **{f"dspark ({n})": n for n in
-                                                                         list(policies)[1:]}}
+                         compiled=not args.no_compile, extra_policies=dict(list(policies.items())[1:]))
+    first, others = next(iter(policies)), list(policies)[1:]
+    arms = {"dspark": first, **{f"dspark ({n})": n for n in others}}
+    if not args.no_compile:
+        arms.update({COMPILED_DSPARK: first, **{f"dspark (compiled, {n})": n for n in others}})
+    report["settings"]["policies"] = arms
     _write_report(args, report)
     print(f"\n{describe(report['machine'])}; {len(prompts)} prompts, batch {args.batch_size}, "
           f"max_new_tokens={args.max_new_tokens}, median of {args.repeats}")

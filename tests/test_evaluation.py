@@ -121,8 +121,8 @@ def test_acceptance_plots_compare_drafts_side_by_side(tmp_path):
 @pytest.mark.parametrize("dtype", [pytest.param("float32", marks=pytest.mark.slow), "bfloat16"])
 def test_dspark_bench_speed_reports_every_method(tiny_models, tmp_path, dtype, capsys, monkeypatch):
     """In float32, every arm: plain generate() and DSpark, each eager and with a static cache and torch.compile (the
-    fair baseline, compiled before timing: nothing compiles while the clock runs), and prompt lookup eager and
-    static; in bfloat16, the eager ones."""
+    fair baseline, compiled before timing: nothing compiles while the clock runs), prompt lookup eager and static,
+    and a second policy on both paths; in bfloat16, the eager ones."""
     from torch._dynamo.utils import counters
 
     from dspark_hf.evaluation import evaluate
@@ -140,14 +140,18 @@ def test_dspark_bench_speed_reports_every_method(tiny_models, tmp_path, dtype, c
     assert main(["bench", "speed", "--target", str(tiny_models / "target"), "--draft", str(tiny_models / "draft"),
                  "--prompts", str(tiny_models / "prompts.jsonl"), "--limit", "2", "--max-new-tokens", "8",
                  "--repeats", "2", "--output", str(out), "--dtype", dtype,
-                 *(["--no-compile"] if dtype == "bfloat16" else [])]) == 0
+                 *(["--no-compile"] if dtype == "bfloat16" else ["--policy", "auto", "--policy", "fixed 0"])]) == 0
     report = json.loads(out.read_text())
     assert report["machine"]["dtype"] == dtype  # the target's, and the draft follows it
     methods = report["methods"]
     if dtype == "float32":
         # prompt lookup with a static cache runs where this transformers allows it and is reported skipped where not
         assert set(methods) | set(report["skipped"]) == {"plain", "plain (static+compile)", "prompt_lookup",
-                                                         "prompt_lookup (static)", "dspark", "dspark (compiled)"}
+                                                         "prompt_lookup (static)", "dspark", "dspark (compiled)",
+                                                         "dspark (fixed 0)", "dspark (compiled, fixed 0)"}
+        assert report["settings"]["policies"] == {"dspark": "auto", "dspark (compiled)": "auto",
+                                                  "dspark (fixed 0)": "fixed 0", "dspark (compiled, fixed 0)": "fixed 0"}
+        assert methods["dspark (compiled, fixed 0)"]["acceptance_length"] == 1  # it never drafts
         assert all(why.startswith("transformers fails it") for why in report["skipped"].values())
         # both greedy outputs of every arm equal plain generate()'s
         assert all(m["identical_rows"] == 2 for name, m in methods.items() if name != "plain")

@@ -137,7 +137,8 @@ class SpeedBench:
     policy: list[str] | None = option(None, "verification policy of DSpark: auto (default: plans against this "
                                       "machine's cached costs, drafts only while it pays), 'full block', 'fixed N', "
                                       "'threshold T', scheduled, async; repeat to run several side by side (the first "
-                                      "is 'dspark', the others 'dspark (NAME)')", action="append", metavar="NAME")
+                                      "is 'dspark', the others 'dspark (NAME)' and, compiled, 'dspark (compiled, NAME)')",
+                                      action="append", metavar="NAME")
     profile: str | None = plan_profile_option()
     also_draft: list[str] | None = option(None, "another draft to run beside --draft, e.g. a single-token draft "
                                           "(--block-size 1); repeatable", action="append", metavar="NAME=PATH")
@@ -161,14 +162,17 @@ def static_compile(max_cache_len: int | None = None) -> dict:
 
 def bench_speed(target, tokenizer, draft, prompts: list[dict], batch_size: int = 1, max_new_tokens: int = 128,
                 repeats: int = 3, temperature: float = 0.0, extra_methods: dict | None = None,
-                progress: bool = True, policy=None, compiled: bool = True) -> dict:
+                progress: bool = True, policy=None, compiled: bool = True, extra_policies: dict | None = None
+                ) -> dict:
     """Tokens/s of plain generate(), prompt lookup decoding and DSpark (and `extra_methods`: name -> generate kwargs),
     interleaved prompt by prompt in one run after a warm-up; median over repeats; ratios to plain, eager and (with
     `compiled`) with a static cache and torch.compile, the baseline a GPU user holds DSpark to. compiled also runs
     DSpark's compiled steps and prompt lookup with a static cache (where transformers allows it); every compiled arm
     decodes every batch once before timing, so that nothing compiles while the clock runs. policy: a factory of
     DSpark's verification policy (default: generate()'s own); a "verification_policy" in extra_methods is a factory
-    too (policies keep per-call state, so every call gets a fresh one)."""
+    too (policies keep per-call state, so every call gets a fresh one). extra_policies (name -> factory): DSpark under
+    each beside the default, as "dspark (NAME)" and (with `compiled`) "dspark (compiled, NAME)", so that what a policy
+    adds to a call is measured on both paths."""
     from tqdm.auto import tqdm
 
     eos_ids = eos_token_ids(target.generation_config)
@@ -186,6 +190,10 @@ def bench_speed(target, tokenizer, draft, prompts: list[dict], batch_size: int =
             methods[STATIC_LOOKUP] = {"prompt_lookup_num_tokens": 10, **static_compile(longest + 10 + 1)}
     else:
         skipped["prompt_lookup"] = f"transformers' prompt lookup decoding refuses batch size > 1 (here {batch_size})"
+    for name, make in (extra_policies or {}).items():
+        methods[f"dspark ({name})"] = {"assistant_model": draft, "verification_policy": make}
+        if compiled:
+            methods[f"dspark (compiled, {name})"] = {**methods[f"dspark ({name})"], **static_compile(longest)}
     methods.update(extra_methods or {})
     sampling = _sampling(temperature)
 
