@@ -417,6 +417,38 @@ def test_in_generate_a_pause_starts_at_once_not_one_round_late():
     assert [i for i, r in enumerate(out.rounds[0]) if r.drafted] == [0]
 
 
+def test_in_generate_the_round_that_verifies_a_probe_after_a_pause_drafts_nothing(monkeypatch):
+    """A probe after a pause decides whether drafting resumes: the round that verifies it drafts no block of its own,
+    which a losing probe's pause would drop (a second draft pass per probe); the first block of a call is not such a
+    probe (nothing has paused yet), so the round after it drafts as drafting rounds do."""
+    from test_generation_greedy import dspark, oracle, plain
+
+    from dspark_hf.generation.candidate_generator import DSparkCandidateGenerator
+
+    target = tiny_target("llama")
+    ids, mask = left_padded_prompts(1)
+    reference = plain(target, ids, mask, max_new_tokens=96)
+    never_right = oracle(target, tiny_draft(target), reference, mask, corruption=1.0)
+    policy = auto(costs(draft=0.04), probe_budget=0.05)  # a pause of 17+ rounds: a few probes in 96 tokens
+    drafted, propose = [], DSparkCandidateGenerator.propose  # per proposal (the prefill's, then each round's)
+
+    def counted(self, anchor, positions, context, process, drafting):
+        drafted.append(drafting)
+        return propose(self, anchor, positions, context, process, drafting)
+
+    monkeypatch.setattr(DSparkCandidateGenerator, "propose", counted)
+    out = dspark(target, never_right, ids, mask, max_new_tokens=96, verification_policy=policy)
+    assert torch.equal(out.sequences, reference)
+    probes = [i for i, r in enumerate(out.rounds[0]) if r.drafted]
+    assert probes[0] == 0 and len(probes) >= 3, probes
+    # drafted[k] is the block round k verifies (drafted in the prefill or the round before), drafted[k + 1] the one
+    # round k drafts
+    assert drafted[1], "the first block's round drafts the next (the pause drops it)"
+    for k in probes[1:]:
+        assert drafted[k] and not drafted[k + 1], (k, drafted)
+    assert sum(drafted) == len(probes) + 1
+
+
 def request(engine, target, draft, batch_size=1, sampling=False, **settings):
     """A fresh default policy, prepared as generate() prepares it for one call."""
     from dspark_hf import AutoScheduled

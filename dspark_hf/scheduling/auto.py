@@ -25,6 +25,7 @@ class Learned:
     pause: Pause  # while the estimate stays below 1
     gain: float = 1.0  # running estimate of drafting's speed over plain decoding's; starts at break-even
     probing: bool = True  # is the next drafted round a probe: the first one, or the first after a pause
+    paused: bool = False  # has drafting paused since the last round that paid: the next probe ends a pause
 
 
 # draft -> target -> (batch size, profile, settings) -> Learned: what greedy calls hand on to the next in this process.
@@ -64,7 +65,10 @@ class AutoScheduled(Policy):
       round verified, from the costs) within `probe_budget` of the time spent decoding plainly, `max_pause`
       notwithstanding: with a weak draft the probes cost about that much at most (0.5% by default: a round that drafts
       nothing costs what plain generate()'s step costs, so the probes are all a paused policy adds), and a short request
-      (tens of tokens) pays for its first probe only.
+      (tens of tokens) pays for its first probe only. The round that verifies a probe ending a pause drafts nothing
+      after it: were the probe to lose, the pause it starts would drop that block, a second draft pass per probe
+      (compiled at batch 1 on a 2-core CPU a probe cost about a plain step, where its costs put it at 0.6;
+      experiments/the-floor-cpu, section 3d); one that pays resumes drafting a round later.
     - Rows verify at least a common length, the one that maximises tokens per second by the acceptance rates
       of past rounds (Algorithm 1's early stop cannot find it on a padded batch); probes (the first drafted round,
       and the first after a pause) verify at least one token, so that a draft better than its confidence head says
@@ -96,6 +100,7 @@ class AutoScheduled(Policy):
         self._sampling = False
         self.learned: Learned | None = None
         self._planned = None  # this round's raw confidences (R lists of gamma), or None
+        self._verifying_resumption = False  # is the planned round a probe that ends a pause
 
     @property
     def gain(self) -> float:
@@ -113,6 +118,7 @@ class AutoScheduled(Policy):
                 self.costs = EngineCosts.from_profile(self.profile)
             check_profile(self.profile, target, draft)
         self._sampling = sampling
+        self._verifying_resumption = False
         self.learned = self.fresh(draft.config.block_size) if sampling else self._carried(target, draft, path=None)
 
     def _carried(self, target, draft, path: str | None) -> Learned:
@@ -142,6 +148,12 @@ class AutoScheduled(Policy):
             self._fetched = (measured_for, self.costs)
 
     def draft_this_round(self, num_rows: int) -> bool:
+        # the block after a probe that ends a pause is not drafted: the probe decides whether drafting resumes, and a
+        # probe of a draft that does not pay would start a pause that drops the block (a draft pass for nothing, as
+        # dear as the probe's own on a CPU); one that pays resumes a round later
+        if self._verifying_resumption:
+            self._verifying_resumption = False
+            return False
         return self.learned.pause.draft_this_round()
 
     def keep_drafted(self, num_rows: int) -> bool:
@@ -153,6 +165,7 @@ class AutoScheduled(Policy):
                                "measures (AutoScheduled.price): decode through generate(), or give it profile= or "
                                "costs.")
         self._planned = confidences
+        self._verifying_resumption = self.learned.probing and self.learned.paused
         lengths = self._plan(self._planned, num_rows)
         # A plan learns only at the positions it verifies: a probe (the first drafted round, and the first after each
         # pause) verifies at least one token, so that a draft planned at zero can still be found out. The gain
@@ -234,9 +247,10 @@ class AutoScheduled(Policy):
         learned.gain = (1 - self.smoothing) * learned.gain + self.smoothing * this_round
         if learned.gain >= 1:
             learned.pause.pays()
+            learned.paused = False
         else:  # no shorter than the probe budget allows
             learned.pause.start(at_least=math.ceil(self._probe_overhead(R, longest) / self.probe_budget))
-            learned.probing = True  # the next drafted round ends a pause
+            learned.probing = learned.paused = True  # the next drafted round ends a pause
 
     def _probe_overhead(self, num_rows: int, verified: int) -> float:
         """What a probe costs beyond a plain step, in plain steps: a draft pass and `verified` (at least one) more
