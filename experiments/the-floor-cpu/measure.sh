@@ -5,7 +5,8 @@
 # speed` (greedy, float32, 96 new tokens, paired, 5 repeats) at batch 1 and 8, on the packaged suites and on the
 # chat-heavy MT-Bench set (b1, b1chat, b8, b8chat), and the oracle's ceiling (oracle); what drafted and one-token
 # rounds cost inside a batch-8 compiled decode, at break-even and at the default margin (mixed); the default policy
-# beside FixedLength(0), which never drafts, on 8 MT-Bench prompts at batch 8 (probes). Results in results/.
+# beside FixedLength(0), which never drafts, on 8 MT-Bench prompts at batch 8 (probes), and on the compiled path alone
+# (split; b1chat and b8chat run it beside the default on both paths too). Results in results/.
 # Run from the repository root: bash experiments/the-floor-cpu/measure.sh [round before breakdown b1 ...]
 set -euo pipefail
 HERE=experiments/the-floor-cpu
@@ -28,19 +29,22 @@ for step in "${@:-round before breakdown b1 b1chat b8 b8chat probes oracle mixed
       breakdown) before $HERE/breakdown.py --output $OUT/breakdown_before.json
                  python $HERE/breakdown.py --output $OUT/breakdown.json ;;
       b1) python -m dspark_hf bench speed $SUITES --limit 3 --batch-size 1 $SPEED --output $OUT/bench_speed_b1.json ;;
-      b1chat) python -m dspark_hf bench speed --suite mtbench --limit 8 --batch-size 1 $SPEED \
+      b1chat) python -m dspark_hf bench speed --suite mtbench --limit 8 --batch-size 1 $SPEED --policy 'fixed 0' \
                 --output $OUT/bench_speed_b1_chat.json ;;
       b8) python -m dspark_hf bench speed $SUITES --limit 8 --batch-size 8 $SPEED --output $OUT/bench_speed_b8.json ;;
-      b8chat) python -m dspark_hf bench speed --suite mtbench --limit 24 --batch-size 8 $SPEED \
+      b8chat) python -m dspark_hf bench speed --suite mtbench --limit 24 --batch-size 8 $SPEED --policy 'fixed 0' \
                 --output $OUT/bench_speed_b8_chat.json ;;
       probes) python -m dspark_hf bench speed --suite mtbench --limit 8 --batch-size 8 $SPEED --policy 'fixed 0' \
                 --output $OUT/bench_speed_b8_chat8_fixed0.json ;;  # the default policy beside one that never drafts
       oracle) python -m dspark_hf bench oracle --batch-sizes 1 8 --max-new-tokens 96 --repeats 3 \
                 --output $OUT/bench_oracle.json ;;
+      split) for b in 1 8; do  # compiled arms only: the default policy, FixedLength(0), with and without records
+               python $HERE/compiled_split.py --batch-size $b --limit 8 --output $OUT/compiled_split_b$b.json
+             done ;;
       mixed) for m in 1.0 1.1; do
                python $HERE/mixed_rounds.py --margin $m --output $OUT/mixed_rounds_margin$m.json
              done ;;
-      *) echo "unknown step $s: choose from round, before, breakdown, b1, b1chat, b8, b8chat, probes, oracle, mixed" >&2
+      *) echo "unknown step $s: choose from round, before, breakdown, b1, b1chat, b8, b8chat, probes, split, oracle, mixed" >&2
          exit 2 ;;
     esac
   done
