@@ -13,8 +13,6 @@ import cProfile
 import json
 import pstats
 
-import torch
-
 import dspark_hf
 from dspark_hf.evaluation.machine import machine_info
 

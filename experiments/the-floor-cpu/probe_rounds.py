@@ -1,0 +1,101 @@
+"""What a paused default policy's probe costs in a compiled call (issue 57, section 3d): every round of the compiled
+DSpark arm timed as it ends (a round streamer's `put_round`), batch 1, the shipped draft, greedy, float32, a fresh
+default policy each call (what it learned carried from call to call, as in `dspark bench speed`); for each probe,
+the times of the round that drafts its block, the round that verifies it and the round after, against the call's
+median round, beside what the policy's costs put the probe at. Draft passes are counted per round too.
+
+    python experiments/the-floor-cpu/probe_rounds.py --output results/probe_rounds.json
+"""
+
+import argparse
+import json
+import statistics
+import time
+
+import dspark_hf
+from dspark_hf.evaluation.evaluate import chat_batch, static_compile
+from dspark_hf.evaluation.machine import machine_info
+from dspark_hf.evaluation.suites import load_prompts
+from dspark_hf.generation.candidate_generator import DSparkCandidateGenerator
+from dspark_hf.scheduling.auto import AutoScheduled
+
+
+class RoundTimes:
+    """A streamer that keeps each round's record and the time it ended."""
+
+    def __init__(self):
+        self.ends, self.rounds = [], []
+
+    def put(self, value):
+        pass
+
+    def end(self):
+        pass
+
+    def put_round(self, record):
+        self.ends.append(time.perf_counter())
+        self.rounds.append(record)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--output", required=True)
+    parser.add_argument("--limit", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=4)
+    parser.add_argument("--max-new-tokens", type=int, default=96)
+    args = parser.parse_args()
+    target, tokenizer = dspark_hf.default_target()
+    draft = dspark_hf.default_draft(target)
+    prompts = load_prompts(None, ["mtbench"], args.limit)
+    batches = [chat_batch(tokenizer, [p], target.device) for p in prompts]
+    options = static_compile(max(b["input_ids"].shape[1] for b in batches) + args.max_new_tokens)
+    passes, propose = [], DSparkCandidateGenerator.propose
+
+    def counted(self, anchor, positions, context, process, drafting):  # one proposal a round (and the prefill's)
+        passes.append(bool(drafting))
+        return propose(self, anchor, positions, context, process, drafting)
+
+    DSparkCandidateGenerator.propose = counted
+
+    def call(inputs):
+        policy, times = AutoScheduled(progress=False), RoundTimes()
+        passes.clear()
+        target.generate(**inputs, max_new_tokens=args.max_new_tokens, do_sample=False, assistant_model=draft,
+                        verification_policy=policy, streamer=times, **options)
+        return policy, times, list(passes)
+
+    for inputs in batches:  # warm: compiled, priced
+        call(inputs)
+    calls = []
+    for _ in range(args.repeats):
+        for p, inputs in zip(prompts, batches):
+            policy, times, drafted = call(inputs)
+            ms = [1e3 * (b - a) for a, b in zip(times.ends, times.ends[1:])]  # ms[k - 1]: round k
+            median = statistics.median(ms)
+            probes = [k for k, r in enumerate(times.rounds) if r.verified > 0 and k > 0]
+            calls.append({"prompt": p["id"], "rounds": len(times.rounds), "median_round_ms": median,
+                          "draft_passes": sum(drafted),
+                          "probes": [{"round": k, "verified": times.rounds[k].verified,
+                                      "ms": [ms[j - 1] for j in (k - 1, k, k + 1) if 0 < j <= len(ms)]}
+                                     for k in probes]})
+    costs = policy.costs
+    priced = {"plain_ms": 1e3 * costs.plain(1), "draft_ms": 1e3 * costs.draft(1),
+              "verify_ms": {n: 1e3 * costs.verify(1, n) for n in range(1, draft.config.block_size + 2)}}
+    # a probe's extra time: its three rounds over three of the call's median rounds, in ms and in rounds
+    extra = [(sum(p["ms"]) - 3 * c["median_round_ms"], c["median_round_ms"]) for c in calls for p in c["probes"]
+             if len(p["ms"]) == 3]
+    steps = [e / median for e, median in extra]
+    extra = [e for e, _ in extra]
+    report = {"settings": vars(args), "machine": machine_info(target, draft), "costs": priced, "calls": calls,
+              "probe_extra_ms_median": statistics.median(extra) if extra else None,
+              "probe_extra_steps_median": statistics.median(steps) if steps else None,
+              "probes_per_call": sum(len(c["probes"]) for c in calls) / len(calls),
+              "draft_passes_per_call": sum(c["draft_passes"] for c in calls) / len(calls)}
+    print(json.dumps({k: report[k] for k in ("costs", "probe_extra_ms_median", "probe_extra_steps_median",
+                                              "probes_per_call", "draft_passes_per_call")}, indent=1))
+    with open(args.output, "w") as f:
+        json.dump(report, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
