@@ -25,7 +25,6 @@ class Learned:
     pause: Pause  # while the estimate stays below 1
     gain: float = 1.0  # running estimate of drafting's speed over plain decoding's; starts at break-even
     probing: bool = True  # is the next drafted round a probe: the first one, or the first after a pause
-    paused: bool = False  # has drafting paused since the last round that paid: the next probe ends a pause
 
 
 # draft -> target -> (batch size, profile, settings) -> Learned: what greedy calls hand on to the next in this process.
@@ -165,7 +164,9 @@ class AutoScheduled(Policy):
                                "measures (AutoScheduled.price): decode through generate(), or give it profile= or "
                                "costs.")
         self._planned = confidences
-        self._verifying_resumption = self.learned.probing and self.learned.paused
+        # a probe after a pause, not the first block: a pause starts only below break-even, where the estimate stays
+        # until the probe (rounds without a draft leave it alone); a fresh estimate is 1
+        self._verifying_resumption = self.learned.probing and self.learned.gain < 1
         lengths = self._plan(self._planned, num_rows)
         # A plan learns only at the positions it verifies: a probe (the first drafted round, and the first after each
         # pause) verifies at least one token, so that a draft planned at zero can still be found out. The gain
@@ -247,10 +248,9 @@ class AutoScheduled(Policy):
         learned.gain = (1 - self.smoothing) * learned.gain + self.smoothing * this_round
         if learned.gain >= 1:
             learned.pause.pays()
-            learned.paused = False
         else:  # no shorter than the probe budget allows
             learned.pause.start(at_least=math.ceil(self._probe_overhead(R, longest) / self.probe_budget))
-            learned.probing = learned.paused = True  # the next drafted round ends a pause
+            learned.probing = True  # the next drafted round ends a pause
 
     def _probe_overhead(self, num_rows: int, verified: int) -> float:
         """What a probe costs beyond a plain step, in plain steps: a draft pass and `verified` (at least one) more
