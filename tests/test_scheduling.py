@@ -341,11 +341,13 @@ def test_a_profile_measures_every_shape_in_every_repeat_so_a_slowdown_midway_ske
 
 
 # -- the default policy ------------------------------------------------------------------------------------------
-def costs(draft=0.01, verify=lambda n: 0.05 + 0.005 * n, rows=(1, 2, 4)):
-    """Synthetic engine costs: a draft pass of `draft` s, a verification of n tokens per row of verify(n) s x R."""
+def costs(draft=0.01, verify=lambda n: 0.05 + 0.005 * n, rows=(1, 2, 4), catch_up=None):
+    """Synthetic engine costs: a draft pass of `draft` s, a verification of n tokens per row of verify(n) s x R, a
+    pause's catch-up of `catch_up` s x R (None: not measured, as in a profile)."""
     from dspark_hf.costs.cost_model import EngineCosts
 
-    return EngineCosts({R: {n: R * verify(n) for n in range(1, 9)} for R in rows}, {R: R * draft for R in rows})
+    return EngineCosts({R: {n: R * verify(n) for n in range(1, 9)} for R in rows}, {R: R * draft for R in rows},
+                       catch_up_seconds=None if catch_up is None else {R: R * catch_up for R in rows})
 
 
 def auto(engine, gamma=7, **kw):
@@ -385,12 +387,13 @@ def test_the_default_policy_stops_drafting_a_draft_that_never_pays_and_probes_le
 
 
 @pytest.mark.parametrize("max_pause", [64, 16])  # at 16 the budget needs longer pauses than max_pause allows
-def test_the_probes_of_a_draft_that_never_pays_cost_at_most_the_probe_budget(max_pause):
-    engine = costs(draft=0.04)
+@pytest.mark.parametrize("catch_up", [None, 0.02])  # a probe first projects its pause's slots into the context
+def test_the_probes_of_a_draft_that_never_pays_cost_at_most_the_probe_budget(max_pause, catch_up):
+    engine = costs(draft=0.04, catch_up=catch_up)
     policy = auto(engine, probe_budget=0.02, max_pause=max_pause)
     rounds = 200
     drafted = play(policy, torch.full((1, 7), 0.6), lambda lengths: torch.zeros_like(lengths), rounds)
-    extra = (engine.draft(1) + engine.verify(1, 2) - engine.verify(1, 1)) / engine.verify(1, 1)  # per probe
+    extra = (engine.catch_up(1) + engine.draft(1) + engine.verify(1, 2) - engine.verify(1, 1)) / engine.verify(1, 1)
     probes_after_the_first = sum(drafted[1:])
     assert probes_after_the_first >= 2 and probes_after_the_first * extra <= 0.02 * rounds
 

@@ -164,14 +164,16 @@ AUTO_MAX_ROWS = 64
 
 @dataclass
 class EngineCosts:
-    """Seconds of the target's verification forward by rows R and tokens per row n, of one draft pass by R, and of a
+    """Seconds of the target's verification forward by rows R and tokens per row n, of one draft pass by R, of a
     round that drafts nothing by R (its forward projects nothing into the draft's context; default: verifying one
-    token). Linear in R between measured rows and in tokens between measured widths, proportional beyond the largest
-    (and flat below the smallest)."""
+    token), and of projecting what such rounds left into the draft's context when drafting resumes, by R (default:
+    nothing; a `dspark profile` file does not time it). Linear in R between measured rows and in tokens between
+    measured widths, proportional beyond the largest (and flat below the smallest)."""
 
     verify_seconds: dict[int, dict[int, float]]
     draft_seconds: dict[int, float]
     plain_seconds: dict[int, float] | None = None
+    catch_up_seconds: dict[int, float] | None = None
 
     def __post_init__(self):
         self.verify_seconds = {R: _monotone(row) for R, row in self.verify_seconds.items()}
@@ -191,6 +193,13 @@ class EngineCosts:
     def draft(self, rows: int) -> float:
         return _interpolate(self.draft_seconds, lambda r, v, x: v * x / r)(rows)
 
+    def catch_up(self, rows: int) -> float:
+        """Seconds of projecting a pause's slots into the draft's context before its probe drafts (a few dozen
+        slots cost about what a few cost: the call's overhead, not its arithmetic, on a CPU)."""
+        if self.catch_up_seconds is None:
+            return 0.0
+        return _interpolate(self.catch_up_seconds, lambda r, v, x: v * x / r)(rows)
+
     @classmethod
     def from_profile(cls, path: str | Path) -> "EngineCosts":
         """The costs in a `dspark profile` JSON (its grid of SPS by rows and tokens, and its draft pass)."""
@@ -205,7 +214,7 @@ class EngineCosts:
 
 # -- the costs of a call's own rounds, measured on the path it runs ----------------------------------------------------
 # part of what path costs are kept under: costs measured otherwise are measured again
-PATH_METHOD = f"the call's own steps on its own state, fastest of {AUTO_REPEATS}, interleaved"
+PATH_METHOD = f"the call's own steps on its own state, a pause's catch-up too, fastest of {AUTO_REPEATS}, interleaved"
 
 
 @runtime_checkable
@@ -221,7 +230,8 @@ class RoundClock(Protocol):
 
     def runs(self) -> dict:
         """What to time, each a callable: ("verify", w) a drafting round's verification w tokens wide (its forward,
-        processing and acceptance), "plain" a round that drafts nothing, "draft" the draft's block."""
+        processing and acceptance), "plain" a round that drafts nothing, "draft" the draft's block, "catch_up" the
+        draft's context projected over the slots a pause leaves (`state.DecodingState.catch_up`)."""
 
     def verify_table(self, seconds: dict[int, float]) -> dict[int, float]:
         """Seconds by width measured -> seconds by tokens verified per row, 1 to block_size + 1."""
@@ -245,13 +255,13 @@ def path_costs(clock: RoundClock, progress: bool = True) -> EngineCosts:
             seconds = interleaved_seconds(runs, target.device, 1, AUTO_REPEATS, min, on_repeat=lambda: bar.update(1))
         bar.close()
         widths = {name[1]: v for name, v in seconds.items() if isinstance(name, tuple)}
-        measured = {"verify": {str(n): v for n, v in clock.verify_table(widths).items()}, "plain": seconds["plain"],
-                    "draft": seconds["draft"]}
+        measured = {"verify": {str(n): v for n, v in clock.verify_table(widths).items()},
+                    **{name: seconds[name] for name in ("plain", "draft", "catch_up")}}
         _merge_into(path, target_key(target), {}, None, {}, rounds={entry: measured})
         stored = _read_cache(path, target_key(target), warn=False)
     measured, R = stored["rounds"][entry], clock.rows
     return EngineCosts({R: measured_table(measured["verify"], "verify")}, {R: measured["draft"]},
-                       {R: measured["plain"]})
+                       {R: measured["plain"]}, {R: measured["catch_up"]})
 
 
 def profile_cache_dir() -> Path:
@@ -322,7 +332,9 @@ def _read_cache(path: Path, key: dict, warn: bool = True) -> dict:
         stored.setdefault("rounds", {})
         for entry, measured in stored["rounds"].items():
             measured_table(measured["verify"], f"rounds[{entry}]")
-            measured_table({1: measured["plain"], 2: measured["draft"]}, f"rounds[{entry}]")
+            # the method is part of every entry: those of earlier methods, never read again, timed no catch-up
+            timed = ("plain", "draft", "catch_up") if json.dumps(PATH_METHOD) in entry else ("plain", "draft")
+            measured_table({i: measured[name] for i, name in enumerate(timed, 1)}, f"rounds[{entry}]")
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError) as error:
         if warn:
             warnings.warn(f"{path}: the default policy's cost cache cannot be read ({type(error).__name__}: "

@@ -4,7 +4,8 @@ The default policy drafts only where drafting pays, which it judges by what a dr
 nothing cost (`costs.cost_model.path_costs` times them once per path and keeps them on disk). Those costs are the
 call's own: its forwards as its steps run them (compiled graphs compiled, eager code eager, at the call's batch
 size, over the slots the call's state reads), with the round's own work on their results (the target's features
-projected into the draft's context, the scores processed and checked), and the draft's block as the call drafts it.
+projected into the draft's context, the scores processed and checked), the draft's block as the call drafts it, and
+the projection into the draft's context of what rounds without a draft kept (a probe after a pause pays for it).
 They run on the call's state after its prefill, writing past each row's end only, where the first round writes over
 them before any query reads them (as the compiled steps' warm-up does).
 """
@@ -18,6 +19,9 @@ from . import verify
 from .state import DecodingState
 from .steps import Steps
 from .transcript import Transcript
+
+
+PAUSE_SLOTS = 64  # slots a timed catch-up projects: about the default policy's shortest pause on a CPU
 
 
 class StepClock:
@@ -46,7 +50,15 @@ class StepClock:
         context = state.context(self._steps.context_width(state, state.host_end + self._tokens))
         runs["draft"] = lambda: self._steps.draft_block(state.anchor, state.count, context, self._do_sample,
                                                         self._out.process)
+        runs["catch_up"] = self._catch_up
         return runs
+
+    def _catch_up(self):
+        """The draft's context projected over the slots a pause leaves, as a probe's draft pass first does: up to
+        `PAUSE_SLOTS` past every row's end (a pause is longer, but the projection costs about the same)."""
+        state = self._state
+        state.stale_from = state.host_end
+        state.catch_up(self.draft, min(state.slots, state.host_end + PAUSE_SLOTS))
 
     def _round(self, width: int, encode: bool):
         """One verification `width` tokens wide, as a round runs it: the forward, the scores processed, the verdict

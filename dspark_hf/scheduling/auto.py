@@ -60,14 +60,14 @@ class AutoScheduled(Policy):
       either way), so a lucky first block alone does not keep a weak draft drafting. While it is below 1, drafting
       pauses and probes again after `probe_every` rounds, and each probe that leaves the estimate below 1 doubles the
       pause (up to `max_pause`): one unlucky round does not stop drafting, one lucky probe does not restart it. No pause
-      is shorter than what keeps the probes' extra cost (a draft pass and as many verified tokens as the last drafted
-      round verified, from the costs) within `probe_budget` of the time spent decoding plainly, `max_pause`
-      notwithstanding: with a weak draft the probes cost about that much at most (0.5% by default: a round that drafts
-      nothing costs what plain generate()'s step costs, so the probes are all a paused policy adds), and a short request
-      (tens of tokens) pays for its first probe only. The round that verifies a probe ending a pause drafts nothing
-      after it: were the probe to lose, the pause it starts would drop that block, a second draft pass per probe
-      (compiled at batch 1 on a 2-core CPU a probe cost about a plain step, where its costs put it at 0.6;
-      experiments/the-floor-cpu, section 3d); one that pays resumes drafting a round later.
+      is shorter than what keeps the probes' extra cost (the pause's slots projected into the draft's context, a draft
+      pass, and as many verified tokens as the last drafted round verified, from the costs) within `probe_budget` of the
+      time spent decoding plainly, `max_pause` notwithstanding: with a weak draft the probes cost about that much at
+      most (0.5% by default: a round that drafts nothing costs what plain generate()'s step costs, so the probes are all
+      a paused policy adds), and a short request (tens of tokens) pays for its first probe only. The round that verifies
+      a probe ending a pause drafts nothing after it: were the probe to lose, the pause it starts would drop that block,
+      a second draft pass per probe (compiled at batch 1 on a 2-core CPU a probe cost about a plain step, where its
+      costs put it at 0.6; experiments/the-floor-cpu, section 3d); one that pays resumes drafting a round later.
     - Rows verify at least a common length, the one that maximises tokens per second by the acceptance rates
       of past rounds (Algorithm 1's early stop cannot find it on a padded batch); probes (the first drafted round,
       and the first after a pause) verify at least one token, so that a draft better than its confidence head says
@@ -253,12 +253,13 @@ class AutoScheduled(Policy):
             learned.probing = True  # the next drafted round ends a pause
 
     def _probe_overhead(self, num_rows: int, verified: int) -> float:
-        """What a probe costs beyond a plain step, in plain steps: a draft pass and `verified` (at least one) more
-        tokens per row, as many as the last drafted round verified (at batch 4 here the plan verifies 5-6 tokens
-        per row, which costs more than the draft pass)."""
+        """What a probe costs beyond a plain step, in plain steps: the pause's slots projected into the draft's
+        context, a draft pass and `verified` (at least one) more tokens per row, as many as the last drafted round
+        verified (at batch 4 here the plan verifies 5-6 tokens per row, which costs more than the draft pass)."""
         R = self._rows(num_rows)
         plain = self.costs.plain(R)
-        return (self.costs.draft(R) + self.costs.verify(R, 1 + max(verified, 1)) - plain) / plain
+        extra = self.costs.catch_up(R) + self.costs.draft(R) + self.costs.verify(R, 1 + max(verified, 1)) - plain
+        return extra / plain
 
     def _expected_tokens(self, verified: list[int]) -> float:
         """Tokens this round commits in expectation over its rows, given what each row verified: 1 + the sum of
