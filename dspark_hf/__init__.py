@@ -7,6 +7,7 @@
 from .generation import (DSparkCandidateGenerator, DSparkGenerateOutput, DSparkRound, HalfPrecisionGreedyWarning,
                          SSDConfig, dspark_generate)
 from .generation.streamers import DSparkRoundStreamer, DSparkStep, RoundStreamer
+from .generation.serving import DSparkServer, ServedRequest
 from .generation.integration import install as _install_generate_hook
 from . import hub  # noqa: F401  what a draft's save_pretrained and push_to_hub hand over to (model/binding.py)
 from .defaults import default_draft, default_target, fast_draft_dtype
@@ -34,6 +35,8 @@ __all__ = [
     "DSparkStep",
     "RoundStreamer",
     "dspark_generate",
+    "DSparkServer",
+    "ServedRequest",
     "DSparkCandidateGenerator",
     "HalfPrecisionGreedyWarning",
     "AutoScheduled",

@@ -104,6 +104,19 @@ class DecodingCache(Cache):
         write_rows(layer.values, self.index, value_states, 2)
         return layer.keys[:, :, :self.width], layer.values[:, :, :self.width]
 
+    def take_row(self, row: int, other: "DecodingCache", i: int, span: slice, batch_size: int) -> None:
+        """Copy row `i` of `other`'s layers at `span` into row `row` of these (of `batch_size` rows; layers this
+        cache has not met yet are allocated as `other`'s)."""
+        for index, theirs in enumerate(other.layers):
+            if len(self.layers) <= index:
+                self.layers.append(_Slots(self.slots, self.compiled))
+            layer = self.layers[index]
+            if not layer.is_initialized:
+                layer.lazy_initialization(theirs.keys[:1].expand(batch_size, -1, -1, -1),
+                                          theirs.values[:1].expand(batch_size, -1, -1, -1))
+            layer.keys[row, :, span] = theirs.keys[i, :, span]
+            layer.values[row, :, span] = theirs.values[i, :, span]
+
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """The slots before this forward's queries in the frame it reads."""
         return self.width - self.queries

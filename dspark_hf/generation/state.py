@@ -166,6 +166,34 @@ class DecodingState:
         self.unpadded = not self.shared and bool(prompt_mask.all())  # a state's one read at the prefill
         return logits
 
+    # -- rows that change hands (`serving`) -------------------------------------------------------------------------
+    def admit(self, row: int, other: "DecodingState", i: int, anchor: int) -> None:
+        """Row `row` takes over row `i` of `other` (a state of the same target and draft, just past its prefill):
+        a request joining a running batch, its first token `anchor`. Its slots past the prompt hold nothing."""
+        span = slice(0, other.host_ends[i])
+        self.real[row] = False
+        self.cache.take_row(row, other.cache, i, span, self.real.shape[0])
+        for mine, theirs in zip(self.context_keys + self.context_values, other.context_keys + other.context_values):
+            mine[row, :, span] = theirs[i, :, span]
+        for mine, theirs in ((self.positions, other.positions), (self.real, other.real),
+                             (self.features, other.features)):
+            mine[row, span] = theirs[i, span]
+        self._set(row, end=span.stop, count=int(other.count[i]), anchor=anchor)
+
+    def vacate(self, row: int) -> None:
+        """Row `row` holds no request: no slot of it is a token, and it ends at the first (its forwards, which the
+        batch keeps running, write there and are never read)."""
+        self.real[row] = False
+        self._set(row, end=0, count=0, anchor=0)
+
+    def _set(self, row: int, end: int, count: int, anchor: int) -> None:
+        # new tensors, not changed in place (as `keep`)
+        for name, value in (("end", end), ("count", count), ("anchor", anchor)):
+            t = getattr(self, name).clone()
+            t[row] = value
+            setattr(self, name, t)
+        self.host_ends[row] = end
+
     # -- after the forward -----------------------------------------------------------------------------------------
     def keep(self, kept: torch.Tensor, anchor: torch.Tensor, queries: int) -> None:
         """Each row keeps the first kept[b] of the `queries` entries the last forward wrote (0 for a row that has
