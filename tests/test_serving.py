@@ -156,3 +156,14 @@ def test_compiled_steps_serve_every_request_what_plain_generate_gives_it_alone()
     served = serve_with_arrivals(server, requests, seed=10)
     for request, (prompt, max_new) in zip(served, requests):
         assert request.tokens == alone(target, prompt, max_new)
+
+
+def test_a_round_keeps_no_autograd_graph():
+    """generate() decodes under no_grad; a server's step must too, or every round's graph stays chained to the
+    state's buffers (memory grows round after round)."""
+    target = tiny_target("llama")
+    server = DSparkServer(target, tiny_draft(target), max_batch_size=2, max_length=32, policy=FullBlock())
+    server.submit([5, 6, 7], 8)
+    server.step()
+    state = server.state
+    assert not any(t.requires_grad for t in [state.features, *state.context_keys, state.cache.layers[0].keys])

@@ -201,6 +201,7 @@ class DSparkServer:
             self.step()
 
     # -- one step: leave, join, one round ----------------------------------------------------------------------------
+    @torch.no_grad()  # as generate(): the state's buffers must not chain every round's autograd graph
     def step(self) -> dict[ServedRequest, list[int]]:
         """Between rounds, cancelled requests leave and waiting ones join free rows; then one round. Returns the
         tokens each request committed in this step (a joining request's first token included)."""
