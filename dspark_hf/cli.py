@@ -362,6 +362,17 @@ def cmd_bench_serve(args) -> int:
     _check_outputs(args)
     prompts = config_from(args, InterleavedPrompts).load()
     target, tokenizer, draft = _load(args)
+    if args.arrivals == "poisson":
+        from .evaluation.serve import fixed_lengths_for
+        from .evaluation.serve_live import bench_live, format_live_table, plot_live
+
+        report = bench_live(target, tokenizer, draft, prompts, args.rates, args.requests, args.max_batch_size,
+                            args.max_new_tokens, args.repeats, fixed_lengths_for(draft, args.fixed_lengths),
+                            only=args.policies)
+        _write_report(args, report)
+        print(f"\n{describe(report['machine'])}; greedy, max_new_tokens={args.max_new_tokens}, {args.requests} "
+              f"requests a rate, {args.max_batch_size} rows, median of {args.repeats}")
+        return _show(args, format_live_table(report), lambda folder: plot_live(report, folder))
     report = bench_serve(target, tokenizer, draft, prompts, args.batch_sizes, args.max_new_tokens, args.repeats,
                          args.fixed_lengths, args.threshold, args.profile, only=args.policies)
     _write_report(args, report)
@@ -503,6 +514,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .evaluation.bench_ssd import SSDBench
     from .evaluation.evaluate import EvalOptions, GenerationOptions, SpeedBench
     from .evaluation.serve import ServeBench
+    from .evaluation.serve_live import LiveServeOptions
     from .evaluation.suites import InterleavedPrompts, PromptSet
     from .hub import ExportOptions, PushOptions
     from .costs.profile import ProfileOptions
@@ -572,8 +584,9 @@ def build_parser() -> argparse.ArgumentParser:
     command("speed", "tokens/s: plain (eager and static+compile) vs prompt lookup vs DSpark (eager and compiled), "
             "interleaved in one run", cmd_bench_speed,
             ModelOptions, PromptSet, GenerationOptions, SpeedBench, commands=bench)
-    command("serve", "verification policies under load: throughput and per-user speed by concurrency, Pareto and "
-            "budget plots", cmd_bench_serve, ModelOptions, InterleavedPrompts, ServeBench, commands=bench, limit=11)
+    command("serve", "verification policies under load: throughput and per-user speed by concurrency (static "
+            "batches) or by arrival rate (--arrivals poisson), Pareto, budget and frontier plots", cmd_bench_serve,
+            ModelOptions, InterleavedPrompts, ServeBench, LiveServeOptions, commands=bench, limit=11)
     command("ssd", "speculative speculative decoding: cache hit rate by fan-out shape and by Saguaro's C, speed "
             "beside plain and DSpark, and the speedup equation", cmd_bench_ssd, ModelOptions, InterleavedPrompts,
             SSDBench, commands=bench, limit=1)

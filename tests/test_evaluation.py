@@ -281,6 +281,25 @@ def test_dspark_bench_serve_compares_every_policy_at_every_concurrency(tiny_mode
         assert (tmp_path / "plots" / png).stat().st_size > 1000
 
 
+def test_dspark_bench_serve_under_poisson_arrivals_runs_every_arm_at_every_rate(tiny_models, tmp_path):
+    out = tmp_path / "live.json"
+    assert main(["bench", "serve", "--target", str(tiny_models / "target"), "--draft", str(tiny_models / "draft"),
+                 "--prompts", str(tiny_models / "prompts.jsonl"), "--arrivals", "poisson", "--rates", "50", "400",
+                 "--requests", "6", "--max-batch-size", "3", "--max-new-tokens", "10", "--repeats", "2", "--output",
+                 str(out), "--plot", str(tmp_path / "plots")]) == 0
+    report = json.loads(out.read_text())
+    assert report["settings"]["arrivals"] == "poisson" and list(report["results"]) == ["50.0", "400.0"]
+    for by_arm in report["results"].values():
+        assert list(by_arm) == ["no speculation", "mtp-1", "fixed 2", "full block", "auto"]
+        assert by_arm["no speculation"]["verified_per_request_round"] == 0
+        assert by_arm["no speculation"]["vs_no_speculation"] == 1.0
+        assert 0 < by_arm["mtp-1"]["verified_per_request_round"] <= 1
+        assert by_arm["fixed 2"]["verified_per_request_round"] <= 2 < by_arm["full block"]["verified_per_request_round"]
+        for arm in by_arm.values():
+            assert arm["throughput"] > 0 and arm["ttft_median"] >= 0 and len(arm["runs"]) == 2
+    assert (tmp_path / "plots" / "serve_frontier.png").stat().st_size > 1000
+
+
 def test_bench_serve_can_run_a_few_policies_against_no_speculation(tiny_models, tmp_path, capsys):
     out = tmp_path / "serve.json"
     args = ["bench", "serve", "--target", str(tiny_models / "target"), "--draft", str(tiny_models / "draft"),
