@@ -1,12 +1,14 @@
-"""What a paused default policy's probe costs in a compiled call (issue 57, sections 3d and 3e): every round of the
-compiled DSpark arm timed as it ends, at batch 1 or more (batches of `--batch-size` MT-Bench prompts), the shipped
-draft, greedy, float32, a fresh default policy each call (what it learned carried from call to call, as in `dspark
-bench speed`); for each probe, the times of the round that drafts its block, the round that verifies it and the round
-after, against the call's median round, beside what the policy's costs put the probe at. Draft passes are counted
-per round too.
+"""What a paused default policy's probe costs in a call (issue 57, sections 3d and 3e): every round of the compiled
+DSpark arm (or the eager one, `--eager`) timed as it ends, at batch 1 or more (batches of `--batch-size` MT-Bench
+prompts, or of the packaged suites', `--suites`), the shipped draft, greedy, float32, a fresh default policy each
+call (what it learned carried from call to call, as in `dspark bench speed`); for each probe, the times of the round
+that drafts its block, the round that verifies it and the round after, against the call's median round, beside what
+the policy's costs put the probe at. Draft passes are counted per round too.
 
     python experiments/the-floor-cpu/probe_rounds.py --output results/probe_rounds.json
     python experiments/the-floor-cpu/probe_rounds.py --batch-size 8 --limit 16 --output results/probe_rounds_b8.json
+    python experiments/the-floor-cpu/probe_rounds.py --batch-size 8 --limit 8 --suites --eager \
+        --output results/probe_rounds_b8_suites_eager.json
 """
 
 import argparse
@@ -57,14 +59,17 @@ def main():
     parser.add_argument("--repeats", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--batch-size", type=int, default=1)
+    parser.add_argument("--suites", action="store_true", help="the packaged suites (humaneval, mtbench, gsm) "
+                        "interleaved, --limit of each, rather than MT-Bench alone")
+    parser.add_argument("--eager", action="store_true", help="the eager calls rather than the compiled ones")
     args = parser.parse_args()
     target, tokenizer = dspark_hf.default_target()
     draft = dspark_hf.default_draft(target)
-    prompts = load_prompts(None, ["mtbench"], args.limit)
+    prompts = load_prompts(None, ["humaneval", "mtbench", "gsm"] if args.suites else ["mtbench"], args.limit)
     B = args.batch_size
     groups = [prompts[i:i + B] for i in range(0, len(prompts), B)]
     batches = [chat_batch(tokenizer, g, target.device) for g in groups]
-    options = static_compile(max(b["input_ids"].shape[1] for b in batches) + args.max_new_tokens)
+    options = {} if args.eager else static_compile(max(b["input_ids"].shape[1] for b in batches) + args.max_new_tokens)
     passes, propose = [], DSparkCandidateGenerator.propose
 
     def counted(self, anchor, positions, context, process, drafting):  # one proposal a round (and the prefill's)
