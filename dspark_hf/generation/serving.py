@@ -253,7 +253,7 @@ class DSparkServer:
     def _round(self, committed: dict) -> None:
         """One DSpark round over every row: draft (where the policy drafts), plan per row, verify in one target
         forward, accept, commit."""
-        s, state, candidates = self, self.state, self.candidates
+        state, candidates = self.state, self.candidates
         if not self._priced:  # compiled, every width once; the default policy times the rounds (cached on disk)
             self.steps.prepared(state)
             self.steps.warm(state, self.do_sample, self.scores.process)
@@ -266,7 +266,7 @@ class DSparkServer:
         if drafting:
             state.catch_up(self.draft, state.host_end)
             context = state.context(self.steps.context_width(state, state.host_end))
-        proposal = candidates.propose(state.anchor, state.count, context, s.scores.process, drafting)
+        proposal = candidates.propose(state.anchor, state.count, context, self.scores.process, drafting)
         block = proposal.block
         read = (HostRead().add("confidences", block.confidences if proposal.drafted else None)
                 .add("reach", proposal.reach if proposal.drafted else None)
@@ -288,7 +288,7 @@ class DSparkServer:
         logits = self.steps.verify(state, inputs, encode=encode)
         if not encode:
             state.unencoded(rows)
-        scores = s.scores.process_block(x, logits)
+        scores = self.scores.process_block(x, logits)
 
         # accept a prefix of x, then the target's own token; a row stops at its first EOS id
         n, nxt = verify.verify_block(scores, block.probs, x, verify_len, self.do_sample)
