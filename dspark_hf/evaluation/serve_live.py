@@ -142,6 +142,7 @@ def bench_live(target, tokenizer, draft, prompts: list[dict], rates=(0.5, 1.0, 2
                 bar.update(1)
                 bar.set_postfix(rate=rate)
         reference = [r["tokens"] for r in runs[NO_SPECULATION][0][0]]
+        plain = [_summary(served, stats)["throughput"] for served, stats in runs[NO_SPECULATION]]
         by_arm = {}
         for name in names:
             for served, _ in runs[name]:
@@ -151,7 +152,6 @@ def bench_live(target, tokenizer, draft, prompts: list[dict], rates=(0.5, 1.0, 2
                                          "speculation's with a float32 target: lossless decoding is broken; this is "
                                          "a bug, please report it with the command that showed it.")
             summaries = [_summary(served, stats) for served, stats in runs[name]]
-            plain = [_summary(served, stats)["throughput"] for served, stats in runs[NO_SPECULATION]]
             middle = sorted(range(repeats), key=lambda i: summaries[i]["throughput"])[repeats // 2]
             by_arm[name] = {**summaries[middle], "runs": [x["throughput"] for x in summaries],
                             "vs_no_speculation": statistics.median(x["throughput"] / p

@@ -8,10 +8,10 @@ committed, and frees the rows of requests that finished (an EOS id, their `max_n
 request's greedy output is plain generate()'s on it alone; sampled, it follows the target's distribution exactly
 (the same rejection sampling as `generate()`'s rounds).
 
-What this first step does not do yet (issue 61): packed verification (a round verifies every row at its longest row's width, padded); sampling settings per request
-(one set per server; each request has its own prompt and `max_new_tokens`); one host read a round (a round reads the
-block's confidences before it plans, then its outcome: joins take rows between rounds, so the next block is drafted
-after them).
+What this first step does not do yet (issue 61): packed verification (a round verifies every row at its longest
+row's width, padded); sampling settings per request (one set per server; each request has its own prompt and
+`max_new_tokens`); one host read a round (a round reads the block's confidences before it plans, then its outcome:
+joins take rows between rounds, so the next block is drafted after them).
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from .host import HostRead, to_device
 from .pricing import StepClock
 from .state import DecodingState
 from .steps import Steps
+from .transcript import eos_index, scores_of_block
 
 
 @dataclass(eq=False)
@@ -73,10 +74,7 @@ class Scores:
 
     def process_block(self, x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         """Scores (B, L + 1, V) of a verification's logits (B, >= L + 1, V) over drafted tokens x (B, L)."""
-        B, L = x.shape
-        logits = logits[:, :L + 1].float()
-        V = logits.shape[-1]
-        return self.processors(x.new_zeros(B * (L + 1), 0), logits.reshape(-1, V)).view(B, L + 1, V)
+        return scores_of_block(self.processors, x, logits[:, :x.shape[1] + 1].float())
 
 
 @dataclass
@@ -217,7 +215,7 @@ class DSparkServer:
         """Free the rows of cancelled requests; take as many waiting requests as rows are free."""
         with self._lock:
             cancelled, self._cancelled = self._cancelled, set()
-            for b, request in enumerate(self.rows):
+            for request in self.rows:
                 if request is not None and request.id in cancelled:
                     self._finish(request, "cancelled")
             waiting = [r for r in self._waiting if r.id not in cancelled]
@@ -294,8 +292,8 @@ class DSparkServer:
         n, nxt = verify.verify_block(scores, block.probs, x, verify_len, self.do_sample)
         chunk = torch.cat([x, x.new_zeros(B, 1)], 1).scatter(1, n[:, None], nxt[:, None])
         kept = torch.where(live, n + 1, 0)
-        fired = torch.isin(chunk, self._eos) & (torch.arange(L + 1, device=device) < kept[:, None])
-        cut = torch.where(fired.any(1), fired.long().argmax(1) + 1, kept)
+        stop_at = eos_index(chunk, kept, self._eos)
+        cut = torch.where(stop_at > 0, stop_at, kept)
         state.keep(kept, nxt, Q)
         candidates.observe(Outcome(proposal, verify_len, n, nxt, cut), rows)
         read = state.ask(HostRead().add("accepted", n).add("cut", cut).add("chunk", chunk)).read()
@@ -311,7 +309,7 @@ class DSparkServer:
         st.rounds += 1
         st.row_rounds += len(rows)
         st.verified += sum(lengths)
-        st.accepted += sum(min(a, n) for a, n in zip(accepted, lengths))
+        st.accepted += sum(accepted)  # within what each row verified
         st.drafted_rounds += drafted
 
     def _add(self, request: ServedRequest, tokens: list[int], committed: dict) -> None:

@@ -32,6 +32,21 @@ VOCAB_FREE_PROCESSORS = (lp.TemperatureLogitsWarper, lp.TopKLogitsWarper, lp.Top
 IDS_FREE_PROCESSORS = VOCAB_FREE_PROCESSORS + (lp.SuppressTokensLogitsProcessor,)
 
 
+def scores_of_block(processors: LogitsProcessorList, x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """Processors that read only the scores (`IDS_FREE_PROCESSORS`) over every position of a verification's logits
+    (B, L + 1, V) over drafted tokens x (B, L) at once."""
+    B, L = x.shape
+    V = logits.shape[-1]
+    return processors(x.new_zeros(B * (L + 1), 0), logits.reshape(-1, V)).view(B, L + 1, V)
+
+
+def eos_index(chunk: torch.Tensor, counts: torch.Tensor, eos_ids: torch.Tensor) -> torch.Tensor:
+    """1-based position of the first of `eos_ids` among each row's first counts[b] tokens of chunk (B, K), 0 if
+    none."""
+    fired = torch.isin(chunk, eos_ids) & (torch.arange(chunk.shape[1], device=chunk.device) < counts[:, None])
+    return torch.where(fired.any(1), fired.long().argmax(1) + 1, 0)
+
+
 @dataclass
 class _RoundRecord:
     """A round's record as the device left it, turned into `DSparkRound`s only when they are asked for."""
@@ -152,8 +167,7 @@ class Transcript:
         if len(self.processors) == 0:
             return logits
         if all(isinstance(p, IDS_FREE_PROCESSORS) for p in self.processors):
-            V = logits.shape[-1]
-            return self.processors(x.new_zeros(B * (L + 1), 0), logits.reshape(-1, V)).view(B, L + 1, V)
+            return scores_of_block(self.processors, x, logits)
         return torch.stack([self.process(x[:, :j], logits[:, j]) for j in range(L + 1)], 1)
 
     def stop_index(self, chunk: torch.Tensor, counts: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
@@ -164,10 +178,7 @@ class Transcript:
             return stop_at
         K = chunk.shape[1]
         if self.eos_ids is not None:  # EOS criteria read the last token only: every position at once
-            fired = (chunk[..., None] == self.eos_ids).any(-1)
-            fired &= torch.arange(K, device=chunk.device) < counts[:, None]
-            first = fired.long().argmax(1) + 1
-            return torch.where(fired.any(1), first, stop_at)
+            return eos_index(chunk, counts, self.eos_ids)
         for k in range(1, K + 1):
             for rows, ids in self._plain_batches(chunk[:, :k]):
                 # criteria read the scores, never write them
